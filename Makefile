@@ -1,0 +1,36 @@
+# Every target sets itself up: a fresh clone needs only `make demo` or `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test test-fast bench bench-quick clean lint
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# torch is installed first, pinned to the CPU build, so the range in pyproject.toml
+# never pulls a multi-GB CUDA wheel on CI; on GPU hosts install your CUDA torch first.
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/raytrain-ddp train examples/configs/quickstart.yaml
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not ray" tests
+
+bench: $(STAMP)
+	$(VENV)/bin/raytrain-ddp bench --out benchmarks/results-cpu.json
+
+bench-quick: $(STAMP)
+	$(VENV)/bin/raytrain-ddp bench --quick --out benchmarks/results-quick.json
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

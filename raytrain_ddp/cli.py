@@ -1,0 +1,104 @@
+"""The `raytrain-ddp` command line: parse arguments, dispatch, print user errors cleanly.
+
+Owns: argument parsing and turning `UserError` into one readable line and exit code 2.
+Must not touch: training logic. Each subcommand imports its module lazily, so
+`raytrain-ddp --help` and `cluster validate` stay fast and never start Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from raytrain_ddp.errors import UserError
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from raytrain_ddp.config import load_config
+    from raytrain_ddp.launcher import run_training
+
+    cfg = load_config(args.config, args.overrides)
+    summary = run_training(cfg)
+    return 0 if summary.get("status", "ok") == "ok" else 1
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from raytrain_ddp.plot import plot_run
+
+    out = plot_run(args.run_dir, args.out)
+    print(f"wrote {out}")
+    return 0
+
+
+def _cmd_data(args: argparse.Namespace) -> int:
+    from raytrain_ddp.data import export_digits
+
+    out = export_digits(args.out)
+    print(f"wrote {out}")
+    return 0
+
+
+def _cmd_cluster_validate(args: argparse.Namespace) -> int:
+    from raytrain_ddp.cluster_validate import main as validate_main
+
+    return validate_main(args.files)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from raytrain_ddp.bench.suite import main as bench_main
+
+    return bench_main(quick=args.quick, out=args.out, device=args.device)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="raytrain-ddp",
+        description="Data-parallel PyTorch training on Ray clusters.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train from a YAML config (embedded local Ray unless RAY_ADDRESS is set)")
+    train.add_argument("config", nargs="?", default=None, help="YAML config file (omit for all defaults)")
+    train.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.lr=0.01")
+    train.set_defaults(func=_cmd_train)
+
+    plot = sub.add_parser("plot", help="plot loss / validation / throughput of a run directory to a PNG")
+    plot.add_argument("run_dir")
+    plot.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/curves.png)")
+    plot.set_defaults(func=_cmd_plot)
+
+    data = sub.add_parser("data", help="export a bundled data set to parquet")
+    data_sub = data.add_subparsers(dest="dataset", required=True)
+    digits = data_sub.add_parser("digits", help="scikit-learn's 8x8 handwritten digits (1,797 rows)")
+    digits.add_argument("out", help="output parquet file")
+    digits.set_defaults(func=_cmd_data)
+
+    cluster = sub.add_parser("cluster", help="cluster files")
+    cluster_sub = cluster.add_subparsers(dest="action", required=True)
+    validate = cluster_sub.add_parser("validate", help="check cluster YAMLs against Ray's schema and our rules")
+    validate.add_argument("files", nargs="*", help="files or directories (default: cluster/)")
+    validate.set_defaults(func=_cmd_cluster_validate)
+
+    bench = sub.add_parser("bench", help="benchmark strategies, accumulation, Ray overhead and ingest")
+    bench.add_argument("--quick", action="store_true", help="small sizes, ~2 minutes")
+    bench.add_argument("--out", default=None, help="JSON results file (a PNG plot is written beside it)")
+    bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    bench.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UserError as exc:
+        print(f"raytrain-ddp: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("raytrain-ddp: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,366 @@
+"""The one typed configuration tree for a training run.
+
+Owns: the schema (every key, its type, default and docstring), loading YAML, applying
+`a.b=c` overrides, and cross-field checks that can be made before Ray starts.
+Must not touch: Ray, torch, the filesystem beyond reading the YAML file. Checks that need
+the data (schema, row counts) live in `raytrain_ddp.data`; this module only knows shapes
+of numbers.
+
+Every error raised here is a `ConfigError` whose message names the offending key, the
+value given and what is allowed, so the CLI can print it without a traceback.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+from raytrain_ddp.errors import UserError
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration problem, phrased for the user: key, value, what is allowed."""
+
+
+class _Section(BaseModel):
+    """Strict base: unknown keys are errors, assignments are re-validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class ModelConfig(_Section):
+    name: Literal["mlp", "cnn", "gpt"] = Field(
+        "cnn", description="mlp: the articles' 1024-1024-1024-256 MLP; cnn: small conv net for "
+        "8x8 images; gpt: tiny decoder-only transformer over token ids."
+    )
+    hidden_sizes: list[int] = Field(
+        [1024, 1024, 256],
+        description="mlp only: widths after the input layer; the last is the output width "
+        "unless the data has fewer classes, in which case a classifier head is added.",
+    )
+    d_model: int = Field(128, ge=8, description="gpt only: embedding width.")
+    n_layers: int = Field(2, ge=1, description="gpt only: transformer blocks.")
+    n_heads: int = Field(4, ge=1, description="gpt only: attention heads; must divide d_model.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability (all models).")
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> "ModelConfig":
+        if self.name == "gpt" and self.d_model % self.n_heads:
+            raise ValueError(
+                f"model.n_heads={self.n_heads} must divide model.d_model={self.d_model}"
+            )
+        return self
+
+
+class SyntheticConfig(_Section):
+    rows: int = Field(4096, ge=1, description="Rows to generate.")
+    feature_dim: int = Field(1024, ge=1, description="Width of the feature vector (mlp/cnn).")
+    num_classes: int = Field(256, ge=2, description="Label classes (mlp/cnn); vocab size for gpt.")
+    seq_len: int = Field(64, ge=2, description="gpt only: tokens per row.")
+
+
+class DataConfig(_Section):
+    source: Literal["digits", "parquet", "synthetic"] = Field(
+        "digits", description="digits: scikit-learn's 1,797 real 8x8 images (no download); "
+        "parquet: files at data.path; synthetic: generated rows (benchmarks)."
+    )
+    path: Optional[str] = Field(None, description="Parquet file or directory (source: parquet).")
+    features: str = Field("x", min_length=1, description="Column holding the inputs (list / tensor).")
+    label: str = Field("y", min_length=1, description="Column holding the integer target.")
+    val_fraction: float = Field(0.2, ge=0.0, lt=1.0, description="Share of rows held out for validation.")
+    shuffle: bool = Field(True, description="Seeded shuffle every epoch (same on all ranks).")
+    shuffle_buffer: Optional[int] = Field(
+        None, ge=1,
+        description="streaming sharding only: rows in Ray Data's local shuffle buffer "
+        "instead of a global per-epoch shuffle.",
+    )
+    sharding: Literal["exact", "streaming"] = Field(
+        "exact",
+        description="exact: every worker sees the same seeded global order and takes its "
+        "slice of each global batch, so results do not depend on the worker count and "
+        "resume is exact mid-epoch; streaming: Ray Data streaming_split (scales to data "
+        "larger than a worker's memory; order depends on the worker count).",
+    )
+    prefetch_batches: int = Field(2, ge=0, description="Batches prefetched onto the device.")
+    synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)
+
+    @model_validator(mode="after")
+    def _path_matches_source(self) -> "DataConfig":
+        if self.source == "parquet" and not self.path:
+            raise ValueError("data.path is required when data.source is 'parquet'")
+        if self.shuffle_buffer is not None and self.sharding != "streaming":
+            raise ValueError(
+                "data.shuffle_buffer only applies to data.sharding='streaming' "
+                f"(got sharding={self.sharding!r})"
+            )
+        return self
+
+
+class NonFiniteConfig(_Section):
+    action: Literal["skip", "abort"] = Field(
+        "skip", description="What every rank does when the loss or a gradient is inf/nan: "
+        "skip the optimizer step, or abort the run."
+    )
+    max_consecutive: int = Field(
+        3, ge=1, description="Abort after this many non-finite steps in a row, even with action=skip."
+    )
+
+
+class TrainConfig(_Section):
+    epochs: int = Field(10, ge=1, description="Passes over the training set (unless max_steps is set).")
+    max_steps: Optional[int] = Field(None, ge=1, description="Optimizer steps; overrides epochs when set.")
+    global_batch_size: int = Field(64, ge=1, description="Samples per optimizer step, over all workers.")
+    micro_batch_size: int = Field(16, ge=1, description="Samples per worker per micro-step (forward+backward).")
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(0.003, gt=0.0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0)
+    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="sgd only.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps before the cosine decay.")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Cosine floor as a fraction of lr.")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="torch.amp autocast dtype; fp16 adds a GradScaler."
+    )
+    clip_grad_norm: Optional[float] = Field(None, gt=0.0, description="Global gradient-norm clip.")
+    seed: int = Field(0, ge=0)
+    nonfinite: NonFiniteConfig = Field(default_factory=NonFiniteConfig)
+
+
+class ParallelConfig(_Section):
+    strategy: Literal["naive", "bucketed", "native"] = Field(
+        "bucketed", description="naive/bucketed: our from-scratch wrappers; native: torch DDP."
+    )
+    bucket_cap_mb: float = Field(25.0, gt=0.0, description="bucketed/native: bucket size in MB.")
+    compress: Optional[Literal["bf16"]] = Field(
+        None, description="Gradient compression on the wire (bucketed, native)."
+    )
+    verify_init: bool = Field(
+        False, description="Raise if ranks start from different weights instead of broadcasting rank 0's."
+    )
+    collective_timeout_s: float = Field(
+        300.0, gt=0.0,
+        description="A collective (all-reduce, barrier) that does not finish in this time "
+        "fails the run with an error naming the operation, instead of hanging.",
+    )
+
+
+class ScalingConfig(_Section):
+    num_workers: Union[int, tuple[int, int]] = Field(
+        2, description="Workers (one per GPU or CPU slot); [min, max] for an elastic run."
+    )
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(1.0, gt=0.0, description="Logical CPUs reserved by each worker.")
+
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _list_to_tuple(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            return tuple(value)
+        return value
+
+    @field_validator("num_workers")
+    @classmethod
+    def _positive_workers(cls, value: Union[int, tuple[int, int]]) -> Union[int, tuple[int, int]]:
+        if isinstance(value, tuple):
+            lo, hi = value
+            if lo < 1 or hi < lo:
+                raise ValueError(f"[min, max] needs 1 <= min <= max, got [{lo}, {hi}]")
+        elif value < 1:
+            raise ValueError(f"must be >= 1, got {value}")
+        return value
+
+    @property
+    def elastic(self) -> bool:
+        return isinstance(self.num_workers, tuple)
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers[0] if isinstance(self.num_workers, tuple) else self.num_workers
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers[1] if isinstance(self.num_workers, tuple) else self.num_workers
+
+
+class RunConfig(_Section):
+    storage_path: str = Field("./runs", description="Parent of the run directory (shared storage on clusters).")
+    log_every_steps: int = Field(10, ge=1, description="Driver progress and metrics.jsonl interval.")
+    checkpoint_every_steps: int = Field(0, ge=0, description="0: checkpoint only at epoch ends.")
+    num_to_keep: int = Field(2, ge=1, description="Checkpoints kept on disk.")
+    max_failures: int = Field(1, ge=-1, description="Worker-group restarts allowed; -1 is unlimited.")
+    resume: Optional[str] = Field(
+        None, description="null: continue this run name's latest checkpoint if there is one; "
+        "'latest': the same, but an error if there is none; a path: that checkpoint; "
+        "'never': start fresh (an existing run directory of that name is an error)."
+    )
+    address: Optional[str] = Field(
+        None, description="Ray cluster to join; default: $RAY_ADDRESS, else an embedded local instance."
+    )
+
+
+class Config(_Section):
+    """A whole run. Field order is the order `config.yaml` is written in."""
+
+    name: str = Field("run", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$",
+                      description="Run name; the run directory is <run.storage_path>/<name>.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _batch_sizes_divide(self) -> "Config":
+        valid = self.valid_worker_counts()
+        if not valid:
+            raise ValueError(_batch_error(self))
+        if self.parallel.compress and self.parallel.strategy == "naive":
+            raise ValueError("parallel.compress is supported by 'bucketed' and 'native', not 'naive'")
+        if self.train.precision == "fp16" and not self.scaling.use_gpu:
+            raise ValueError(
+                "train.precision='fp16' needs scaling.use_gpu=true (CPU autocast supports bf16 only)"
+            )
+        return self
+
+    def valid_worker_counts(self) -> list[int]:
+        """Worker counts in the configured range that keep the global batch exact."""
+        return [
+            w for w in range(self.scaling.min_workers, self.scaling.max_workers + 1)
+            if self.train.global_batch_size % (w * self.train.micro_batch_size) == 0
+        ]
+
+    def accumulation_steps(self, num_workers: int) -> int:
+        """Micro-steps per optimizer step for the actual worker count (re-derived on resize)."""
+        per_step = num_workers * self.train.micro_batch_size
+        if self.train.global_batch_size % per_step:
+            raise ConfigError(_batch_error(self, num_workers))
+        return self.train.global_batch_size // per_step
+
+    def to_yaml(self) -> str:
+        data = self.model_dump(mode="json")
+        if isinstance(self.scaling.num_workers, tuple):
+            data["scaling"]["num_workers"] = list(self.scaling.num_workers)
+        return yaml.safe_dump(data, sort_keys=False)
+
+
+def _batch_error(cfg: Config, num_workers: Optional[int] = None) -> str:
+    g, b = cfg.train.global_batch_size, cfg.train.micro_batch_size
+    workers = [num_workers] if num_workers else list(range(cfg.scaling.min_workers, cfg.scaling.max_workers + 1))
+    micro_ok = [m for m in range(1, g + 1) if all(g % (w * m) == 0 for w in workers)]
+    global_ok = sorted({math.lcm(*[w * b for w in workers]) * k for k in range(1, 5)})
+    workers_ok = [w for w in range(1, 65) if g % (w * b) == 0]
+    where = (f"scaling.num_workers={num_workers}" if num_workers
+             else f"scaling.num_workers={_fmt_workers(cfg.scaling.num_workers)}")
+    return (
+        f"train.global_batch_size={g} is not divisible by {where} x train.micro_batch_size={b}; "
+        f"global_batch_size must equal workers x micro_batch_size x accumulation steps. "
+        f"Valid train.micro_batch_size for these workers: {micro_ok}; "
+        f"valid train.global_batch_size: {global_ok}...; "
+        f"worker counts that work with these batch sizes: {workers_ok}"
+    )
+
+
+def _fmt_workers(value: Union[int, tuple[int, int]]) -> str:
+    return f"[{value[0]}, {value[1]}]" if isinstance(value, tuple) else str(value)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b=c` -> (['a', 'b'], parsed c). Values are parsed as YAML scalars/lists."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like key.sub=value (e.g. train.lr=0.01)")
+    key, _, raw = item.partition("=")
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r} has an empty key; use key.sub=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {key}={raw!r}: value is not valid YAML ({exc.problem})") from None
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        path, value = parse_override(item)
+        node = data
+        for depth, part in enumerate(path[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(
+                    f"override {item!r}: {'.'.join(path[:depth + 1])} is a value, not a section"
+                )
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[list[str]] = None) -> Config:
+    """Read YAML (or start from defaults), apply overrides, validate; errors name the key."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys, got {type(loaded).__name__}")
+        data = loaded
+    data = apply_overrides(data, list(overrides or []))
+    return validate_config(data, source=str(path) if path else "<overrides>")
+
+
+def validate_config(data: Any, source: str = "<config>") -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, source)) from None
+    except (TypeError, ValueError) as exc:  # pydantic wraps most, but be certain
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def format_validation_error(exc: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration in {source}:"]
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            allowed = _allowed_keys(err["loc"][:-1])
+            msg = f"unknown key; allowed here: {', '.join(allowed)}"
+        value = err.get("input")
+        shown = "" if err["type"] in ("extra_forbidden", "missing") or isinstance(value, dict) else f" (got {value!r})"
+        lines.append(f"  - {key}: {msg}{shown}" if key else f"  - {msg}")
+    return "\n".join(lines)
+
+
+def _allowed_keys(loc: tuple) -> list[str]:
+    model: Any = Config
+    for part in loc:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        model = field.annotation
+    return list(getattr(model, "model_fields", {}).keys())
+
+
+def config_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
+    """Every leaf key, dotted; frozen by a test so the public surface grows on purpose."""
+    keys = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys.extend(config_keys(ann, f"{prefix}{name}."))
+        else:
+            keys.append(f"{prefix}{name}")
+    return keys

@@ -1,0 +1,78 @@
+"""Config: typed, validated, errors name the key; the public key set is frozen."""
+
+import pytest
+
+from raytrain_ddp.config import Config, ConfigError, config_keys, load_config
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_defaults_validate_and_roundtrip(tmp_path):
+    cfg = load_config(None)
+    path = tmp_path / "c.yaml"
+    path.write_text(cfg.to_yaml())
+    assert load_config(path) == cfg
+
+
+def test_overrides_apply_with_yaml_types():
+    cfg = load_config(None, ["train.lr=0.01", "scaling.num_workers=[1, 4]", "train.clip_grad_norm=null"])
+    assert cfg.train.lr == 0.01
+    assert cfg.scaling.num_workers == (1, 4) and cfg.scaling.elastic
+    assert cfg.valid_worker_counts() == [1, 2, 4]
+    assert cfg.accumulation_steps(4) == 1 and cfg.accumulation_steps(1) == 4
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("train.lr=-1", "train.lr"),
+        ("train.bogus=1", "train.bogus: unknown key"),
+        ("model.name=resnet", "model.name"),
+        ("scaling.num_workers=3", "scaling.num_workers=3"),
+        ("data.source=parquet", "data.path"),
+        ("parallel.strategy=fsdp", "parallel.strategy"),
+        ("scaling.num_workers=[4, 2]", "scaling.num_workers"),
+        ("train.precision=fp16", "train.precision"),
+        ("name=../etc", "name"),
+    ],
+)
+def test_bad_values_name_the_key(override, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert needle in str(err.value)
+
+
+def test_batch_error_suggests_valid_values():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["scaling.num_workers=3"])
+    msg = str(err.value)
+    assert "valid train.global_batch_size" in msg and "48" in msg
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("42\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(scalar)
+
+
+def test_public_key_set_is_frozen():
+    """Growing the config surface is a deliberate act: update this list with the docs."""
+    contract = {
+        "name", "model.name", "data.source", "data.path", "data.features", "data.label",
+        "data.val_fraction", "train.epochs", "train.max_steps", "train.global_batch_size",
+        "train.micro_batch_size", "train.optimizer", "train.lr", "train.warmup_steps",
+        "train.precision", "train.clip_grad_norm", "train.seed", "parallel.strategy",
+        "parallel.bucket_cap_mb", "scaling.num_workers", "scaling.use_gpu", "run.storage_path",
+        "run.log_every_steps", "run.checkpoint_every_steps", "run.num_to_keep",
+        "run.max_failures", "run.resume",
+    }
+    keys = set(config_keys())
+    assert contract <= keys
+    assert len(keys) == 50, sorted(keys - contract)
