@@ -344,9 +344,15 @@ def _split_table(table: pa.Table, cfg: Config) -> tuple[pa.Table, Optional[pa.Ta
 class WorkerData:
     """One rank's view of the data: optimizer-step windows of micro-batches on `device`."""
 
-    def __init__(self, cfg: Config, spec: DataSpec, world_rank: int, world_size: int, device: Any):
-        import ray.train
+    def __init__(self, cfg: Config, spec: DataSpec, world_rank: int, world_size: int, device: Any,
+                 shards: Optional[dict[str, Any]] = None):
+        """`shards` defaults to `ray.train.get_dataset_shard(...)`; tests pass Ray Data iterators."""
+        if shards is None:
+            import ray.train
 
+            shards = {TRAIN: ray.train.get_dataset_shard(TRAIN)}
+            if spec.val_rows:
+                shards[VAL] = ray.train.get_dataset_shard(VAL)
         self.cfg, self.spec = cfg, spec
         self.world_rank, self.world_size = world_rank, world_size
         self.device = device
@@ -354,8 +360,8 @@ class WorkerData:
         self.accumulation_steps = cfg.accumulation_steps(world_size)
         self.global_batch_size = cfg.train.global_batch_size
         self.wait_seconds = 0.0
-        self._train_shard = ray.train.get_dataset_shard(TRAIN)
-        self._val_shard = ray.train.get_dataset_shard(VAL) if spec.val_rows else None
+        self._train_shard = shards[TRAIN]
+        self._val_shard = shards.get(VAL)
         self._train_tensors: Optional[tuple[Any, Any]] = None
         self._val_tensors: Optional[tuple[Any, Any]] = None
         if cfg.data.sharding == "exact":

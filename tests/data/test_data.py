@@ -1,0 +1,164 @@
+"""Data checks and batching without Ray workers: parquet validation, sources, windows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from raytrain_ddp.config import load_config
+from raytrain_ddp.data import (
+    DataSpec, WorkerData, check_parquet, export_digits, load_digits_arrays, synthetic_arrays,
+)
+from raytrain_ddp.errors import DataError
+from raytrain_ddp.models import build_model, loss_fn
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class FakeShard:
+    """Stands in for a Ray Data iterator: `iter_batches` over in-memory numpy columns."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray):
+        self.x, self.y = x, y
+
+    def iter_batches(self, batch_size: int, batch_format: str):
+        for start in range(0, len(self.x), batch_size):
+            yield {"x": self.x[start:start + batch_size], "y": self.y[start:start + batch_size]}
+
+
+def _write(path, **columns):
+    pq.write_table(pa.table(columns), path)
+    return str(path)
+
+
+def test_digits_export_roundtrip(tmp_path):
+    out = export_digits(str(tmp_path / "d" / "digits.parquet"))
+    info = check_parquet(out, "x", "y")
+    assert info.rows == 1797 and info.feature_shape == (64,) and info.num_classes == 10
+    x, y = load_digits_arrays()
+    assert x.shape == (1797, 64) and 0.0 <= x.min() and x.max() <= 1.0 and set(y) == set(range(10))
+
+
+@pytest.mark.parametrize(
+    "columns, needle",
+    [
+        ({"x": pa.array([[1.0, 2.0]] * 4), "label": pa.array([0, 1, 0, 1])}, "column 'y' (data.label) not found"),
+        ({"x": pa.array([[1.0, 2.0]] * 4), "y": pa.array([0, None, 0, 1])}, "'y' (data.label) has 1 null"),
+        ({"x": pa.array(["a", "b", "c", "d"]), "y": pa.array([0, 1, 0, 1])}, "'x' (data.features) has type string"),
+        ({"x": pa.array([[1.0, 2.0]] * 4), "y": pa.array([0.5, 1.0, 0.0, 1.0])}, "labels must be integers"),
+        ({"x": pa.array([[1.0, 2.0], [1.0], [1.0, 2.0], [3.0, 4.0]]), "y": pa.array([0, 1, 0, 1])}, "different lengths"),
+        ({"x": pa.array([[1.0, 2.0]] * 4), "y": pa.array([0, -1, 0, 1])}, "negative"),
+        ({"x": pa.array([], pa.list_(pa.float32())), "y": pa.array([], pa.int64())}, "zero rows"),
+    ],
+)
+def test_bad_parquet_named(tmp_path, columns, needle):
+    path = _write(tmp_path / "bad.parquet", **columns)
+    with pytest.raises(DataError) as err:
+        check_parquet(path, "x", "y")
+    assert needle in str(err.value)
+    if "zero rows" not in needle:
+        assert "bad.parquet" in str(err.value)
+
+
+def test_schemas_must_agree_across_files(tmp_path):
+    _write(tmp_path / "a.parquet", x=pa.array([[1.0, 2.0]] * 4), y=pa.array([0, 1, 0, 1]))
+    _write(tmp_path / "b.parquet", x=pa.array([[1.0, 2.0]] * 4), y=pa.array(["0", "1", "0", "1"]))
+    with pytest.raises(DataError, match=r"b\.parquet: column 'y' has type string, but .*a\.parquet has int64"):
+        check_parquet(str(tmp_path), "x", "y")
+
+
+def test_missing_path_and_empty_dir(tmp_path):
+    with pytest.raises(DataError, match="no such file"):
+        check_parquet(str(tmp_path / "nope"), "x", "y")
+    with pytest.raises(DataError, match="no \\*.parquet files"):
+        check_parquet(str(tmp_path), "x", "y")
+
+
+def test_synthetic_is_seeded_and_learnable_shapes():
+    cfg = load_config(None, ["data.source=synthetic", "model.name=mlp", "data.synthetic.rows=64",
+                             "data.synthetic.feature_dim=16", "data.synthetic.num_classes=4"])
+    x1, y1 = synthetic_arrays(cfg)
+    x2, y2 = synthetic_arrays(cfg)
+    assert np.array_equal(x1, x2) and np.array_equal(y1, y2)
+    assert x1.shape == (64, 16) and y1.max() < 4
+    gpt = load_config(None, ["data.source=synthetic", "model.name=gpt", "data.synthetic.rows=8",
+                             "data.synthetic.seq_len=12", "data.synthetic.num_classes=50"])
+    tokens, targets = synthetic_arrays(gpt)
+    assert tokens.shape == targets.shape == (8, 12)
+    assert np.array_equal(tokens[:, 1:], targets[:, :-1])  # next-token targets
+
+
+def _worker(cfg, spec, rank, world, x, y):
+    return WorkerData(cfg, spec, rank, world, torch.device("cpu"), shards={"train": FakeShard(x, y)})
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_exact_windows_cover_the_same_samples_at_any_world_size(world):
+    """The union over ranks of optimizer step s's micro-batches is the same set for every
+    world size: the property that makes elastic resizing keep the optimisation identical."""
+    cfg = load_config(None, ["model.name=mlp", "train.global_batch_size=16", "train.micro_batch_size=2",
+                             "scaling.num_workers=[1, 4]"])
+    rows = 70  # not a multiple of the global batch: 4 full steps, 6 rows dropped
+    x = np.arange(rows, dtype=np.float32).reshape(rows, 1)
+    y = np.arange(rows)
+    spec = DataSpec("classification", (1,), rows, rows, 0, "test")
+    per_step: list[set[int]] = []
+    workers = [_worker(cfg, spec, r, world, x, y) for r in range(world)]
+    assert {w.steps_per_epoch for w in workers} == {4}
+    assert {w.accumulation_steps for w in workers} == {16 // (2 * world)}
+    streams = [list(w.train_windows(epoch=3)) for w in workers]
+    for step in range(4):
+        seen = [int(v) for s in streams for (xb, _) in s[step] for v in xb.flatten()]
+        assert len(seen) == len(set(seen)) == 16  # disjoint across ranks and micro-steps
+        per_step.append(set(seen))
+    reference = [set(int(v) for v in torch.randperm(rows, generator=torch.Generator().manual_seed(3))[s * 16:(s + 1) * 16])
+                 for s in range(4)]
+    assert per_step == reference
+    # resume mid-epoch: skipping 2 steps yields exactly the remaining windows
+    resumed = list(workers[0].train_windows(epoch=3, skip_steps=2))
+    assert [torch.equal(a[0][0], b[0][0]) for a, b in zip(resumed, streams[0][2:])] == [True, True]
+
+
+def test_epochs_reshuffle_but_agree_across_ranks():
+    cfg = load_config(None, ["model.name=mlp", "train.global_batch_size=8", "train.micro_batch_size=4"])
+    x = np.arange(32, dtype=np.float32).reshape(32, 1)
+    spec = DataSpec("classification", (1,), 32, 32, 0, "test")
+    a, b = _worker(cfg, spec, 0, 2, x, np.arange(32)), _worker(cfg, spec, 1, 2, x, np.arange(32))
+    assert torch.equal(a.epoch_order(32, 0), b.epoch_order(32, 0))
+    assert not torch.equal(a.epoch_order(32, 0), a.epoch_order(32, 1))
+
+
+def test_val_batches_split_rows_once_across_ranks():
+    cfg = load_config(None, ["model.name=mlp", "train.global_batch_size=8", "train.micro_batch_size=4"])
+    x = np.arange(32, dtype=np.float32).reshape(32, 1)
+    spec = DataSpec("classification", (1,), 32, 32, 11, "test")
+    seen = []
+    for rank in range(2):
+        w = WorkerData(cfg, spec, rank, 2, torch.device("cpu"),
+                       shards={"train": FakeShard(x, np.arange(32)), "val": FakeShard(x[:11], np.arange(11))})
+        seen += [int(v) for xb, _ in w.val_batches() for v in xb.flatten()]
+    assert sorted(seen) == list(range(11))
+
+
+@pytest.mark.parametrize("name, shape, task, classes", [
+    ("mlp", (64,), "classification", 10), ("cnn", (1, 8, 8), "classification", 10), ("gpt", (12,), "lm", 50),
+])
+def test_models_build_and_give_a_finite_loss(name, shape, task, classes):
+    cfg = load_config(None, [f"model.name={name}", "model.d_model=32", "model.n_heads=2"])
+    spec = DataSpec(task, shape, classes, 100, 0, "test")
+    model = build_model(cfg, spec)
+    x = torch.randint(0, classes, (3,) + shape) if task == "lm" else torch.rand((3,) + shape)
+    y = torch.randint(0, classes, (3,) + shape) if task == "lm" else torch.randint(0, classes, (3,))
+    loss = loss_fn(spec)(model(x), y)
+    loss.backward()
+    assert torch.isfinite(loss)
+
+
+def test_articles_mlp_shape():
+    cfg = load_config(None, ["model.name=mlp"])
+    model = build_model(cfg, DataSpec("classification", (1024,), 256, 10, 0, "t"))
+    shapes = [tuple(p.shape) for p in model.parameters() if p.dim() == 2]
+    assert shapes == [(1024, 1024), (1024, 1024), (256, 1024)]
