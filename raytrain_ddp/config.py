@@ -219,6 +219,11 @@ class Config(_Section):
         valid = self.valid_worker_counts()
         if not valid:
             raise ValueError(_batch_error(self))
+        invalid = sorted(set(range(self.scaling.min_workers, self.scaling.max_workers + 1)) - set(valid))
+        if invalid:
+            # Ray's elastic policy may start any size in [min, max]; a size that cannot keep
+            # the global batch exact must be excluded before the run, not discovered mid-run.
+            raise ValueError(_elastic_error(self, valid, invalid))
         if self.parallel.compress and self.parallel.strategy == "naive":
             raise ValueError("parallel.compress is supported by 'bucketed' and 'native', not 'naive'")
         if self.train.precision == "fp16" and not self.scaling.use_gpu:
@@ -263,6 +268,29 @@ def _batch_error(cfg: Config, num_workers: Optional[int] = None) -> str:
         f"valid train.global_batch_size: {global_ok}...; "
         f"worker counts that work with these batch sizes: {workers_ok}"
     )
+
+
+def _elastic_error(cfg: Config, valid: list[int], invalid: list[int]) -> str:
+    g, b = cfg.train.global_batch_size, cfg.train.micro_batch_size
+    lo, hi = cfg.scaling.min_workers, cfg.scaling.max_workers
+    every = math.lcm(*range(lo, hi + 1)) * b
+    runs = _contiguous_runs(valid)
+    return (
+        f"scaling.num_workers=[{lo}, {hi}]: worker counts {invalid} cannot keep "
+        f"train.global_batch_size={g} exact with train.micro_batch_size={b}; valid counts are {valid}. "
+        f"Use a range of valid counts (e.g. {', '.join(f'[{r[0]}, {r[-1]}]' for r in runs)}) or a "
+        f"train.global_batch_size that every count divides (a multiple of {every})"
+    )
+
+
+def _contiguous_runs(values: list[int]) -> list[list[int]]:
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and runs[-1][-1] + 1 == v:
+            runs[-1].append(v)
+        else:
+            runs.append([v])
+    return runs
 
 
 def _fmt_workers(value: Union[int, tuple[int, int]]) -> str:

@@ -95,26 +95,26 @@ def _worker(cfg, spec, rank, world, x, y):
     return WorkerData(cfg, spec, rank, world, torch.device("cpu"), shards={"train": FakeShard(x, y)})
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_exact_windows_cover_the_same_samples_at_any_world_size(world):
     """The union over ranks of optimizer step s's micro-batches is the same set for every
     world size: the property that makes elastic resizing keep the optimisation identical."""
-    cfg = load_config(None, ["model.name=mlp", "train.global_batch_size=16", "train.micro_batch_size=2",
+    cfg = load_config(None, ["model.name=mlp", "train.global_batch_size=24", "train.micro_batch_size=2",
                              "scaling.num_workers=[1, 4]"])
-    rows = 70  # not a multiple of the global batch: 4 full steps, 6 rows dropped
+    rows = 100  # not a multiple of the global batch: 4 full steps, 4 rows dropped
     x = np.arange(rows, dtype=np.float32).reshape(rows, 1)
     y = np.arange(rows)
     spec = DataSpec("classification", (1,), rows, rows, 0, "test")
     per_step: list[set[int]] = []
     workers = [_worker(cfg, spec, r, world, x, y) for r in range(world)]
     assert {w.steps_per_epoch for w in workers} == {4}
-    assert {w.accumulation_steps for w in workers} == {16 // (2 * world)}
+    assert {w.accumulation_steps for w in workers} == {24 // (2 * world)}
     streams = [list(w.train_windows(epoch=3)) for w in workers]
     for step in range(4):
         seen = [int(v) for s in streams for (xb, _) in s[step] for v in xb.flatten()]
-        assert len(seen) == len(set(seen)) == 16  # disjoint across ranks and micro-steps
+        assert len(seen) == len(set(seen)) == 24  # disjoint across ranks and micro-steps
         per_step.append(set(seen))
-    reference = [set(int(v) for v in torch.randperm(rows, generator=torch.Generator().manual_seed(3))[s * 16:(s + 1) * 16])
+    reference = [set(int(v) for v in torch.randperm(rows, generator=torch.Generator().manual_seed(3))[s * 24:(s + 1) * 24])
                  for s in range(4)]
     assert per_step == reference
     # resume mid-epoch: skipping 2 steps yields exactly the remaining windows

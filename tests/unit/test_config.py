@@ -15,11 +15,20 @@ def test_defaults_validate_and_roundtrip(tmp_path):
 
 
 def test_overrides_apply_with_yaml_types():
-    cfg = load_config(None, ["train.lr=0.01", "scaling.num_workers=[1, 4]", "train.clip_grad_norm=null"])
+    cfg = load_config(None, ["train.lr=0.01", "scaling.num_workers=[1, 2]", "train.clip_grad_norm=null"])
     assert cfg.train.lr == 0.01
-    assert cfg.scaling.num_workers == (1, 4) and cfg.scaling.elastic
-    assert cfg.valid_worker_counts() == [1, 2, 4]
-    assert cfg.accumulation_steps(4) == 1 and cfg.accumulation_steps(1) == 4
+    assert cfg.scaling.num_workers == (1, 2) and cfg.scaling.elastic
+    assert cfg.valid_worker_counts() == [1, 2]
+    assert cfg.accumulation_steps(2) == 2 and cfg.accumulation_steps(1) == 4
+
+
+def test_elastic_range_must_keep_global_batch_exact():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["scaling.num_workers=[1, 4]"])
+    msg = str(err.value)
+    assert "worker counts [3]" in msg and "valid counts are [1, 2, 4]" in msg and "[1, 2]" in msg
+    cfg = load_config(None, ["scaling.num_workers=[1, 4]", "train.global_batch_size=192"])
+    assert cfg.valid_worker_counts() == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize(
