@@ -1,0 +1,95 @@
+"""Data-parallel wrappers: from-scratch (`naive`, `bucketed`) and torch DDP (`native`).
+
+Owns: `wrap_model` (the single entry point), the strategy names, the shared interface
+and errors, and the gradient-accumulation window. Must not import Ray (a test enforces
+it): the loop reaches Ray, this package only reaches torch and torch.distributed.
+
+    model = wrap_model(net, "bucketed", bucket_cap_mb=25)
+    for step in range(steps):
+        for (x, y), scale in accumulation_window(model, next_micro_batches(), expected=k):
+            (loss_fn(model(x), y) * scale).backward()    # syncs only on the last one
+        optimizer.step(); optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.distributed as dist
+from torch import nn
+
+from raytrain_ddp.parallel.accumulate import AccumulationWindow, accumulation_window, chunked
+from raytrain_ddp.parallel.base import (
+    STRATEGIES,
+    CollectiveTimeoutError,
+    ModelMismatchError,
+    WrappedModel,
+)
+from raytrain_ddp.parallel.native import LocalModel, NativeDDP
+from raytrain_ddp.parallel.scratch import BucketedDDP, NaiveDDP
+
+__all__ = [
+    "STRATEGIES", "wrap_model", "WrappedModel", "CollectiveTimeoutError", "ModelMismatchError",
+    "NaiveDDP", "BucketedDDP", "NativeDDP", "LocalModel",
+    "accumulation_window", "AccumulationWindow", "chunked",
+]
+
+COMPRESSIONS = (None, "bf16")
+
+
+def wrap_model(
+    module: nn.Module,
+    strategy: str,
+    *,
+    bucket_cap_mb: float = 25.0,
+    compress: Optional[str] = None,
+    verify_init: bool = False,
+    process_group: Optional[dist.ProcessGroup] = None,
+    device_ids: Optional[list] = None,
+    collective_timeout_s: Optional[float] = None,
+) -> WrappedModel:
+    """Wrap `module` (already on its device) for data-parallel training.
+
+    Must be called on every rank of the group (it communicates): rank 0's parameters and
+    buffers are broadcast to all ranks, or, with `verify_init=True`, compared, and every
+    rank raises `ModelMismatchError` naming the first tensor that differs.
+
+    strategy             "naive" | "bucketed" | "native" (see `STRATEGIES`).
+    bucket_cap_mb        bucketed/native: bucket size; smaller = earlier overlap, more calls.
+    compress             None | "bf16": all-reduce bf16 copies (half the bytes);
+                         bucketed and native only.
+    process_group        default: the global group; without one (or world size 1) the
+                         scratch strategies send nothing, and native returns `LocalModel`.
+    device_ids           native only, as in torch DDP (e.g. [local_rank] on GPU; None on CPU).
+    collective_timeout_s a gradient all-reduce that does not finish in this time raises
+                         `CollectiveTimeoutError` naming the bucket/parameter. The process
+                         group's own timeout (init_process_group) still applies, and if it is
+                         shorter it fires first (reported the same way).
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is not one of {STRATEGIES}")
+    if compress not in COMPRESSIONS:
+        raise ValueError(f"compress={compress!r} is not one of {COMPRESSIONS}")
+    if compress is not None and strategy == "naive":
+        raise ValueError(
+            f"compress={compress!r} is supported by 'bucketed' and 'native', not 'naive' "
+            "(naive sends each gradient as is)"
+        )
+    if not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be > 0")
+    if collective_timeout_s is not None and not collective_timeout_s > 0:
+        raise ValueError(f"collective_timeout_s={collective_timeout_s!r} must be > 0 (or None)")
+    if isinstance(module, WrappedModel):
+        raise ValueError(f"module is already wrapped (strategy {module.strategy!r}); pass .module")
+
+    if strategy == "naive":
+        return NaiveDDP(module, process_group, verify_init=verify_init,
+                        collective_timeout_s=collective_timeout_s)
+    if strategy == "bucketed":
+        return BucketedDDP(module, process_group, bucket_cap_mb=bucket_cap_mb, compress=compress,
+                           verify_init=verify_init, collective_timeout_s=collective_timeout_s)
+    if process_group is None and not dist.is_initialized():
+        return LocalModel(module)
+    return NativeDDP(module, process_group, bucket_cap_mb=bucket_cap_mb, compress=compress,
+                     verify_init=verify_init, device_ids=device_ids,
+                     collective_timeout_s=collective_timeout_s)

@@ -1,0 +1,276 @@
+"""Data-parallel wrappers written from scratch: `naive` and `bucketed`.
+
+Owns: gradient synchronisation for our own strategies, i.e. when it is triggered (a
+parameter hook queues a callback that runs when backward ends), how gradients are packed
+(bucketed: flat buffers that `param.grad` are views into), and what goes on the wire.
+Must not touch: Ray, optimizers, the training loop. torch and torch.distributed only.
+
+Both strategies keep the user's loop unchanged: call `loss.backward()` and, outside
+`no_sync()`, the averaged gradient is in `param.grad` when it returns.
+
+naive     After backward, one blocking all-reduce per parameter (registration order),
+          then divide by the world size (gloo has no AVG). The seed's first version.
+bucketed  torch-reducer style. Parameters, in REVERSE registration order (roughly the
+          order backward produces their gradients), are packed per (dtype, device) into
+          flat buckets of at most `bucket_cap_mb` (the first bucket of each kind is capped at
+          1 MiB, like torch DDP, so communication starts early; a single parameter larger
+          than the cap gets a bucket of its own). `param.grad` is a view into its bucket, so
+          autograd accumulates straight into the buffer that is sent: no packing copy.
+          A post-accumulate-grad hook marks a parameter ready; when every parameter of a
+          bucket is ready (and every earlier bucket has been launched; ranks must issue
+          collectives in the same order) an ASYNC all-reduce of the bucket starts at once,
+          overlapping the rest of backward. The callback at the end of backward launches
+          whatever is left and waits for everything.
+
+Parameters without a gradient in a step (unused branch): at the end of backward their
+slice of the bucket is sent as zeros (their accumulated gradient, if they received one
+earlier in a `no_sync` window), so no rank hangs and every rank ends with the same
+gradient; afterwards their `.grad` is the (averaged) bucket view, not None, so optimizers
+with weight decay or momentum will still update them (torch DDP behaves the same way).
+
+`optimizer.zero_grad(set_to_none=True)` is supported: the next forward re-points every
+`None` gradient at its zeroed bucket view. (If a gradient is replaced by another tensor
+between forward and backward, the hook copies it into the bucket once.)
+
+Frozen parameters (requires_grad=False) are skipped entirely. World size 1 (or no
+process group) registers no hooks and sends nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from raytrain_ddp.parallel.base import (
+    WrappedModel,
+    describe_tensors,
+    sync_initial_state,
+    wait_work,
+)
+
+_FIRST_BUCKET_BYTES = 1024 * 1024  # torch DDP's dist._DEFAULT_FIRST_BUCKET_BYTES
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
+
+class _ScratchBase(WrappedModel):
+    def __init__(self, module: nn.Module, process_group, verify_init: bool,
+                 collective_timeout_s: Optional[float]) -> None:
+        super().__init__(process_group)
+        self.wrapped = module
+        self.collective_timeout_s = collective_timeout_s
+        if self.world_size > 1:
+            sync_initial_state(module, process_group, verify=verify_init,
+                               world_size=self.world_size, world_rank=self.world_rank)
+        self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._queued = False  # a sync callback is queued for the running backward
+
+    @property
+    def module(self) -> nn.Module:
+        return self.wrapped
+
+    def _wait(self, work, what: str) -> None:
+        wait_work(work, what, self.collective_timeout_s, self.world_rank, self.world_size)
+
+    def _count(self, tensor: torch.Tensor) -> None:
+        self._stats["allreduce_calls"] += 1
+        self._stats["allreduce_bytes"] += tensor.numel() * tensor.element_size()
+
+
+class NaiveDDP(_ScratchBase):
+    """One all-reduce per gradient after backward; the baseline the other two must beat."""
+
+    strategy = "naive"
+
+    def __init__(self, module: nn.Module, process_group=None, *, verify_init: bool = False,
+                 collective_timeout_s: Optional[float] = None) -> None:
+        super().__init__(module, process_group, verify_init, collective_timeout_s)
+        self._stats["buckets"] = len(self._named) if self.world_size > 1 else 0
+        if self.world_size > 1:
+            for _, p in self._named:
+                p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._queued = False  # a backward that raised never ran its callback
+        return self.wrapped(*args, **kwargs)
+
+    def _on_grad(self, _param: torch.Tensor) -> None:
+        if self._sync_enabled and not self._queued:
+            self._queued = True
+            _queue_callback(self._sync)
+
+    def _sync(self) -> None:
+        self._queued = False
+        n = len(self._named)
+        for i, (name, p) in enumerate(self._named):
+            if p.grad is None:  # unused this step here, maybe not elsewhere: send zeros
+                p.grad = torch.zeros_like(p)
+            work = dist.all_reduce(p.grad, group=self._pg, async_op=True)
+            self._count(p.grad)
+            self._wait(work, f"all-reduce of gradient {i + 1}/{n} "
+                             f"({describe_tensors([name], p.grad.numel() * p.grad.element_size())})")
+            p.grad.div_(self.world_size)
+        self._stats["syncs"] += 1
+
+
+class _Bucket:
+    __slots__ = ("index", "members", "names", "buffer", "nbytes")
+
+    def __init__(self, index: int, members: list[int], names: list[str], buffer: torch.Tensor) -> None:
+        self.index, self.members, self.names, self.buffer = index, members, names, buffer
+        self.nbytes = buffer.numel() * buffer.element_size()
+
+
+def assign_buckets(params: list[torch.Tensor], cap_bytes: int,
+                   first_cap_bytes: int = _FIRST_BUCKET_BYTES) -> list[list[int]]:
+    """Group parameter indices (already in the order to send them) into buckets.
+
+    One open bucket per (dtype, device); a parameter joins it if it still fits (or the
+    bucket is empty). Buckets are returned in the order of their first parameter.
+    """
+    open_: dict[tuple, list[int]] = {}
+    sizes: dict[tuple, int] = {}
+    started: set[tuple] = set()
+    done: list[list[int]] = []
+    for i, p in enumerate(params):
+        key = (p.dtype, p.device)
+        nbytes = p.numel() * p.element_size()
+        cap = cap_bytes if key in started else min(cap_bytes, first_cap_bytes)
+        if key in open_ and sizes[key] + nbytes > cap:
+            done.append(open_.pop(key))
+            started.add(key)
+        if key not in open_:
+            open_[key], sizes[key] = [], 0
+        open_[key].append(i)
+        sizes[key] += nbytes
+    done.extend(open_.values())
+    return sorted(done, key=lambda members: members[0])
+
+
+class BucketedDDP(_ScratchBase):
+    """Flat gradient buckets, all-reduced asynchronously as soon as they are full."""
+
+    strategy = "bucketed"
+
+    def __init__(self, module: nn.Module, process_group=None, *, bucket_cap_mb: float = 25.0,
+                 compress: Optional[str] = None, verify_init: bool = False,
+                 collective_timeout_s: Optional[float] = None) -> None:
+        super().__init__(module, process_group, verify_init, collective_timeout_s)
+        self.compress = compress
+        self._wire_dtype = torch.bfloat16 if compress == "bf16" else None
+        named = list(reversed(self._named))
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        self._views: list[torch.Tensor] = []
+        self._buckets: list[_Bucket] = []
+        self._bucket_of: list[int] = [0] * len(self._params)
+        if self.world_size > 1:
+            self._build_buckets(int(bucket_cap_mb * 2**20))
+            for i, p in enumerate(self._params):
+                p.register_post_accumulate_grad_hook(self._make_hook(i))
+        self._stats["buckets"] = len(self._buckets)
+        self._reset_backward()
+
+    def _build_buckets(self, cap_bytes: int) -> None:
+        self._views = [torch.empty(0)] * len(self._params)
+        for b, members in enumerate(assign_buckets(self._params, cap_bytes)):
+            first = self._params[members[0]]
+            flat = torch.zeros(sum(self._params[i].numel() for i in members),
+                               dtype=first.dtype, device=first.device)
+            offset = 0
+            for i in members:
+                p = self._params[i]
+                view = flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+                self._views[i] = view
+                self._bucket_of[i] = b
+            self._buckets.append(_Bucket(b, members, [self._names[i] for i in members], flat))
+
+    def _reset_backward(self) -> None:
+        self._queued = False
+        self._pending = [len(b.members) for b in self._buckets]
+        self._ready = bytearray(len(self._params))
+        self._next = 0
+        self._works: list[tuple[_Bucket, Any, torch.Tensor]] = []
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._buckets:
+            if self._queued:  # a backward that raised never ran its callback
+                self._reset_backward()
+            for p, view in zip(self._params, self._views):
+                if p.grad is None:  # zero_grad(set_to_none=True): point back at the bucket
+                    view.zero_()
+                    p.grad = view
+        return self.wrapped(*args, **kwargs)
+
+    def _make_hook(self, i: int):
+        view = self._views[i]
+
+        def hook(p: torch.Tensor) -> None:
+            if p.grad is not view:  # grad was replaced since forward: adopt it once
+                view.copy_(p.grad)
+                p.grad = view
+            if not self._sync_enabled:
+                return
+            if not self._queued:
+                self._queued = True
+                _queue_callback(self._finish)
+            if self._ready[i]:
+                return
+            self._ready[i] = 1
+            b = self._bucket_of[i]
+            self._pending[b] -= 1
+            if self._pending[b] == 0 and b == self._next:
+                self._launch_ready()
+
+        return hook
+
+    def _launch_ready(self) -> None:
+        # Launch in bucket order only: every rank must issue the same collectives in the same order.
+        while self._next < len(self._buckets) and self._pending[self._next] == 0:
+            self._launch(self._buckets[self._next])
+            self._next += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        if self._wire_dtype is None:
+            send = bucket.buffer.div_(self.world_size)  # pre-divide: sum of means = mean
+        else:
+            send = bucket.buffer.to(self._wire_dtype).div_(self.world_size)
+        work = dist.all_reduce(send, group=self._pg, async_op=True)
+        self._count(send)
+        self._works.append((bucket, work, send))
+
+    def _finish(self) -> None:
+        try:
+            if self._next < len(self._buckets):
+                self._fill_missing()
+                for b in range(self._next, len(self._buckets)):
+                    self._pending[b] = 0
+                self._launch_ready()
+            n = len(self._buckets)
+            for bucket, work, send in self._works:
+                self._wait(work, f"all-reduce of bucket {bucket.index + 1}/{n} "
+                                 f"({describe_tensors(bucket.names, send.numel() * send.element_size())})")
+                if send is not bucket.buffer:
+                    bucket.buffer.copy_(send)
+            self._stats["syncs"] += 1
+        finally:
+            self._reset_backward()
+
+    def _fill_missing(self) -> None:
+        """Parameters that got no gradient in this backward still take part (as zeros if None)."""
+        for b in range(self._next, len(self._buckets)):
+            for i in self._buckets[b].members:
+                if self._ready[i]:
+                    continue
+                p, view = self._params[i], self._views[i]
+                if p.grad is None:
+                    view.zero_()
+                elif p.grad is not view:
+                    view.copy_(p.grad)
+                p.grad = view
