@@ -1,0 +1,218 @@
+"""Ingest: how fast batches arrive, and how much of a training step waits for them.
+
+Owns: the `ingest` section: a synthetic parquet file (float32 features, int labels),
+samples/s of four readers over it, and the data-wait fraction of a short real training
+run. Must not touch: the product's data module beyond calling it; Ray start-up (the
+caller owns `ray.init`).
+
+Readers, slowest to fastest in principle:
+- `ray_data`: `read_parquet(...).iter_torch_batches(batch_size=B)`, the product's
+  streaming path;
+- `dataloader_stream`: a torch `IterableDataset` reading the same parquet record batch
+  by record batch with pyarrow (`DataLoader(batch_size=None, num_workers=0)`);
+- `dataloader_rows`: the tutorial pattern, a map-style `Dataset` over the (pre-read)
+  rows, one `__getitem__` per sample and the default collate (`num_workers=0`);
+- `in_memory`: the upper bound, tensors already in memory, each batch gathered by a
+  shuffled index (what `data.sharding: exact` does every step).
+Every pass is timed from its first batch to its end (first-batch latency, i.e. the
+pipeline's start-up, is reported apart); the median over passes is kept.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+import numpy as np
+
+from raytrain_ddp.bench.common import Sizes, ratio, stats
+
+FEATURES = 256
+CLASSES = 16
+BATCH = 256
+
+
+def write_parquet(path: Path, rows: int, seed: int = 0) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, FEATURES), dtype=np.float32)
+    y = rng.integers(0, CLASSES, size=rows, dtype=np.int64)
+    flat = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), FEATURES)
+    pq.write_table(pa.table({"x": flat, "y": y}), path, row_group_size=8192)
+    return path
+
+
+def _to_tensors(x: Any, y: Any) -> tuple:
+    import torch
+
+    x = np.stack(x) if x.dtype == object else x
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)), torch.from_numpy(np.asarray(y))
+
+
+def _collate(batch: dict[str, np.ndarray]) -> tuple:
+    return _to_tensors(batch["x"], batch["y"])
+
+
+def _time_pass(batches: Iterable) -> dict[str, float]:
+    start = time.perf_counter()
+    first_at, rows, first_rows = None, 0, 0
+    for x, _ in batches:
+        n = len(x)
+        rows += n
+        if first_at is None:
+            first_at, first_rows = time.perf_counter(), n
+    end = time.perf_counter()
+    steady = (rows - first_rows) / max(end - first_at, 1e-9) if first_at is not None else 0.0
+    return {"rows": rows, "samples_per_s": steady, "first_batch_s": (first_at or end) - start,
+            "total_s": end - start}
+
+
+def _measure(name: str, make_iter: Callable[[], Iterable], passes: int, rows: int) -> dict[str, Any]:
+    results = [_time_pass(make_iter()) for _ in range(passes)]
+    for r in results:
+        if r["rows"] != rows:
+            raise RuntimeError(f"ingest reader {name!r} yielded {r['rows']} rows, expected {rows}")
+    return {"samples_per_s": stats([r["samples_per_s"] for r in results])["median"],
+            "first_batch_s": stats([r["first_batch_s"] for r in results])["median"],
+            "passes": [{k: round(v, 4) for k, v in r.items()} for r in results]}
+
+
+def ray_data_iter(path: Path) -> Iterable:
+    import ray.data
+
+    return ray.data.read_parquet(str(path)).iter_torch_batches(batch_size=BATCH, collate_fn=_collate)
+
+
+def dataloader_stream_iter(path: Path) -> Iterable:
+    import pyarrow.parquet as pq
+    import torch
+
+    class ParquetStream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            for rb in pq.ParquetFile(path).iter_batches(batch_size=BATCH, columns=["x", "y"]):
+                x = rb.column("x").flatten().to_numpy().reshape(-1, FEATURES)
+                yield _to_tensors(x, rb.column("y").to_numpy())
+
+    return torch.utils.data.DataLoader(ParquetStream(), batch_size=None, num_workers=0)
+
+
+def dataloader_rows_iter(x: np.ndarray, y: np.ndarray) -> Iterable:
+    import torch
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return len(x)
+
+        def __getitem__(self, i: int):
+            return torch.from_numpy(x[i]), int(y[i])
+
+    return torch.utils.data.DataLoader(Rows(), batch_size=BATCH, shuffle=True, num_workers=0)
+
+
+def in_memory_iter(x: Any, y: Any, seed: int) -> Iterable:
+    import torch
+
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    for start in range(0, len(x), BATCH):
+        idx = order[start:start + BATCH]
+        yield x[idx], y[idx]
+
+
+def read_arrays(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    x = table.column("x").combine_chunks().flatten().to_numpy().reshape(-1, FEATURES)
+    return x, table.column("y").to_numpy()
+
+
+def readers(sizes: Sizes, tmp: Path, log=print) -> dict[str, Any]:
+    import torch
+
+    path = write_parquet(tmp / "ingest.parquet", sizes.ingest_rows)
+    x, y = read_arrays(path)
+    tx, ty = torch.from_numpy(x.copy()), torch.from_numpy(y.copy())
+    makers: dict[str, Callable[[], Iterable]] = {
+        "ray_data": lambda: ray_data_iter(path),
+        "dataloader_stream": lambda: dataloader_stream_iter(path),
+        "dataloader_rows": lambda: dataloader_rows_iter(x, y),
+        "in_memory": lambda: in_memory_iter(tx, ty, seed=0),
+    }
+    # Interleave: one pass of each reader per round, so drift hits them alike.
+    per_reader: dict[str, list] = {name: [] for name in makers}
+    for _ in range(sizes.ingest_passes):
+        for name, make in makers.items():
+            per_reader[name].append(_measure(name, make, 1, sizes.ingest_rows)["passes"][0])
+    out: dict[str, Any] = {}
+    for name, passes in per_reader.items():
+        out[name] = {"samples_per_s": stats([p["samples_per_s"] for p in passes])["median"],
+                     "first_batch_s": stats([p["first_batch_s"] for p in passes])["median"],
+                     "passes": passes}
+    return out
+
+
+def training_wait(sizes: Sizes, tmp: Path, sharding: str, use_gpu: bool = False,
+                  workers: int = 2, log=print) -> dict[str, Any]:
+    """A short real run (`run_training`, MLP, synthetic data) and its logged data-wait fraction."""
+    from raytrain_ddp.config import validate_config
+    from raytrain_ddp.launcher import run_training
+    from raytrain_ddp.metrics import METRICS_FILE
+
+    micro, steps = 64, sizes.train_steps
+    global_batch = micro * workers
+    cfg = validate_config({
+        "name": f"bench-wait-{sharding}",
+        "model": {"name": "mlp", "hidden_sizes": [1024, 1024, 256]},
+        "data": {"source": "synthetic", "val_fraction": 0.0, "sharding": sharding,
+                 "synthetic": {"rows": global_batch * (steps + 4), "feature_dim": 1024, "num_classes": 256}},
+        "train": {"max_steps": steps, "global_batch_size": global_batch, "micro_batch_size": micro,
+                  "optimizer": "sgd", "lr": 0.01},
+        "parallel": {"strategy": "bucketed"},
+        "scaling": {"num_workers": workers, "use_gpu": use_gpu},
+        "run": {"storage_path": str(tmp / "runs"), "log_every_steps": 5, "checkpoint_every_steps": 0,
+                "resume": "never"},
+    }, source="bench")
+    started = time.perf_counter()
+    summary = run_training(cfg)
+    elapsed = time.perf_counter() - started
+    lines = [json.loads(line) for line in (Path(cfg.run.storage_path) / cfg.name / METRICS_FILE).read_text().splitlines()
+             if line.strip()]
+    train = [line for line in lines if "data_wait_fraction" in line]
+    if not train:
+        raise RuntimeError(f"training run {cfg.name} logged no data_wait_fraction lines")
+    steady = train[1:] if len(train) > 1 else train  # the first interval holds start-up
+    fractions = [line["data_wait_fraction"] for line in steady]
+    return {
+        "sharding": sharding, "workers": workers, "micro_batch": micro, "steps": steps,
+        "data_wait_fraction": stats(fractions)["median"],
+        "data_wait_fraction_all": [round(f, 4) for f in (line["data_wait_fraction"] for line in train)],
+        "samples_per_s": stats([line["samples_per_s"] for line in steady])["median"],
+        "status": summary.get("status", "ok"), "wall_s": elapsed,
+    }
+
+
+def run(sizes: Sizes, device: str = "cpu", log=print, train_shardings: tuple[str, ...] = ("streaming", "exact"),
+        workers: int = 2) -> dict[str, Any]:
+    log(f"  ingest: {sizes.ingest_rows} rows x {FEATURES} float32, batch {BATCH}, {sizes.ingest_passes} pass(es) ...")
+    with tempfile.TemporaryDirectory(prefix="raytrain-ingest-") as name:
+        tmp = Path(name)
+        section: dict[str, Any] = {"rows": sizes.ingest_rows, "features": FEATURES, "batch": BATCH,
+                                   "readers": readers(sizes, tmp, log)}
+        sps = {k: v["samples_per_s"] for k, v in section["readers"].items()}
+        section["samples_per_s"] = sps
+        section["ray_data_over_in_memory"] = ratio(sps["ray_data"], sps["in_memory"])
+        section["ray_data_over_dataloader_stream"] = ratio(sps["ray_data"], sps["dataloader_stream"])
+        section["training"] = {}
+        for sharding in train_shardings:
+            log(f"  ingest: data wait inside a real {workers}-worker training run (sharding={sharding}) ...")
+            section["training"][sharding] = training_wait(sizes, tmp, sharding, use_gpu=device == "cuda",
+                                                          workers=workers, log=log)
+        first = train_shardings[0]
+        section["data_wait_fraction"] = section["training"][first]["data_wait_fraction"]
+        section["data_wait_sharding"] = first
+    return section

@@ -1,0 +1,172 @@
+"""Turning a results dict into the markdown tables printed on stdout and a PNG plot.
+
+Owns: presentation only (tables, target verdicts, the figure). Must not touch:
+measuring anything. The same tables are pasted into benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+# Targets from issue #5: (what, value getter, limit, "<=" or ">=").
+TARGETS = [
+    ("bucketed / torch DDP step time (MLP)", lambda r: r["strategies"]["mlp"]["ratios"]["bucketed_over_torch_ddp"], 1.05, "<="),
+    ("bucketed / torch DDP step time (GPT)", lambda r: r["strategies"]["gpt"]["ratios"]["bucketed_over_torch_ddp"], 1.05, "<="),
+    ("bucketed / native wrapper (MLP)", lambda r: r["strategies"]["mlp"]["ratios"]["bucketed_over_native"], 1.05, "<="),
+    ("Ray Train / plain torch.distributed step", lambda r: r["ray_overhead"]["ray_over_plain"], 1.05, "<="),
+    ("max comm bytes / theoretical minimum", lambda r: max(x["bytes_over_min"] for x in r["accumulation"]["rows"]), 1.0, "=="),
+    ("calls on non-final micro-steps", lambda r: sum(x["nonfinal_calls"] for x in r["accumulation"]["rows"]), 0, "=="),
+    ("data wait / step time (training run)", lambda r: r["ingest"]["data_wait_fraction"], 0.10, "<="),
+    ("Ray Data / in-memory samples/s", lambda r: r["ingest"]["ray_data_over_in_memory"], 0.9, ">="),
+]
+
+
+def _f(value: Any, digits: int = 2) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "n/a"
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def verdicts(results: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for what, get, limit, op in TARGETS:
+        try:
+            value = get(results)
+        except (KeyError, TypeError, ValueError):
+            continue
+        met = {"<=": value <= limit + 1e-12, ">=": value >= limit - 1e-12, "==": abs(value - limit) <= 1e-9}[op]
+        rows.append({"target": what, "value": value, "limit": f"{op} {limit}", "met": bool(met)})
+    return rows
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(_f(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def markdown(results: dict[str, Any]) -> str:
+    out = []
+    meta = results.get("meta", {})
+    out.append(f"### raytrain-ddp bench ({meta.get('preset')}, device {meta.get('device')}, "
+               f"{meta.get('cpu_count')} cores, torch {meta.get('torch')}, ray {meta.get('ray')}, "
+               f"{_f(meta.get('duration_s', float('nan')), 0)} s)")
+    strat = results.get("strategies")
+    if strat:
+        out.append(f"\n**Step time per strategy** (ms, median [p25-p75]; {strat['note']})\n")
+        models = [m for m in ("mlp", "gpt") if m in strat]
+        labels = list(strat[models[0]]["step_ms"])
+        rows = []
+        for label in labels:
+            row = [label]
+            for m in models:
+                s = strat[m]["spread_ms"][label]
+                row.append(f"{s['median']:.2f} [{s['p25']:.2f}-{s['p75']:.2f}]")
+            rows.append(row)
+        for key in strat[models[0]]["ratios"]:
+            rows.append([f"ratio {key}"] + [_f(strat[m]["ratios"].get(key, float("nan")), 3) for m in models])
+        header = ["variant"] + [f"{m} ({strat[m]['params'] / 1e6:.2f} M params, batch {strat[m]['per_rank_batch']})"
+                                for m in models]
+        out.append(_table(header, rows))
+    acc = results.get("accumulation")
+    if acc:
+        out.append(f"\n**Gradient accumulation** (MLP, {acc['world_size']} ranks, micro-batch {acc['micro_batch']}; "
+                   "per optimizer step)\n")
+        rows = [[r["strategy"], r["k"], _f(r["allreduce_calls_per_step"], 1), f"{r['allreduce_bytes_per_step'] / 2**20:.2f}",
+                 f"{r['min_bytes_per_step'] / 2**20:.2f}", _f(r["bytes_over_min"], 3), r["nonfinal_calls"],
+                 _f(r["ms_per_sample"], 3), _f(r["time_per_sample_vs_k1"], 2)] for r in acc["rows"]]
+        out.append(_table(["strategy", "k", "all-reduce calls", "MB sent", "MB minimum", "sent / min",
+                           "calls on non-final micro-steps", "ms / sample", "vs k=1"], rows))
+    ray = results.get("ray_overhead")
+    if ray:
+        out.append(f"\n**Ray Train overhead** ({ray['world_size']} workers, {ray['model']} + {ray['strategy']}, "
+                   f"batch {ray['per_rank_batch']}/rank, {ray['rounds']} round(s) x {ray['steps_per_run']} steps)\n")
+        ps, rs = ray["plain_spread_ms"], ray["ray_spread_ms"]
+        out.append(_table(["launcher", "step ms (median [p25-p75])", "start-up to first step (s)"], [
+            ["plain torch.distributed", f"{ps['median']:.2f} [{ps['p25']:.2f}-{ps['p75']:.2f}]", _f(ray["plain_startup_s"])],
+            ["Ray Train TorchTrainer", f"{rs['median']:.2f} [{rs['p25']:.2f}-{rs['p75']:.2f}]", _f(ray["ray_startup_s"])],
+            ["ratio Ray / plain", _f(ray["ray_over_plain"], 3), f"ray.init: {_f(ray['ray_init_s'])} s"],
+        ]))
+    ing = results.get("ingest")
+    if ing:
+        out.append(f"\n**Ingest** ({ing['rows']:,} rows x {ing['features']} float32, batch {ing['batch']})\n")
+        best = ing["samples_per_s"]["in_memory"]
+        rows = [[name, f"{v['samples_per_s']:,.0f}", _f(v["samples_per_s"] / best, 3), _f(v["first_batch_s"], 3)]
+                for name, v in ing["readers"].items()]
+        out.append(_table(["reader", "samples/s", "vs in-memory", "first batch (s)"], rows))
+        if ing.get("training"):
+            rows = [[s, t["workers"], t["steps"], _f(t["data_wait_fraction"], 3), f"{t['samples_per_s']:,.0f}"]
+                    for s, t in ing["training"].items()]
+            out.append("\n" + _table(["training run: data.sharding", "workers", "steps", "data wait fraction",
+                                      "samples/s"], rows))
+    gpt = results.get("gpt")
+    if gpt:
+        out.append(f"\n**Tiny GPT on {gpt['device_name']}** ({gpt['precision']}, {gpt['params'] / 1e6:.1f} M params, "
+                   f"seq {gpt['seq_len']}, batch {gpt['batch']})\n")
+        rows = [[k, f"{v['tokens_per_s']:,.0f}", _f(v["step_ms"]), _f(v.get("mfu", float("nan")), 3)]
+                for k, v in gpt["variants"].items()]
+        out.append(_table(["variant", "tokens/s", "step ms", "MFU"], rows))
+    ver = verdicts(results)
+    if ver:
+        out.append("\n**Targets**\n")
+        out.append(_table(["target", "measured", "limit", "met"],
+                          [[v["target"], _f(float(v["value"]), 3), v["limit"], "yes" if v["met"] else "NO"] for v in ver]))
+    return "\n".join(out) + "\n"
+
+
+def plot(results: dict[str, Any], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [k for k in ("strategies", "accumulation", "ray_overhead", "ingest", "gpt") if results.get(k)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False)
+    for ax, key in zip(axes[0], panels):
+        sec = results[key]
+        if key == "strategies":
+            models = [m for m in ("mlp", "gpt") if m in sec]
+            labels = list(sec[models[0]]["step_ms"])
+            width = 0.8 / len(models)
+            for i, m in enumerate(models):
+                single = sec[m]["step_ms"]["single"]
+                vals = [sec[m]["step_ms"][lab] / single for lab in labels]
+                ax.bar([j + i * width for j in range(len(labels))], vals, width, label=m)
+            ax.set_xticks([j + width * (len(models) - 1) / 2 for j in range(len(labels))])
+            ax.set_xticklabels(labels, rotation=45, ha="right", fontsize=8)
+            ax.set_ylabel("step time / single process")
+            ax.set_title("strategies")
+            ax.legend(fontsize=8)
+        elif key == "accumulation":
+            for strategy in sec["strategies"]:
+                rows = [r for r in sec["rows"] if r["strategy"] == strategy]
+                ax.plot([r["k"] for r in rows], [r["ms_per_sample"] for r in rows], marker="o", label=strategy)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("accumulation steps k")
+            ax.set_ylabel("ms per sample")
+            ax.set_title("accumulation (bytes/min = 1.00)")
+            ax.legend(fontsize=8)
+        elif key == "ray_overhead":
+            ax.bar(["plain", "Ray Train"], [sec["plain_step_ms"], sec["ray_step_ms"]], color=["C0", "C1"])
+            ax.set_ylabel("steady-state step ms")
+            ax.set_title(f"Ray overhead: x{sec['ray_over_plain']:.3f}")
+        elif key == "ingest":
+            names = list(sec["samples_per_s"])
+            ax.bar(names, [sec["samples_per_s"][n] for n in names], color="C2")
+            ax.set_yscale("log")
+            ax.set_ylabel("samples/s")
+            ax.tick_params(axis="x", rotation=30, labelsize=8)
+            ax.set_title(f"ingest; wait in training {100 * sec.get('data_wait_fraction', float('nan')):.1f}%")
+        elif key == "gpt":
+            names = list(sec["variants"])
+            ax.bar(names, [sec["variants"][n]["tokens_per_s"] for n in names], color="C3")
+            ax.set_ylabel("tokens/s")
+            ax.set_title("tiny GPT")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

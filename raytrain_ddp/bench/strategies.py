@@ -1,0 +1,196 @@
+"""Step time of each data-parallel strategy against one process and against torch DDP.
+
+Owns: the `strategies` section (and the GPU variant's wrapper-overhead rows). Must not
+touch: Ray, data loading (each rank trains on one fixed batch, so only compute and
+communication are timed).
+
+How it is measured, and why:
+- One launch of W gloo ranks holds every variant at once (the bare model, `naive`,
+  `bucketed` at several bucket caps, `native` (our wrapper around torch DDP, which adds a
+  Python comm hook to count bytes) and `torch_ddp` (torch DDP exactly as users run it, the
+  reference)), each a copy of the same seeded model with
+  its own optimizer. Rounds visit the variants round-robin, rotating the order each
+  round, so slow drift of the machine (other processes, thermal) spreads over all of
+  them instead of biasing whichever ran last.
+- `single` is the bare model stepped by every rank at the same time with no
+  communication: the same per-rank batch, the same thread count and the same contention
+  for memory bandwidth as the distributed variants, so `variant - single` is what
+  synchronisation costs.
+- Warm-up steps are excluded; every step is timed on its own and the median with the
+  interquartile range and min/max is reported.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from raytrain_ddp.bench.common import Sizes, ratio, run_ranks, stats
+from raytrain_ddp.models import MLP, TinyGPT
+
+# The articles' MLP and the config's default tiny GPT.
+MLP_SHAPE = dict(in_features=1024, hidden_sizes=[1024, 1024, 256], num_classes=256)
+GPT_SHAPE = dict(vocab_size=256, seq_len=64, d_model=128, n_layers=2, n_heads=4, dropout=0.0)
+BUCKET_CAPS_MB = (1.0, 25.0, 100.0)
+
+
+def build_model(name: str, shape: Optional[dict] = None, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    if name == "mlp":
+        return MLP(**(shape or MLP_SHAPE))
+    if name == "gpt":
+        return TinyGPT(**(shape or GPT_SHAPE))
+    raise ValueError(f"model {name!r} is not one of 'mlp', 'gpt'")
+
+
+def make_batch(model: nn.Module, name: str, batch: int, seed: int, device: torch.device) -> tuple:
+    gen = torch.Generator().manual_seed(seed)
+    if name == "mlp":
+        first = next(m for m in model.modules() if isinstance(m, nn.Linear))
+        x = torch.randn(batch, first.in_features, generator=gen)
+        out = [m for m in model.modules() if isinstance(m, nn.Linear)][-1].out_features
+        y = torch.randint(0, out, (batch,), generator=gen)
+    else:
+        vocab, length = model.tok.num_embeddings, model.seq_len
+        x = torch.randint(0, vocab, (batch, length), generator=gen)
+        y = torch.randint(0, vocab, (batch, length), generator=gen)
+    return x.to(device), y.to(device)
+
+
+def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if out.dim() == 3:
+        return F.cross_entropy(out.float().flatten(0, 1), y.flatten())
+    return F.cross_entropy(out.float(), y)
+
+
+def grad_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def variant_specs(device: str, with_dp: bool) -> list[tuple[str, Optional[str], float]]:
+    specs: list[tuple[str, Optional[str], float]] = [("single", None, 0.0), ("naive", "naive", 25.0)]
+    specs += [(f"bucketed_{int(cap)}mb", "bucketed", cap) for cap in BUCKET_CAPS_MB]
+    specs.append(("native", "native", 25.0))
+    specs.append(("torch_ddp", "torch_ddp", 25.0))
+    if with_dp:
+        specs.append(("data_parallel", "dp", 0.0))
+    return specs
+
+
+def _wrap(base: nn.Module, strategy: Optional[str], cap: float, device: torch.device) -> nn.Module:
+    from raytrain_ddp.parallel import wrap_model
+
+    module = copy.deepcopy(base).to(device)
+    if strategy is None:
+        return module
+    if strategy == "dp":
+        return nn.DataParallel(module)
+    device_ids = [device.index or 0] if device.type == "cuda" and strategy in ("native", "torch_ddp") else None
+    if strategy == "torch_ddp":  # the reference users compare against: no counting hook
+        return nn.parallel.DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=cap,
+                                                   gradient_as_bucket_view=True)
+    return wrap_model(module, strategy, bucket_cap_mb=cap, device_ids=device_ids)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_variants(world_rank: int, world_size: int, model_name: str, sizes: Sizes, device_name: str,
+                  with_dp: bool, shape: Optional[dict] = None) -> dict[str, Any]:
+    """Rank body: every variant, round-robin; returns step times (ms) per variant."""
+    device = torch.device(device_name, world_rank) if device_name == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    base = build_model(model_name, shape)
+    batch = sizes.mlp_batch if model_name == "mlp" else sizes.gpt_batch
+    x, y = make_batch(base, model_name, batch, seed=1000 + world_rank, device=device)
+    specs = variant_specs(device_name, with_dp)
+    variants = []
+    for label, strategy, cap in specs:
+        model = _wrap(base, strategy, cap, device)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        variants.append((label, model, opt))
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        opt.zero_grad(set_to_none=True)
+        loss_of(model(x), y).backward()
+        opt.step()
+
+    for _, model, opt in variants:
+        for _ in range(sizes.warmup_steps):
+            step(model, opt)
+    _sync(device)
+    times: dict[str, list[float]] = {label: [] for label, _, _ in variants}
+    for r in range(sizes.rounds):
+        shift = r % len(variants)
+        for label, model, opt in variants[shift:] + variants[:shift]:
+            dist.barrier()
+            step(model, opt)  # one untimed step after switching variants (caches, buckets)
+            _sync(device)
+            for _ in range(sizes.steps_per_round):
+                start = time.perf_counter()
+                step(model, opt)
+                _sync(device)
+                times[label].append((time.perf_counter() - start) * 1e3)
+    return {"times_ms": times, "grad_bytes": grad_bytes(base),
+            "params": sum(p.numel() for p in base.parameters()), "batch": batch,
+            "threads": torch.get_num_threads()}
+
+
+def summarise(model_name: str, rank_results: list[dict], world_size: int) -> dict[str, Any]:
+    """Per-step time is the slowest rank's (every rank waits for it in the all-reduce)."""
+    labels = list(rank_results[0]["times_ms"])
+    per_step = {label: [max(r["times_ms"][label][i] for r in rank_results)
+                        for i in range(len(rank_results[0]["times_ms"][label]))] for label in labels}
+    variants = {label: stats(values) for label, values in per_step.items()}
+    med = {label: v["median"] for label, v in variants.items()}
+    first = rank_results[0]
+    out: dict[str, Any] = {
+        "model": model_name, "world_size": world_size, "per_rank_batch": first["batch"],
+        "threads_per_rank": first["threads"], "params": first["params"],
+        "grad_mb": first["grad_bytes"] / 2**20,
+        "step_ms": med,
+        "spread_ms": variants,
+        "ratios": {
+            "bucketed_over_native": ratio(med["bucketed_25mb"], med["native"]),
+            "bucketed_over_torch_ddp": ratio(med["bucketed_25mb"], med["torch_ddp"]),
+            "native_over_torch_ddp": ratio(med["native"], med["torch_ddp"]),
+            "best_bucketed_over_native": ratio(min(med[k] for k in med if k.startswith("bucketed")),
+                                               med["native"]),
+            "naive_over_bucketed": ratio(med["naive"], med["bucketed_25mb"]),
+            "native_over_single": ratio(med["native"], med["single"]),
+            "bucketed_over_single": ratio(med["bucketed_25mb"], med["single"]),
+        },
+    }
+    if "data_parallel" in med:
+        out["ratios"]["data_parallel_over_native"] = ratio(med["data_parallel"], med["native"])
+    return out
+
+
+def run(sizes: Sizes, device: str = "cpu", world_size: int = 2, models: tuple[str, ...] = ("mlp", "gpt"),
+        shapes: Optional[dict[str, dict]] = None, backend: Optional[str] = None,
+        with_dp: Optional[bool] = None, threads: Optional[int] = None, log=print) -> dict[str, Any]:
+    """`device` is where ranks compute ("cpu" or "cuda"); DataParallel rows come with CUDA."""
+    threads = threads or (1 if device == "cpu" else 4)
+    backend = backend or ("gloo" if device == "cpu" else "nccl")
+    with_dp = device == "cuda" if with_dp is None else with_dp
+    section: dict[str, Any] = {
+        "world_size": world_size, "backend": backend, "threads_per_rank": threads,
+        "note": (f"{world_size} {backend} rank(s) x {threads} thread(s); 'single' = every rank steps the bare "
+                 "model at the same time with no communication (same per-rank batch)"),
+    }
+    for name in models:
+        log(f"  strategies: {name} on {world_size} {backend} rank(s) ...")
+        shape = (shapes or {}).get(name)
+        results = run_ranks(time_variants, world_size, name, sizes, device, with_dp, shape,
+                            backend=backend, threads=threads, timeout_s=600)
+        section[name] = summarise(name, results, world_size)
+    return section

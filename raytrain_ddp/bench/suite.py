@@ -1,0 +1,159 @@
+"""`raytrain-ddp bench`: run every section, write the JSON and PNG, print the tables.
+
+Owns: the order of sections, presets (`--quick`, full, `--device cuda`), the Ray
+instance the Ray sections share, the `meta` block, and where results go.
+Must not touch: how each section measures (see strategies / accumulation /
+ray_overhead / ingest / gpu).
+
+Sections (top-level JSON keys): `strategies`, `accumulation`, `ray_overhead`, `ingest`
+on CPU; on CUDA `strategies` (world size 1: wrapper overhead, plus DataParallel), `gpt`
+(bf16 tokens/s, MFU) and `ingest` (Ray Data wait in a GPU training run). A failing
+section is recorded as `{"error": ...}`, the others still run, and the exit status is 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from raytrain_ddp.bench.common import FULL, QUICK, Sizes
+from raytrain_ddp.errors import UserError
+
+SIZE_ENV = "RAYTRAIN_DDP_BENCH_SIZE"  # "smoke": the test suite's even smaller preset
+SMOKE = Sizes("smoke", rounds=2, steps_per_round=3, warmup_steps=1, mlp_batch=64, gpt_batch=16,
+              accum_steps=1, ray_steps=10, ray_warmup=3, ingest_rows=8192, ingest_passes=1,
+              train_steps=10)
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _section(results: dict, name: str, fn: Callable[[], dict]) -> None:
+    started = time.perf_counter()
+    try:
+        results[name] = fn()
+        results[name]["section_s"] = time.perf_counter() - started
+    except Exception as exc:  # noqa: BLE001 - record it, run the remaining sections
+        results[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        _log(f"  {name}: FAILED: {type(exc).__name__}: {exc}")
+
+
+def _meta(preset: str, device: str) -> dict[str, Any]:
+    import ray
+    import torch
+
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    return {
+        "preset": preset, "device": device, "cpu_count": os.cpu_count(), "platform": platform.platform(),
+        "python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "load_avg_at_start": list(load),
+        "threads_note": "CPU: 2 gloo ranks x torch.set_num_threads(1) on this machine's cores",
+    }
+
+
+def _start_ray(num_cpus: int, num_gpus: Optional[int] = None) -> float:
+    import ray
+
+    started = time.perf_counter()
+    kwargs: dict[str, Any] = {}
+    if num_gpus is not None:
+        kwargs["num_gpus"] = num_gpus
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+             log_to_driver=False, configure_logging=True, logging_level="WARNING", **kwargs)
+    return time.perf_counter() - started
+
+
+def run_cpu(sizes: Sizes) -> dict[str, Any]:
+    from raytrain_ddp.bench import accumulation, ingest, ray_overhead, strategies
+
+    results: dict[str, Any] = {}
+    _section(results, "strategies", lambda: strategies.run(sizes, log=_log))
+    _section(results, "accumulation", lambda: accumulation.run(sizes, log=_log))
+    import ray
+
+    # Two workers + Ray Data's read tasks on 2 cores: more logical CPUs than cores, as the
+    # launcher does, or Ray Data's tasks starve behind the training workers.
+    ray_init_s = _start_ray(num_cpus=4)
+    try:
+        rounds = 1 if sizes.name in ("quick", "smoke") else 2
+        _section(results, "ray_overhead", lambda: ray_overhead.run(sizes, rounds=rounds, ray_init_s=ray_init_s, log=_log))
+        shardings = ("streaming",) if sizes.name == "smoke" else ("streaming", "exact")
+        _section(results, "ingest", lambda: ingest.run(sizes, log=_log, train_shardings=shardings))
+    finally:
+        ray.shutdown()
+    return results
+
+
+def run_cuda(dry: bool) -> dict[str, Any]:
+    import torch
+
+    from raytrain_ddp.bench import gpu, ingest, strategies
+
+    sizes = gpu.DRYRUN_SIZES if dry else gpu.GPU_SIZES
+    device = "cpu" if dry else "cuda"
+    backend = "gloo" if dry else "nccl"
+    results: dict[str, Any] = {}
+    if dry:
+        results["dry_run_note"] = f"{gpu.DRYRUN_ENV}=1: CUDA code paths run on the CPU; numbers are meaningless"
+    _section(results, "strategies", lambda: strategies.run(
+        sizes, device=device, world_size=1, backend=backend, with_dp=True, threads=1 if dry else 4, log=_log))
+    shape = gpu.DRYRUN_GPT if dry else gpu.GPU_GPT
+    _section(results, "gpt", lambda: gpu.gpt_section(sizes, shape, device, backend, log=_log))
+    import ray
+
+    gpus = 0 if dry else torch.cuda.device_count()
+    ray_init_s = _start_ray(num_cpus=max(4, os.cpu_count() or 1), num_gpus=gpus)
+    try:
+        _section(results, "ingest", lambda: ingest.run(
+            sizes, device="cpu" if dry else "cuda", log=_log, train_shardings=("streaming", "exact"), workers=1))
+        results["ingest"]["ray_init_s"] = ray_init_s
+    finally:
+        ray.shutdown()
+    return results
+
+
+def main(quick: bool, out: Optional[str], device: str) -> int:
+    import torch
+
+    from raytrain_ddp.bench import gpu, report
+
+    dry = device == "cuda" and gpu.dry_run()
+    if device == "cuda" and not dry and not torch.cuda.is_available():
+        raise UserError(
+            "bench --device cuda: no CUDA device is visible (torch.cuda.is_available() is False, "
+            f"torch {torch.__version__}); run it on a GPU host with a CUDA build of torch "
+            "(benchmarks/gpu.sh), or use --device cpu"
+        )
+    if device == "cuda":
+        preset = "cuda-dryrun" if dry else "cuda"
+    else:
+        preset = os.environ.get(SIZE_ENV) or ("quick" if quick else "full")
+        if preset not in ("quick", "full", "smoke"):
+            raise UserError(f"{SIZE_ENV}={preset!r} is not one of 'quick', 'full', 'smoke'")
+    sizes = {"quick": QUICK, "full": FULL, "smoke": SMOKE}.get(preset, QUICK)
+    out_path = Path(out or f"bench-{preset}.json")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+
+    results: dict[str, Any] = {"meta": _meta(preset, device)}
+    _log(f"raytrain-ddp bench: preset {preset}, device {device}; results -> {out_path}")
+    started = time.perf_counter()
+    results.update(run_cuda(dry) if device == "cuda" else run_cpu(sizes))
+    results["meta"]["duration_s"] = time.perf_counter() - started
+    results["meta"]["load_avg_at_end"] = list(os.getloadavg())
+    results["targets"] = report.verdicts(results)
+    out_path.write_text(json.dumps(results, indent=2, default=float) + "\n")
+    png = report.plot(results, out_path.with_suffix(".png"))
+    print(report.markdown(results))
+    _log(f"wrote {out_path} and {png}")
+    failed = [k for k, v in results.items() if isinstance(v, dict) and "error" in v]
+    if failed:
+        _log(f"sections failed: {failed} (see 'error' in the JSON)")
+        return 1
+    return 0
