@@ -1,0 +1,242 @@
+"""Checkpoint files: atomic save, verified safe load, newest-valid lookup.
+
+Owns: the on-disk layout of one checkpoint directory and how the run directory's
+checkpoints are found and ranked. Must not touch: Ray (the loop hands the directory to
+`ray.train.report`, which copies it to storage), the model or optimizer objects (callers
+pass and receive plain state dicts), torch.distributed.
+
+Layout of a checkpoint directory:
+
+    state.pt        torch.save of the state dict (tensors and plain Python values only)
+    manifest.json   {"format", "step", "epoch", "fit_id", "files": {name: {sha256, size}}}
+
+Why a manifest written last: a directory holding `manifest.json` whose sizes and sha256
+match is a complete checkpoint; anything else (a crash mid-write, a truncated copy to
+storage, bit rot, a file swapped in by someone else) is detected before `torch.load`
+runs. Every file is written to a temporary name, fsynced and `os.replace`d, so a reader
+never sees half a file under its final name.
+
+Why `weights_only=True` and plain types: loading a pickle can run arbitrary code. With
+`weights_only=True` torch refuses anything that is not tensors, containers and
+primitives, so RNG states (numpy's uint32 key array, Python's tuple of ints) are stored
+as tensors and rebuilt on load by `rng_state()` / `set_rng_state()`.
+
+A checkpoint that cannot be used raises `CheckpointError` naming the file and what is
+wrong; `load_latest_valid` then falls back to the next newest one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import pickle
+import random
+import time
+from pathlib import Path
+from typing import Any, Iterable, Optional, Union
+
+import numpy as np
+import torch
+
+from raytrain_ddp.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1
+STATE_FILE = "state.pt"
+MANIFEST_FILE = "manifest.json"
+CHECKPOINT_PREFIX = "checkpoint_"
+REQUIRED_KEYS = ("model", "optimizer", "step", "epoch", "steps_into_epoch")
+
+PathLike = Union[str, os.PathLike]
+
+
+# ---------------------------------------------------------------- save / load
+
+
+def save_checkpoint(dirpath: PathLike, state: dict[str, Any]) -> Path:
+    """Write `state` into `dirpath` (created if needed); returns the directory.
+
+    The state must hold only tensors, containers and primitives (see `rng_state`), so
+    that `load_checkpoint` can read it back with `weights_only=True`.
+    """
+    missing = [k for k in REQUIRED_KEYS if k not in state]
+    if missing:
+        raise ValueError(f"checkpoint state is missing keys {missing}")
+    dirpath = Path(dirpath)
+    dirpath.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getvalue()
+    _atomic_write(dirpath / STATE_FILE, payload)
+    manifest = {
+        "format": FORMAT,
+        "step": int(state["step"]),
+        "epoch": int(state["epoch"]),
+        "fit_id": state.get("fit_id"),
+        "created": time.time(),
+        "files": {STATE_FILE: {"sha256": hashlib.sha256(payload).hexdigest(), "size": len(payload)}},
+    }
+    _atomic_write(dirpath / MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
+    _fsync_dir(dirpath)
+    return dirpath
+
+
+def load_checkpoint(path: PathLike) -> dict[str, Any]:
+    """Verify the manifest, then load `state.pt` with `weights_only=True`.
+
+    `path` is a checkpoint directory or its `state.pt`. Raises `CheckpointError` naming
+    the file when it is missing, incomplete, truncated, corrupted or not a plain-tensor
+    checkpoint.
+    """
+    path = Path(path)
+    dirpath = path.parent if path.is_file() else path
+    if not dirpath.is_dir():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist; pass a checkpoint directory")
+    manifest = read_manifest(dirpath)
+    entry = manifest.get("files", {}).get(STATE_FILE)
+    state_path = dirpath / STATE_FILE
+    if not isinstance(entry, dict) or "sha256" not in entry or "size" not in entry:
+        raise CheckpointError(f"{dirpath / MANIFEST_FILE}: no sha256/size entry for {STATE_FILE}")
+    if not state_path.is_file():
+        raise CheckpointError(f"{state_path}: missing (checkpoint incomplete)")
+    payload = state_path.read_bytes()
+    if len(payload) != entry["size"]:
+        raise CheckpointError(
+            f"{state_path}: {len(payload)} bytes, manifest says {entry['size']} (truncated or incomplete copy)"
+        )
+    if hashlib.sha256(payload).hexdigest() != entry["sha256"]:
+        raise CheckpointError(f"{state_path}: sha256 does not match {MANIFEST_FILE} (file corrupted or replaced)")
+    try:
+        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError, AttributeError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"{state_path}: refused to load: not a plain-tensor checkpoint ({first_line}); "
+            "only files written by raytrain_ddp can be resumed"
+        ) from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{state_path}: holds a {type(state).__name__}, expected a state dict")
+    missing = [k for k in REQUIRED_KEYS if k not in state]
+    if missing:
+        raise CheckpointError(f"{state_path}: missing keys {missing}; not a raytrain_ddp checkpoint")
+    return state
+
+
+def read_manifest(dirpath: PathLike) -> dict[str, Any]:
+    manifest_path = Path(dirpath) / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{manifest_path}: missing (checkpoint incomplete or not written by raytrain_ddp)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{manifest_path}: unreadable ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{manifest_path}: unknown checkpoint format (expected format {FORMAT})")
+    return manifest
+
+
+# ---------------------------------------------------------------- finding
+
+
+def find_checkpoints(run_dir: PathLike) -> list[Path]:
+    """Checkpoint directories under `run_dir`, newest first by recorded step.
+
+    Ties (the same step written by two runs) go to the most recently written. A
+    directory whose manifest cannot be read sorts last: it is kept so that
+    `load_latest_valid` can report why it was skipped.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    ranked = []
+    for child in run_dir.iterdir():
+        if not (child.is_dir() and child.name.startswith(CHECKPOINT_PREFIX)):
+            continue
+        try:
+            step = int(read_manifest(child).get("step", -1))
+        except (CheckpointError, TypeError, ValueError):
+            step = -1
+        mtime = (child / MANIFEST_FILE).stat().st_mtime if (child / MANIFEST_FILE).exists() else child.stat().st_mtime
+        ranked.append((step, mtime, child))
+    ranked.sort(key=lambda item: (item[0], item[1]), reverse=True)
+    return [path for _, _, path in ranked]
+
+
+def load_latest_valid(candidates: Iterable[PathLike]) -> Optional[tuple[dict[str, Any], Path]]:
+    """Load the first candidate that verifies; log and skip the ones that do not."""
+    for candidate in candidates:
+        try:
+            return load_checkpoint(candidate), Path(candidate)
+        except CheckpointError as exc:
+            logger.warning("skipping checkpoint: %s", exc)
+    return None
+
+
+# ---------------------------------------------------------------- RNG state as plain types
+
+
+def rng_state() -> dict[str, Any]:
+    """torch / numpy / python RNG states as tensors and primitives (weights_only-safe)."""
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    py_version, py_internal, py_gauss = random.getstate()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "name": str(np_name),
+            "keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
+            "pos": int(np_pos),
+            "has_gauss": int(np_has_gauss),
+            "cached_gaussian": float(np_gauss),
+        },
+        "python": {
+            "version": int(py_version),
+            "internal": torch.tensor(py_internal, dtype=torch.int64),
+            "gauss_next": py_gauss,
+        },
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np_state = state["numpy"]
+    np.random.set_state((
+        np_state["name"], np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
+        np_state["has_gauss"], np_state["cached_gaussian"],
+    ))
+    py_state = state["python"]
+    random.setstate((py_state["version"], tuple(int(v) for v in py_state["internal"].tolist()),
+                     py_state["gauss_next"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _atomic_write(path: Path, payload: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as handle:
+        handle.write(payload)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(dirpath: Path) -> None:
+    try:
+        fd = os.open(dirpath, os.O_RDONLY)
+    except OSError:  # some filesystems do not allow opening directories
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
