@@ -93,7 +93,7 @@ class AccumulationWindow:
 
     def _scales(self, count: Optional[Callable[[Any], int]]) -> list[float]:
         if count is None:
-            return [1.0 / self.size] * self.size
+            return [1.0 / self.size] * self.size if self.size else []
         counts = [int(count(mb)) for mb in self.items]
         world_size = getattr(self.wrapper, "world_size", 1)
         total = float(sum(counts))

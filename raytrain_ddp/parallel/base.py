@@ -111,8 +111,10 @@ def _named_state(module: nn.Module) -> list[tuple[str, str, torch.Tensor]]:
     return items
 
 
-def _check_structure(items: list, pg, world_size: int, world_rank: int, device: torch.device) -> None:
+def check_structure(module: nn.Module, pg, world_size: int, world_rank: int) -> None:
     """One tiny all-reduce so a rank with a different model fails clearly instead of hanging."""
+    items = _named_state(module)
+    device = items[0][2].device if items else torch.device("cpu")
     signature = ";".join(f"{kind}:{name}:{tuple(t.shape)}:{t.dtype}" for kind, name, t in items)
     crc = zlib.crc32(signature.encode())
     flags = torch.tensor([crc, -crc], dtype=torch.int64, device=device)
@@ -136,7 +138,7 @@ def sync_initial_state(module: nn.Module, pg, *, verify: bool, world_size: int, 
     if not items:
         return
     device = items[0][2].device
-    _check_structure(items, pg, world_size, world_rank, device)
+    check_structure(module, pg, world_size, world_rank)
     src = dist.get_global_rank(pg, 0) if pg is not None else 0
     differs = torch.zeros(world_size, len(items), dtype=torch.int32, device=device)
     max_diff: dict[int, float] = {}
@@ -194,6 +196,13 @@ def wait_work(work, what: str, timeout_s: Optional[float], world_rank: int, worl
         ) from exc
 
 
+def format_bytes(nbytes: float) -> str:
+    for unit, size in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{int(nbytes)} B"
+
+
 def describe_tensors(names: list[str], nbytes: int, limit: int = 3) -> str:
     shown = ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
-    return f"{nbytes / 2**20:.2f} MB, params: {shown}"
+    return f"{format_bytes(nbytes)}, params: {shown}"

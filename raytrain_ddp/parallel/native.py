@@ -32,7 +32,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from raytrain_ddp.parallel.base import CollectiveTimeoutError, WrappedModel, sync_initial_state
+from raytrain_ddp.parallel.base import (
+    CollectiveTimeoutError,
+    WrappedModel,
+    check_structure,
+    describe_tensors,
+    sync_initial_state,
+)
 
 
 class LocalModel(WrappedModel):
@@ -66,6 +72,8 @@ class NativeDDP(WrappedModel):
             # DDP would silently broadcast; check first so differing ranks fail clearly.
             sync_initial_state(module, process_group, verify=True,
                                world_size=self.world_size, world_rank=self.world_rank)
+        elif self.world_size > 1:  # same clear error as the other strategies, on every rank
+            check_structure(module, process_group, self.world_size, self.world_rank)
         self.ddp = DistributedDataParallel(
             module, device_ids=device_ids, process_group=process_group,
             bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True,
@@ -90,7 +98,7 @@ class NativeDDP(WrappedModel):
         buffer = bucket.buffer()
         nbytes = buffer.numel() * (self._wire_bytes or buffer.element_size())
         index = bucket.index()
-        names = [n for n, _ in zip(self._param_names(bucket), range(3))]
+        names = self._param_names(bucket)
         self._stats["allreduce_calls"] += 1
         self._stats["allreduce_bytes"] += nbytes
         self._calls_this_sync += 1
@@ -105,10 +113,13 @@ class NativeDDP(WrappedModel):
             try:
                 return done.value()
             except Exception as exc:
+                lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+                cause = next((ln for ln in lines if "timed out" in ln.lower()), lines[0] if lines else "")
+                cause = cause.replace("Got the following error when running the callback: ", "")
                 within = f" within {timeout:g}s" if timeout is not None else ""
                 raise CollectiveTimeoutError(
-                    f"all-reduce of DDP bucket {index} ({nbytes / 2**20:.2f} MB, params: "
-                    f"{', '.join(names)}) did not complete{within} on rank {rank} of {world}: {exc}"
+                    f"all-reduce of DDP bucket {index + 1} ({describe_tensors(names, nbytes)}) "
+                    f"did not complete{within} on rank {rank} of {world} ({cause})"
                 ) from exc
 
         return fut.then(check)

@@ -1,0 +1,145 @@
+"""One process: no process group (or a group of one), the accumulation window's arithmetic,
+bucket assignment, argument errors, and the no-Ray import rule. Mostly milliseconds."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from _spawn import run_ranks
+from _workloads import make_model, make_optimizer, reference_params, step_data
+from raytrain_ddp.parallel import (
+    STRATEGIES, LocalModel, WrappedModel, accumulation_window, chunked, wrap_model,
+)
+from raytrain_ddp.parallel.scratch import assign_buckets
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _FakeWrapper:
+    """Records which micro-steps ran under no_sync."""
+
+    world_size = 1
+
+    def __init__(self) -> None:
+        self.synced: list[bool] = []
+        self._in_no_sync = False
+
+    def no_sync(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            self._in_no_sync = True
+            yield
+            self._in_no_sync = False
+
+        return ctx()
+
+
+def test_accumulation_window_syncs_last_and_scales():
+    fake = _FakeWrapper()
+    batches = iter(range(7))
+    seen = []
+    while True:
+        window = accumulation_window(fake, batches, expected=3)
+        for mb, scale in window:
+            seen.append((mb, scale, fake._in_no_sync))
+        if not window.should_step:
+            break
+    assert [s[0] for s in seen] == list(range(7))
+    assert [s[2] for s in seen] == [True, True, False] * 2 + [False]  # only last micro-step syncs
+    assert [s[1] for s in seen] == pytest.approx([1 / 3] * 6 + [1.0])  # short window: its real size
+    assert window.exhausted and window.size == 0
+
+    dropped = accumulation_window(fake, iter(range(2)), expected=3, partial="drop")
+    assert list(dropped) == [] and not dropped.should_step and dropped.dropped == 2
+
+    by_count = accumulation_window(fake, [[0] * 3, [0] * 1], expected=2, count=len)
+    assert [s for _, s in by_count] == pytest.approx([0.75, 0.25])
+    assert [len(c) for c in chunked(range(5), 2)] == [2, 2, 1]
+
+    with pytest.raises(ValueError, match="expected=2"):
+        accumulation_window(fake, [1, 2, 3], expected=2)
+    with pytest.raises(ValueError, match="partial='keep'"):
+        accumulation_window(fake, [1], expected=2, partial="keep")
+
+
+def test_assign_buckets_reverse_order_caps_and_dtypes():
+    ps = [torch.zeros(256), torch.zeros(256), torch.zeros(10, dtype=torch.float64), torch.zeros(256),
+          torch.zeros(600)]
+    # caps in bytes: 2 KB (first bucket per dtype 1 KB); a tensor larger than the cap gets its own
+    assert assign_buckets(ps, cap_bytes=2048, first_cap_bytes=1024) == [[0], [1, 3], [2], [4]]
+    assert assign_buckets(ps, cap_bytes=10**6) == [[0, 1, 3, 4], [2]]
+
+
+def test_wrap_model_rejects_bad_options():
+    with pytest.raises(ValueError, match="'naive'"):
+        wrap_model(nn.Linear(2, 2), "naive", compress="bf16")
+    with pytest.raises(ValueError, match="strategy='ddp' is not one of"):
+        wrap_model(nn.Linear(2, 2), "ddp")
+    with pytest.raises(ValueError, match="compress='fp8'"):
+        wrap_model(nn.Linear(2, 2), "bucketed", compress="fp8")
+    with pytest.raises(ValueError, match="already wrapped"):
+        wrap_model(wrap_model(nn.Linear(2, 2), "bucketed"), "naive")
+
+
+def _single(world_rank=0, world_size=1):
+    """Every strategy equals plain training, sends nothing; state_dict has bare keys."""
+    out = {}
+    for strategy in STRATEGIES:
+        model = wrap_model(make_model(seed=1), strategy)
+        assert isinstance(model, WrappedModel) and model.strategy == strategy
+        opt = make_optimizer("adamw", model.parameters())
+        for s in range(2):
+            x, y = step_data(s, 6)
+            for (xb, yb), scale in accumulation_window(model, iter([(x[:3], y[:3]), (x[3:], y[3:])]),
+                                                       expected=2):
+                (nn.functional.mse_loss(model(xb), yb) * scale).backward()
+            opt.step()
+            opt.zero_grad()
+        model.eval()
+        assert not model.module.training
+        out[strategy] = dict(params=[p.detach().clone() for p in model.module.parameters()],
+                             stats=model.comm_stats, keys=list(model.state_dict()),
+                             local=isinstance(model, LocalModel))
+        model.load_state_dict(make_model(seed=3).state_dict())  # bare keys load back
+    return out
+
+
+def _check_single(out, native_local: bool):
+    reference = reference_params("adamw", 2, [6, 6])
+    for strategy, res in out.items():
+        assert max((p - r).abs().max().item() for p, r in zip(res["params"], reference)) < 1e-12
+        assert res["stats"]["allreduce_calls"] == 0 and res["stats"]["allreduce_bytes"] == 0, strategy
+        assert res["keys"] == list(make_model(1).state_dict()), strategy
+    assert out["native"]["local"] is native_local
+
+
+def test_no_process_group_runs_without_communication():
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    _check_single(_single(), native_local=True)  # native without a group: LocalModel pass-through
+
+
+@pytest.mark.distributed
+def test_world_size_one_group():
+    (out,) = run_ranks(_single, 1, timeout_s=45)
+    # naive/bucketed skip communication at world size 1; native is real DDP, whose one
+    # rank still "all-reduces" with itself, so only the first two are held to zero here.
+    reference = reference_params("adamw", 2, [6, 6])
+    for strategy, res in out.items():
+        assert max((p - r).abs().max().item() for p, r in zip(res["params"], reference)) < 1e-12, strategy
+    assert out["naive"]["stats"]["allreduce_calls"] == out["bucketed"]["stats"]["allreduce_calls"] == 0
+    assert not out["native"]["local"] and out["native"]["stats"]["allreduce_calls"] == 2
+
+
+def test_import_does_not_pull_ray():
+    code = "import sys, raytrain_ddp.parallel; assert 'ray' not in sys.modules, 'ray imported'"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 0, proc.stderr
