@@ -63,12 +63,14 @@ def _comm_checks(world_rank, world_size):
         quiet = model.comm_stats
         model(x).sum().backward()
         synced = model.comm_stats
-        model.reset_comm_stats()
         views = None
-        if strategy == "bucketed":  # grads live in the flat bucket buffers (no copy)
+        if strategy == "bucketed":  # grads live in the flat bucket buffers, even after set_to_none
+            model.module.zero_grad(set_to_none=True)
+            model(x).sum().backward()
             storages = {p.grad.untyped_storage().data_ptr() for p in model.module.parameters()
                         if p.requires_grad}
             views = len(storages)
+        model.reset_comm_stats()
         out[f"{strategy}/{compress}"] = dict(quiet=quiet, synced=synced, after_reset=model.comm_stats,
                                              storages=views)
     return out
