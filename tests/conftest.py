@@ -1,0 +1,51 @@
+"""Shared fixtures: one lazy local Ray instance per session, and process-group hygiene.
+
+`ray_cluster` starts Ray only when a test asks for it (the pure and gloo tiers never pay
+for it) and shuts it down at the end of the session. It mirrors what `raytrain-ddp
+train` does on this machine: more logical CPUs than cores (workers + Ray Data tasks),
+dashboard and node bound to 127.0.0.1.
+
+`_no_leaked_process_group` (autouse) fails any test that leaves a torch.distributed
+process group initialised in the test process, and tears it down so the next test
+starts clean.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+_TESTS = str(Path(__file__).resolve().parent)
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    if ray.is_initialized():  # someone else started it: use it, do not stop it
+        yield ray
+        return
+    ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=True, dashboard_host="127.0.0.1",
+             _node_ip_address="127.0.0.1", logging_level="WARNING")
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_process_group():
+    yield
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover
+        return
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("test left a torch.distributed process group initialised (call destroy_process_group)")

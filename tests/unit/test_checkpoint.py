@@ -1,0 +1,113 @@
+"""Checkpoint files without Ray: round trip, RNG state, damage detection, newest-valid fallback."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from raytrain_ddp import checkpoint as ckpt
+from raytrain_ddp.errors import CheckpointError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _state(step: int, fit_id: str = "fit-a") -> dict:
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": {"last_step": step},
+            "scaler": {}, "step": step, "epoch": step // 10, "steps_into_epoch": step % 10,
+            "world_size": 2, "rng": ckpt.rng_state(), "config_digest": "abc", "fit_id": fit_id}
+
+
+def test_round_trip_restores_tensors_optimizer_and_every_rng(tmp_path):
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    state = _state(7)
+    ckpt.save_checkpoint(tmp_path / "checkpoint_a", state)
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+
+    random.seed(99)
+    np.random.seed(99)
+    torch.manual_seed(99)
+    loaded = ckpt.load_checkpoint(tmp_path / "checkpoint_a")
+    ckpt.set_rng_state(loaded["rng"])
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+    assert loaded["step"] == 7 and loaded["steps_into_epoch"] == 7 and loaded["fit_id"] == "fit-a"
+    for key, value in state["model"].items():
+        assert torch.equal(loaded["model"][key], value)
+    assert loaded["optimizer"]["state"][0]["exp_avg"].shape == (3, 4)
+    manifest = json.loads((tmp_path / "checkpoint_a" / "manifest.json").read_text())
+    assert manifest["step"] == 7 and manifest["files"]["state.pt"]["size"] > 0
+    assert not list((tmp_path / "checkpoint_a").glob(".*tmp*")), "temporary files left behind"
+
+
+def test_truncated_corrupted_and_incomplete_checkpoints_are_named(tmp_path):
+    for name in ("trunc", "flip", "nomanifest"):
+        ckpt.save_checkpoint(tmp_path / name, _state(1))
+    state_file = tmp_path / "trunc" / "state.pt"
+    state_file.write_bytes(state_file.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"trunc/state\.pt.*truncated"):
+        ckpt.load_checkpoint(tmp_path / "trunc")
+
+    flipped = tmp_path / "flip" / "state.pt"
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    flipped.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"flip/state\.pt.*sha256"):
+        ckpt.load_checkpoint(tmp_path / "flip")
+
+    (tmp_path / "nomanifest" / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match=r"nomanifest/manifest\.json.*missing"):
+        ckpt.load_checkpoint(tmp_path / "nomanifest")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        ckpt.load_checkpoint(tmp_path / "nowhere")
+
+
+class _Boom:
+    def __reduce__(self):
+        return (print, ("arbitrary code ran",))
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_pickle_with_code_is_refused_even_with_a_matching_manifest(tmp_path, capsys):
+    evil = tmp_path / "checkpoint_evil"
+    ckpt.save_checkpoint(evil, _state(3))
+    payload = pickle.dumps({"model": _Boom(), "optimizer": {}, "step": 3, "epoch": 0, "steps_into_epoch": 3})
+    (evil / "state.pt").write_bytes(payload)
+    manifest = json.loads((evil / "manifest.json").read_text())
+    import hashlib
+
+    manifest["files"]["state.pt"] = {"sha256": hashlib.sha256(payload).hexdigest(), "size": len(payload)}
+    (evil / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"checkpoint_evil/state\.pt: refused to load"):
+        ckpt.load_checkpoint(evil)
+    assert "arbitrary code ran" not in capsys.readouterr().out
+
+
+def test_find_orders_by_recorded_step_and_load_latest_valid_falls_back(tmp_path):
+    for step in (5, 20, 10):
+        ckpt.save_checkpoint(tmp_path / f"checkpoint_{step:03d}", _state(step))
+    (tmp_path / "checkpoint_broken").mkdir()  # no manifest: sorts last
+    (tmp_path / "not_a_checkpoint").mkdir()
+    found = ckpt.find_checkpoints(tmp_path)
+    assert [p.name for p in found] == ["checkpoint_020", "checkpoint_010", "checkpoint_005", "checkpoint_broken"]
+
+    newest = tmp_path / "checkpoint_020" / "state.pt"
+    newest.write_bytes(newest.read_bytes()[:-10])
+    state, path = ckpt.load_latest_valid(found)
+    assert path.name == "checkpoint_010" and state["step"] == 10
+    assert ckpt.load_latest_valid([tmp_path / "checkpoint_broken"]) is None
+    assert ckpt.find_checkpoints(tmp_path / "missing") == []
+
+
+def test_state_missing_required_keys_is_rejected_on_save(tmp_path):
+    with pytest.raises(ValueError, match="missing keys"):
+        ckpt.save_checkpoint(tmp_path / "x", {"model": {}})

@@ -1,0 +1,87 @@
+"""Metrics sink, step meter, driver progress and plot: no Ray, no torch.distributed."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+
+import pytest
+
+from raytrain_ddp.errors import UserError
+from raytrain_ddp.metrics import (
+    MetricsWriter, ProgressPrinter, StepMeter, final_metrics, format_record, read_metrics,
+)
+from raytrain_ddp.plot import plot_run
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_writer_appends_lines_only_on_rank0_and_truncates_for_resume(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    MetricsWriter(path, enabled=False).write({"step": 1, "loss": 1.0})
+    assert not path.exists()
+    writer = MetricsWriter(path)
+    for step in (1, 2, 3):
+        writer.write({"step": step, "loss": 1.0 / step})
+    writer.write({"step": 3, "val_loss": 0.5, "val_accuracy": 0.9})
+    with open(path, "a") as handle:
+        handle.write('{"step": 4, "lo')  # a writer killed mid-line
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3, 3]
+    writer.truncate_after(2)
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+
+
+def test_final_metrics_overlays_last_validation_on_last_train_line():
+    records = [{"step": 1, "loss": 2.0}, {"step": 1, "val_loss": 1.5, "val_accuracy": 0.5},
+               {"step": 2, "loss": 1.0, "lr": 0.1}]
+    assert final_metrics(records) == {"step": 2, "loss": 1.0, "lr": 0.1, "val_loss": 1.5, "val_accuracy": 0.5}
+    assert final_metrics([]) == {}
+
+
+def test_step_meter_averages_over_the_window_and_ignores_paused_time():
+    meter = StepMeter(global_batch_size=64, wait_seconds=0.0, comm={"allreduce_calls": 0, "allreduce_bytes": 0})
+    time.sleep(0.02)
+    meter.step_done()
+    meter.pause(wait_seconds=0.005)
+    time.sleep(0.05)  # validation: neither step time nor data wait
+    meter.resume(wait_seconds=0.5)
+    time.sleep(0.02)
+    meter.step_done()
+    out = meter.summarize(wait_seconds=0.51, comm={"allreduce_calls": 4, "allreduce_bytes": 400})
+    assert out["allreduce_calls"] == 2 and out["allreduce_bytes"] == 200
+    # two steps of ~20 ms each: ~3,200 samples/s; the 50 ms pause is not counted
+    assert 64 * 2 / 0.2 < out["samples_per_s"] < 64 * 2 / 0.035
+    assert 0.0 < out["data_wait_fraction"] < 1.0  # 15 ms of the ~40 ms, paused wait excluded
+    again = meter.summarize(wait_seconds=0.51, comm={"allreduce_calls": 4, "allreduce_bytes": 400})
+    assert again["allreduce_calls"] == 0 and again["samples_per_s"] == 0
+
+
+def test_format_and_progress_printer_tail_new_lines_only(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"step": 1, "loss": 9.0}) + "\n")  # an earlier fit's line
+    out = io.StringIO()
+    with ProgressPrinter(path, total_steps=20, out=out, poll_s=0.01):
+        writer = MetricsWriter(path)
+        writer.write({"step": 10, "epoch": 1, "loss": 0.25, "lr": 1e-3, "samples_per_s": 1234.5,
+                      "data_wait_fraction": 0.1})
+        writer.write({"step": 10, "epoch": 1, "val_loss": 0.2, "val_accuracy": 0.955})
+    lines = out.getvalue().splitlines()
+    assert lines == [
+        "step 10/20 | epoch 1 | loss 0.2500 | lr 1.00e-03 | 1,234 samples/s | data wait 10%",
+        "step 10/20 | epoch 1 | val_loss 0.2000 | val_accuracy 95.50%",
+    ]
+    assert "non-finite steps 2" in format_record({"step": 3, "loss": float("nan"), "nonfinite_steps": 2})
+
+
+def test_plot_writes_a_png_and_rejects_an_empty_run(tmp_path):
+    writer = MetricsWriter(tmp_path / "metrics.jsonl")
+    for step in range(1, 11):
+        writer.write({"step": step, "epoch": 1, "loss": 2.0 / step, "samples_per_s": 1000.0 + step})
+        if step % 5 == 0:
+            writer.write({"step": step, "epoch": 1, "val_loss": 1.0 / step, "val_accuracy": 0.5 + step / 40})
+    out = plot_run(tmp_path)
+    assert out == tmp_path / "curves.png"
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    with pytest.raises(UserError, match="no metrics to plot"):
+        plot_run(tmp_path / "empty")

@@ -1,0 +1,56 @@
+"""Warm-up + cosine schedule and optimizer groups: pure functions, no Ray."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from raytrain_ddp.config import TrainConfig
+from raytrain_ddp.schedule import WarmupCosine, build_optimizer, lr_at
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_warmup_is_linear_then_cosine_reaches_the_floor():
+    kw = dict(peak_lr=1.0, warmup_steps=4, total_steps=14, min_lr_ratio=0.1)
+    assert [lr_at(s, **kw) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(4, **kw) == pytest.approx(1.0)
+    assert lr_at(9, **kw) == pytest.approx(0.55)  # half way down the cosine
+    assert lr_at(14, **kw) == pytest.approx(0.1)
+    assert lr_at(100, **kw) == pytest.approx(0.1)  # stays at the floor past the end
+    lrs = [lr_at(s, **kw) for s in range(4, 15)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+def test_no_warmup_starts_at_peak():
+    assert lr_at(0, peak_lr=0.3, warmup_steps=0, total_steps=10, min_lr_ratio=0.0) == pytest.approx(0.3)
+
+
+def test_scheduler_sets_param_groups_and_resumes_exactly():
+    model = torch.nn.Linear(3, 3)
+    train = TrainConfig(lr=0.5, warmup_steps=2, min_lr_ratio=0.0, weight_decay=0.1)
+    opt = build_optimizer(model.parameters(), train)
+    sched = WarmupCosine.from_config(opt, train, total_steps=10)
+    seen = []
+    for _ in range(6):
+        seen.append(opt.param_groups[0]["lr"])
+        sched.step()
+    state = sched.state_dict()
+
+    opt2 = build_optimizer(model.parameters(), train)
+    sched2 = WarmupCosine.from_config(opt2, train, total_steps=10)
+    sched2.load_state_dict(state)
+    assert opt2.param_groups[0]["lr"] == pytest.approx(opt.param_groups[0]["lr"])
+    assert seen[:2] == [0.25, 0.5]
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.5 * 0.5 * (1 + math.cos(math.pi * 4 / 8)))
+
+
+def test_weight_decay_only_on_matrices_and_sgd_momentum():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+    opt = build_optimizer(model.parameters(), TrainConfig(weight_decay=0.2))
+    decays = {len(g["params"]): g["weight_decay"] for g in opt.param_groups}
+    assert decays == {1: 0.2, 3: 0.0}  # the weight matrix vs bias, norm weight, norm bias
+    sgd = build_optimizer(model.parameters(), TrainConfig(optimizer="sgd", momentum=0.8))
+    assert isinstance(sgd, torch.optim.SGD) and sgd.param_groups[0]["momentum"] == 0.8
