@@ -28,9 +28,11 @@ earlier in a `no_sync` window), so no rank hangs and every rank ends with the sa
 gradient; afterwards their `.grad` is the (averaged) bucket view, not None, so optimizers
 with weight decay or momentum will still update them (torch DDP behaves the same way).
 
-`optimizer.zero_grad(set_to_none=True)` is supported: the next forward re-points every
-`None` gradient at its zeroed bucket view. (If a gradient is replaced by another tensor
-between forward and backward, the hook copies it into the bucket once.)
+`optimizer.zero_grad(set_to_none=True)` is supported and is the cheaper choice: autograd
+then hands over a fresh gradient, which the hook copies into the bucket once and re-points
+`param.grad` at its bucket view (one copy, as torch DDP does), instead of zeroing the
+bucket and accumulating into it (a memset plus a read-modify-write). Later micro-steps of
+a `no_sync` window accumulate straight into the bucket.
 
 Frozen parameters (requires_grad=False) are skipped entirely. World size 1 (or no
 process group) registers no hooks and sends nothing.
@@ -199,20 +201,15 @@ class BucketedDDP(_ScratchBase):
         self._works: list[tuple[_Bucket, Any, torch.Tensor]] = []
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._buckets:
-            if self._queued:  # a backward that raised never ran its callback
-                self._reset_backward()
-            for p, view in zip(self._params, self._views):
-                if p.grad is None:  # zero_grad(set_to_none=True): point back at the bucket
-                    view.zero_()
-                    p.grad = view
+        if self._queued:  # a backward that raised never ran its callback
+            self._reset_backward()
         return self.wrapped(*args, **kwargs)
 
     def _make_hook(self, i: int):
         view = self._views[i]
 
         def hook(p: torch.Tensor) -> None:
-            if p.grad is not view:  # grad was replaced since forward: adopt it once
+            if p.grad is not view:  # first gradient after zero_grad(set_to_none=True): adopt it
                 view.copy_(p.grad)
                 p.grad = view
             if not self._sync_enabled:
