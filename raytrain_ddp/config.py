@@ -114,8 +114,8 @@ class NonFiniteConfig(_Section):
 class TrainConfig(_Section):
     epochs: int = Field(10, ge=1, description="Passes over the training set (unless max_steps is set).")
     max_steps: Optional[int] = Field(None, ge=1, description="Optimizer steps; overrides epochs when set.")
-    global_batch_size: int = Field(64, ge=1, description="Samples per optimizer step, over all workers.")
-    micro_batch_size: int = Field(16, ge=1, description="Samples per worker per micro-step (forward+backward).")
+    global_batch_size: int = Field(64, ge=1, le=2**24, description="Samples per optimizer step, over all workers.")
+    micro_batch_size: int = Field(16, ge=1, le=2**20, description="Samples per worker per micro-step (forward+backward).")
     optimizer: Literal["adamw", "sgd"] = "adamw"
     lr: float = Field(0.003, gt=0.0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0.0)
@@ -148,6 +148,9 @@ class ParallelConfig(_Section):
     )
 
 
+_MAX_WORKERS = 4096
+
+
 class ScalingConfig(_Section):
     num_workers: Union[int, tuple[int, int]] = Field(
         2, description="Workers (one per GPU or CPU slot); [min, max] for an elastic run."
@@ -167,10 +170,10 @@ class ScalingConfig(_Section):
     def _positive_workers(cls, value: Union[int, tuple[int, int]]) -> Union[int, tuple[int, int]]:
         if isinstance(value, tuple):
             lo, hi = value
-            if lo < 1 or hi < lo:
-                raise ValueError(f"[min, max] needs 1 <= min <= max, got [{lo}, {hi}]")
-        elif value < 1:
-            raise ValueError(f"must be >= 1, got {value}")
+            if lo < 1 or hi < lo or hi > _MAX_WORKERS:
+                raise ValueError(f"[min, max] needs 1 <= min <= max <= {_MAX_WORKERS}, got [{lo}, {hi}]")
+        elif not 1 <= value <= _MAX_WORKERS:
+            raise ValueError(f"must be between 1 and {_MAX_WORKERS}, got {value}")
         return value
 
     @property
@@ -255,9 +258,10 @@ class Config(_Section):
 
 def _batch_error(cfg: Config, num_workers: Optional[int] = None) -> str:
     g, b = cfg.train.global_batch_size, cfg.train.micro_batch_size
-    workers = [num_workers] if num_workers else list(range(cfg.scaling.min_workers, cfg.scaling.max_workers + 1))
-    micro_ok = [m for m in range(1, g + 1) if all(g % (w * m) == 0 for w in workers)]
-    global_ok = sorted({math.lcm(*[w * b for w in workers]) * k for k in range(1, 5)})
+    lo, hi = (num_workers, num_workers) if num_workers else (cfg.scaling.min_workers, cfg.scaling.max_workers)
+    span = math.lcm(*range(lo, min(hi, lo + _MAX_SUGGEST_SPAN) + 1))
+    micro_ok = [m for m in _divisors(g // span)] if g % span == 0 else []
+    global_ok = [span * b * k for k in range(1, 5)]
     workers_ok = [w for w in range(1, 65) if g % (w * b) == 0]
     where = (f"scaling.num_workers={num_workers}" if num_workers
              else f"scaling.num_workers={_fmt_workers(cfg.scaling.num_workers)}")
@@ -273,7 +277,7 @@ def _batch_error(cfg: Config, num_workers: Optional[int] = None) -> str:
 def _elastic_error(cfg: Config, valid: list[int], invalid: list[int]) -> str:
     g, b = cfg.train.global_batch_size, cfg.train.micro_batch_size
     lo, hi = cfg.scaling.min_workers, cfg.scaling.max_workers
-    every = math.lcm(*range(lo, hi + 1)) * b
+    every = math.lcm(*range(lo, min(hi, lo + _MAX_SUGGEST_SPAN) + 1)) * b
     runs = _contiguous_runs(valid)
     return (
         f"scaling.num_workers=[{lo}, {hi}]: worker counts {invalid} cannot keep "
@@ -293,6 +297,14 @@ def _contiguous_runs(values: list[int]) -> list[list[int]]:
     return runs
 
 
+_MAX_SUGGEST_SPAN = 16  # suggestions use lcm(min..max); beyond this span it explodes
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
 def _fmt_workers(value: Union[int, tuple[int, int]]) -> str:
     return f"[{value[0]}, {value[1]}]" if isinstance(value, tuple) else str(value)
 
@@ -308,7 +320,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"override {key}={raw!r}: value is not valid YAML ({exc.problem})") from None
+        problem = getattr(exc, "problem", None) or exc
+        raise ConfigError(f"override {key}={raw!r}: value is not valid YAML ({problem})") from None
     return key.split("."), value
 
 
