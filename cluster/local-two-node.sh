@@ -1,0 +1,223 @@
+#!/usr/bin/env bash
+# A real two-node Ray cluster on one machine, for tests and for trying multi-node locally.
+#
+#   cluster/local-two-node.sh up            # prints the state dir; `source <dir>/env` to use it
+#   cluster/local-two-node.sh down <dir>    # stops exactly the processes `up` started
+#   cluster/local-two-node.sh status <dir>  # nodes the head sees
+#
+# Every port is picked free (GCS, dashboard, node/object managers, agents, metrics, worker
+# port ranges), so this never clashes with another Ray on the machine. The dashboard (and
+# with it the jobs API) listens on 127.0.0.1 only. Ray 2.60
+# replaces a loopback --node-ip-address with the machine's routable address and its gRPC
+# servers listen on all interfaces, so token authentication is on, with a token private to
+# this cluster (never ~/.ray/auth_token): nothing answers without it.
+# `down` kills only the two process groups recorded by `up` -- never `ray stop`, which
+# would stop every Ray instance on the machine by name.
+#
+# Knobs (environment): RT2N_HEAD_CPUS / RT2N_NODE_CPUS (default 3 each),
+# RT2N_OBJECT_STORE_BYTES (default 200 MB per node), RT2N_UP_TIMEOUT_S (default 90),
+# PYTHON (default: python next to `ray` on PATH), RAY (default: `ray` on PATH).
+set -euo pipefail
+
+RAY_BIN="${RAY:-$(command -v ray || true)}"
+if [[ -z "$RAY_BIN" ]]; then
+  echo "local-two-node: 'ray' is not on PATH; activate the project venv (source .venv/bin/activate) or set RAY=/path/to/ray" >&2
+  exit 2
+fi
+PY_BIN="${PYTHON:-$(dirname "$RAY_BIN")/python}"
+[[ -x "$PY_BIN" ]] || PY_BIN="$(command -v python3)"
+
+HEAD_CPUS="${RT2N_HEAD_CPUS:-3}"
+NODE_CPUS="${RT2N_NODE_CPUS:-3}"
+STORE_BYTES="${RT2N_OBJECT_STORE_BYTES:-200000000}"
+UP_TIMEOUT_S="${RT2N_UP_TIMEOUT_S:-90}"
+
+usage() {
+  sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//' >&2
+  exit 2
+}
+
+# Print N distinct free TCP ports on 127.0.0.1 followed by two free ranges of 100 ports
+# (one worker-port range per node). Sockets stay bound until all are chosen, so the N
+# ports are distinct; a small race with other programs remains, as with any free-port pick.
+free_ports() {
+  "$PY_BIN" - "$1" <<'EOF'
+import random, socket, sys
+n = int(sys.argv[1])
+held, ports = [], []
+for _ in range(n):
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); held.append(s); ports.append(s.getsockname()[1])
+def range_free(lo, hi):
+    for p in range(lo, hi + 1):
+        if p in ports:
+            return False
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", p))
+        except OSError:
+            return False
+        finally:
+            s.close()
+    return True
+ranges = []
+rng = random.Random()
+while len(ranges) < 2:
+    lo = rng.randrange(20000, 32000 - 100)
+    if all(abs(lo - r) > 100 for r in ranges) and range_free(lo, lo + 99):
+        ranges.append(lo)
+for s in held:
+    s.close()
+print(" ".join(map(str, ports + ranges)))
+EOF
+}
+
+# Start "$@" in its own session (so it has its own process group) and print its pid.
+start_group() {
+  local log="$1"; shift
+  setsid "$@" >"$log" 2>&1 < /dev/null &
+  echo $!
+}
+
+# Wait until the head's GCS accepts connections; fail fast if the head process died.
+wait_for_gcs() {
+  local dir="$1" port="$2" pgid="$3" deadline=$((SECONDS + UP_TIMEOUT_S))
+  while (( SECONDS < deadline )); do
+    group_alive "$pgid" || { echo "local-two-node: the head exited during start-up" >&2; return 1; }
+    if "$PY_BIN" -c "import socket,sys; socket.create_connection(('127.0.0.1', int(sys.argv[1])), 1).close()" "$port" 2>/dev/null; then
+      return 0
+    fi
+    sleep 0.3
+  done
+  echo "local-two-node: the head's GCS did not listen on 127.0.0.1:$port within ${UP_TIMEOUT_S}s" >&2
+  return 1
+}
+
+wait_for_nodes() {
+  local dir="$1" want="$2"
+  # shellcheck disable=SC1091
+  ( source "$dir/env"
+    RT2N_WANT="$want" RT2N_TIMEOUT="$UP_TIMEOUT_S" timeout "$((UP_TIMEOUT_S + 10))" "$PY_BIN" - <<'EOF'
+import os, sys, time
+import ray
+want, deadline = int(os.environ["RT2N_WANT"]), time.time() + float(os.environ["RT2N_TIMEOUT"])
+ray.init(address=os.environ["RAY_ADDRESS"], logging_level="ERROR", log_to_driver=False)
+while True:
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    if len(alive) >= want:
+        print(f"local-two-node: {len(alive)} nodes alive")
+        sys.exit(0)
+    if time.time() > deadline:
+        print(f"local-two-node: only {len(alive)} of {want} nodes alive after the timeout", file=sys.stderr)
+        sys.exit(1)
+    time.sleep(0.5)
+EOF
+  )
+}
+
+# Members of process group $1 that are still running (zombies count as gone: they have
+# exited and only wait for their parent, which may be init, to reap them).
+group_alive() {
+  ps -eo pgid=,stat= | awk -v g="$1" '$1 == g && $2 !~ /^Z/ {n++} END {exit n ? 0 : 1}'
+}
+
+kill_group() {
+  local pgid="$1"
+  group_alive "$pgid" || return 0
+  kill -TERM -- "-$pgid" 2>/dev/null || true
+  for _ in $(seq 1 50); do
+    group_alive "$pgid" || return 0
+    sleep 0.2
+  done
+  kill -KILL -- "-$pgid" 2>/dev/null || true
+}
+
+cmd_down() {
+  local dir="${1:-}"
+  [[ -n "$dir" && -d "$dir" ]] || { echo "local-two-node: down needs the state dir printed by 'up'" >&2; exit 2; }
+  [[ -f "$dir/rt2n" ]] || { echo "local-two-node: $dir was not created by 'up' (no rt2n marker); refusing to touch it" >&2; exit 2; }
+  # The worker node first, so the head does not spend the shutdown reporting it dead.
+  for name in node head; do
+    if [[ -f "$dir/$name.pgid" ]]; then
+      kill_group "$(cat "$dir/$name.pgid")"
+    fi
+  done
+  if [[ "${RT2N_KEEP:-0}" == "1" ]]; then
+    echo "local-two-node: stopped; logs kept in $dir"
+  else
+    rm -rf "$dir"
+    echo "local-two-node: stopped and removed $dir"
+  fi
+}
+
+cmd_up() {
+  local dir
+  # Short path: Ray puts unix sockets under the temp dir, and those are limited to ~107 bytes.
+  dir="$(mktemp -d /tmp/rt2n-XXXX)"
+  touch "$dir/rt2n"
+  # A token for this cluster only; file mode 600 because it grants full control of the cluster.
+  (umask 077; "$PY_BIN" -c 'import secrets; print(secrets.token_hex(32), end="")' > "$dir/auth_token")
+
+  read -r GCS DASH CLIENT \
+          H_NM H_OM H_AG H_AGG H_RE H_MET \
+          N_NM N_OM N_AG N_AGG N_RE N_MET \
+          H_WLO N_WLO <<<"$(free_ports 15)"
+
+  export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$dir/auth_token" RAY_USAGE_STATS_ENABLED=0
+  cat > "$dir/env" <<EOF
+# source this file to talk to the local two-node cluster
+export RAY_ADDRESS=127.0.0.1:$GCS
+export RAY_AUTH_MODE=token
+export RAY_AUTH_TOKEN_PATH=$dir/auth_token
+export RT2N_DIR=$dir
+export RT2N_DASHBOARD=http://127.0.0.1:$DASH
+EOF
+
+  local head_pid node_pid
+  head_pid=$(start_group "$dir/head.log" "$RAY_BIN" start --head --block \
+    --node-ip-address=127.0.0.1 --port="$GCS" --temp-dir="$dir/ray" \
+    --include-dashboard=true --dashboard-host=127.0.0.1 --dashboard-port="$DASH" \
+    --ray-client-server-port="$CLIENT" \
+    --node-manager-port="$H_NM" --object-manager-port="$H_OM" \
+    --dashboard-agent-listen-port="$H_AG" --dashboard-agent-grpc-port="$H_AGG" \
+    --runtime-env-agent-port="$H_RE" --metrics-export-port="$H_MET" \
+    --min-worker-port="$H_WLO" --max-worker-port="$((H_WLO + 99))" \
+    --num-cpus="$HEAD_CPUS" --num-gpus=0 --object-store-memory="$STORE_BYTES" \
+    --resources='{"node_a": 1}' --disable-usage-stats)
+  echo "$head_pid" > "$dir/head.pgid"
+  echo "local-two-node: head pid $head_pid, GCS 127.0.0.1:$GCS, dashboard 127.0.0.1:$DASH" >&2
+  if ! wait_for_gcs "$dir" "$GCS" "$head_pid"; then
+    tail -n 30 "$dir/head.log" >&2; RT2N_KEEP=1 cmd_down "$dir" >&2; exit 1
+  fi
+
+
+  node_pid=$(start_group "$dir/node.log" "$RAY_BIN" start --block \
+    --address="127.0.0.1:$GCS" --node-ip-address=127.0.0.1 \
+    --node-manager-port="$N_NM" --object-manager-port="$N_OM" \
+    --dashboard-agent-listen-port="$N_AG" --dashboard-agent-grpc-port="$N_AGG" \
+    --runtime-env-agent-port="$N_RE" --metrics-export-port="$N_MET" \
+    --min-worker-port="$N_WLO" --max-worker-port="$((N_WLO + 99))" \
+    --num-cpus="$NODE_CPUS" --num-gpus=0 --object-store-memory="$STORE_BYTES" \
+    --resources='{"node_b": 1}' --disable-usage-stats)
+  echo "$node_pid" > "$dir/node.pgid"
+
+  if ! wait_for_nodes "$dir" 2 >&2; then
+    tail -n 30 "$dir/head.log" "$dir/node.log" >&2; RT2N_KEEP=1 cmd_down "$dir" >&2; exit 1
+  fi
+  echo "local-two-node: up. Use it with:  source $dir/env" >&2
+  echo "local-two-node: stop it with:     $0 down $dir" >&2
+  echo "$dir"
+}
+
+cmd_status() {
+  local dir="${1:-}"
+  [[ -f "$dir/env" ]] || { echo "local-two-node: status needs the state dir printed by 'up'" >&2; exit 2; }
+  # shellcheck disable=SC1091
+  ( source "$dir/env"; "$RAY_BIN" status --address "$RAY_ADDRESS" )
+}
+
+case "${1:-}" in
+  up) cmd_up ;;
+  down) cmd_down "${2:-${RT2N_DIR:-}}" ;;
+  status) cmd_status "${2:-${RT2N_DIR:-}}" ;;
+  *) usage ;;
+esac
