@@ -1,0 +1,158 @@
+"""`ray job submit` against a real local head with token authentication on.
+
+Starts `ray start --head --block` in its own session (127.0.0.1, free ports, a short
+private --temp-dir, its own token file via RAY_AUTH_TOKEN_PATH so ~/.ray/auth_token is
+never touched), checks that a submission without the token is refused, submits the tiny
+config through examples/submit_quickstart.sh (the real `ray job submit` CLI, uploading
+the repo with .venv present), checks the run directory, and stops the head by killing
+its process group. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+
+
+def _free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RAYTRAIN_DDP_"))}
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    env.update(extra)
+    return env
+
+
+def _wait_for_port(port: int, head: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if head.poll() is not None:
+            pytest.fail(f"ray head exited early (rc {head.returncode}):\n{log.read_text()[-3000:]}")
+        with socket.socket() as s:
+            s.settimeout(1)
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(1)
+    pytest.fail(f"dashboard port {port} not open after {timeout_s}s:\n{log.read_text()[-3000:]}")
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the head's process group (ray start --block then stops what it started),
+    SIGKILL whatever is left after a bounded wait. Never `ray stop`: it would stop every
+    Ray instance of this user, including other tests' ones."""
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:
+        return
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    except ProcessLookupError:
+        return
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=10)
+
+
+@pytest.fixture
+def ray_head(tmp_path):
+    gcs, dash, client, node_mgr, obj_mgr, metrics, agent_http, agent_grpc, env_agent = _free_ports(9)
+    temp_dir = Path(tempfile.mkdtemp(prefix="rtj", dir="/tmp"))  # short: unix socket paths
+    token_path = tmp_path / "auth_token"
+    token_path.write_text(secrets.token_hex(32))
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
+    log = tmp_path / "head.log"
+    cmd = [str(VENV_BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+           f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+           f"--ray-client-server-port={client}", f"--node-manager-port={node_mgr}",
+           f"--object-manager-port={obj_mgr}", f"--metrics-export-port={metrics}",
+           f"--dashboard-agent-listen-port={agent_http}", f"--dashboard-agent-grpc-port={agent_grpc}",
+           f"--runtime-env-agent-port={env_agent}", "--num-cpus=4", f"--temp-dir={temp_dir}",
+           "--disable-usage-stats"]
+    with open(log, "wb") as out:
+        head = subprocess.Popen(cmd, env=_clean_env(**auth), stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        _wait_for_port(dash, head, log, timeout_s=120)
+        yield {"address": f"http://127.0.0.1:{dash}", "auth": auth, "log": log, "temp_dir": temp_dir}
+    finally:
+        _stop_group(head)
+        subprocess.run(["rm", "-rf", str(temp_dir)], check=False, timeout=60)
+
+
+def _submit(env: dict[str, str], *args: str, timeout_s: float) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(REPO / "examples" / "submit_quickstart.sh"), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout_s)
+
+
+def test_job_submit_with_token_trains_and_without_token_is_refused(ray_head, tmp_path):
+    storage = tmp_path / "runs"
+    base = {"CONFIG": "examples/configs/tiny.yaml", "STORAGE": str(storage), "RAY": str(VENV_BIN / "ray")}
+
+    # No token anywhere: an empty HOME hides ~/.ray/auth_token, no RAY_AUTH_* variables.
+    empty_home = tmp_path / "home"
+    empty_home.mkdir()
+    refused = _submit(_clean_env(HOME=str(empty_home), RAY_AUTH_MODE="disabled", **base),
+                      ray_head["address"], "name=refused", timeout_s=120)
+    assert refused.returncode != 0
+    text = (refused.stdout + refused.stderr).lower()
+    assert "401" in text or "unauthorized" in text or "authentication" in text, text[-2000:]
+    assert not (storage / "refused").exists()
+
+    # Wrong token: refused as well.
+    wrong = tmp_path / "wrong_token"
+    wrong.write_text(secrets.token_hex(32))
+    refused = _submit(_clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(wrong), **base),
+                      ray_head["address"], "name=refused", timeout_s=120)
+    assert refused.returncode != 0
+
+    done = _submit(_clean_env(**ray_head["auth"], **base), ray_head["address"],
+                   "name=submitted", "train.epochs=1", timeout_s=240)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:] + "\nhead log:\n" + ray_head["log"].read_text()[-2000:]
+    assert "succeeded" in out, out[-3000:]
+    # What was uploaded, as unpacked on the head: the package, without .venv, runs or .git.
+    unpacked = [p for p in (ray_head["temp_dir"] / "session_latest" / "runtime_resources" / "working_dir_files").glob("*")
+                if p.is_dir()]
+    assert len(unpacked) == 1, unpacked
+    shipped = unpacked[0]
+    assert (shipped / "raytrain_ddp" / "launcher.py").is_file()
+    assert not any((shipped / name).exists() for name in (".venv", ".git", "runs"))
+    size = sum(f.stat().st_size for f in shipped.rglob("*") if f.is_file())
+    assert size < 5 * 2**20, f"upload unpacked to {size / 2**20:.1f} MiB"
+
+    run_dir = storage / "submitted"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["steps"] == 22 and summary["attempts"] == 1
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "metrics.jsonl").stat().st_size > 0
+    assert Path(summary["checkpoint"]).parent == run_dir and (Path(summary["checkpoint"]) / "manifest.json").is_file()
+    assert "val_accuracy" in summary["final_metrics"]
