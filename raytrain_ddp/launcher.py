@@ -223,11 +223,22 @@ def print_plan(cfg: Config, spec: Any, run_dir: Path, steps_per_epoch: int, tota
         f" x {k} accumulation steps",
         f"  schedule  {steps_per_epoch} steps/epoch, {total_steps} steps, lr {cfg.train.lr:g} "
         f"(warmup {cfg.train.warmup_steps}, cosine to {cfg.train.min_lr_ratio:g}x)",
-        f"  resume    {resume_from if resume_from else 'fresh start'}",
+        f"  resume    {_describe_resume(resume_from, total_steps)}",
     ]
     if cfg.scaling.elastic:
         lines[3] += f" (elastic {cfg.scaling.min_workers}-{workers} workers; accumulation re-derived on resize)"
     print("\n".join(lines), flush=True)
+
+
+def _describe_resume(resume_from: Optional[Path], total_steps: int) -> str:
+    if resume_from is None:
+        return "fresh start"
+    step = int(ckpt.read_manifest(resume_from).get("step", 0))
+    text = f"from {resume_from} (step {step})"
+    if step >= total_steps:
+        text += (f"; already at step {step} of {total_steps}: nothing to train "
+                 "(raise train.epochs or train.max_steps to continue, or pick a new name)")
+    return text
 
 
 def print_summary(summary: dict[str, Any]) -> None:
