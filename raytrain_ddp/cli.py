@@ -14,13 +14,35 @@ from typing import Optional, Sequence
 from raytrain_ddp.errors import UserError
 
 
+def _config_and_overrides(args: argparse.Namespace) -> tuple[Optional[str], list[str]]:
+    """`raytrain-ddp train train.lr=0.1` has no file: the first word is then an override."""
+    if args.config is not None and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
+        return None, [args.config, *args.overrides]
+    return args.config, list(args.overrides)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from raytrain_ddp.config import load_config
     from raytrain_ddp.launcher import run_training
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(*_config_and_overrides(args))
     summary = run_training(cfg)
     return 0 if summary.get("status", "ok") == "ok" else 1
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from raytrain_ddp.config import load_config, reference_markdown
+
+    if args.reference:
+        print(reference_markdown())
+        return 0
+    cfg = load_config(*_config_and_overrides(args))
+    print(cfg.to_yaml(), end="")
+    counts = cfg.valid_worker_counts()
+    steps = ", ".join(f"{w} workers -> {cfg.accumulation_steps(w)}" for w in counts)
+    print(f"# global batch {cfg.train.global_batch_size} = workers x micro-batch "
+          f"{cfg.train.micro_batch_size} x accumulation steps ({steps})")
+    return 0
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
@@ -62,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", nargs="?", default=None, help="YAML config file (omit for all defaults)")
     train.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.lr=0.01")
     train.set_defaults(func=_cmd_train)
+
+    config = sub.add_parser("config", help="validate a config and print it resolved (no Ray)")
+    config.add_argument("config", nargs="?", default=None, help="YAML config file (omit for defaults)")
+    config.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    config.add_argument("--reference", action="store_true", help="print every key as a markdown table")
+    config.set_defaults(func=_cmd_config)
 
     plot = sub.add_parser("plot", help="plot loss / validation / throughput of a run directory to a PNG")
     plot.add_argument("run_dir")

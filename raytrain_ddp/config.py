@@ -116,9 +116,9 @@ class TrainConfig(_Section):
     max_steps: Optional[int] = Field(None, ge=1, description="Optimizer steps; overrides epochs when set.")
     global_batch_size: int = Field(64, ge=1, le=2**24, description="Samples per optimizer step, over all workers.")
     micro_batch_size: int = Field(16, ge=1, le=2**20, description="Samples per worker per micro-step (forward+backward).")
-    optimizer: Literal["adamw", "sgd"] = "adamw"
+    optimizer: Literal["adamw", "sgd"] = Field("adamw", description="adamw, or sgd with train.momentum.")
     lr: float = Field(0.003, gt=0.0, description="Peak learning rate.")
-    weight_decay: float = Field(0.0, ge=0.0)
+    weight_decay: float = Field(0.0, ge=0.0, description="Decoupled (adamw) or L2 (sgd) weight decay.")
     momentum: float = Field(0.9, ge=0.0, lt=1.0, description="sgd only.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps before the cosine decay.")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Cosine floor as a fraction of lr.")
@@ -126,7 +126,7 @@ class TrainConfig(_Section):
         "fp32", description="torch.amp autocast dtype; fp16 adds a GradScaler."
     )
     clip_grad_norm: Optional[float] = Field(None, gt=0.0, description="Global gradient-norm clip.")
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, description="Seeds model init, data order and the validation split.")
     nonfinite: NonFiniteConfig = Field(default_factory=NonFiniteConfig)
 
 
@@ -155,7 +155,7 @@ class ScalingConfig(_Section):
     num_workers: Union[int, tuple[int, int]] = Field(
         2, description="Workers (one per GPU or CPU slot); [min, max] for an elastic run."
     )
-    use_gpu: bool = False
+    use_gpu: bool = Field(False, description="One GPU per worker; NCCL instead of gloo.")
     cpus_per_worker: float = Field(1.0, gt=0.0, description="Logical CPUs reserved by each worker.")
 
     @field_validator("num_workers", mode="before")
@@ -405,3 +405,26 @@ def config_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
         else:
             keys.append(f"{prefix}{name}")
     return keys
+
+
+def reference_table(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(key, default, description) for every leaf: the README's config reference is generated
+    from this, so the documentation cannot drift from the schema."""
+    rows = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows.extend(reference_table(ann, f"{prefix}{name}."))
+            continue
+        default = field.get_default(call_default_factory=True)
+        if isinstance(default, tuple):
+            default = list(default)
+        rows.append((f"{prefix}{name}", yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip(),
+                     (field.description or "").replace("\n", " ")))
+    return rows
+
+
+def reference_markdown() -> str:
+    lines = ["| key | default | meaning |", "| --- | --- | --- |"]
+    lines += [f"| `{key}` | `{default}` | {desc} |" for key, default, desc in reference_table()]
+    return "\n".join(lines)

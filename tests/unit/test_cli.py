@@ -1,0 +1,46 @@
+"""CLI surface without Ray: help, config printing, user errors as one line with exit 2."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from raytrain_ddp.cli import main
+from raytrain_ddp.config import config_keys
+
+pytestmark = pytest.mark.timeout(60)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_config_command_prints_resolved_config_and_derived_batch(capsys):
+    assert main(["config", str(ROOT / "examples/configs/quickstart.yaml"), "train.lr=0.01"]) == 0
+    out = capsys.readouterr().out
+    assert "lr: 0.01" in out and "accumulation steps" in out
+
+
+def test_user_errors_are_one_line_exit_2(capsys):
+    assert main(["config", "missing.yaml"]) == 2
+    assert "missing.yaml" in capsys.readouterr().err
+    assert main(["config", "train.lr=-3"]) == 2  # no file: the first word is an override
+    assert main(["train", "train.lr=-3"]) == 2  # rejected before Ray is touched
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("train.lr") == 2 and "raytrain-ddp: error:" in err
+
+
+def test_reference_covers_every_key(capsys):
+    assert main(["config", "--reference"]) == 0
+    out = capsys.readouterr().out
+    for key in config_keys():
+        assert f"`{key}`" in out
+
+
+def test_readme_documents_every_key():
+    readme = (ROOT / "README.md").read_text()
+    missing = [key for key in config_keys() if f"`{key}`" not in readme]
+    assert not missing, f"README's config reference lacks {missing}; paste `raytrain-ddp config --reference`"
+
+
+def test_module_entry_point_help():
+    out = subprocess.run([sys.executable, "-m", "raytrain_ddp", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "train" in out.stdout and "cluster" in out.stdout
