@@ -1,0 +1,593 @@
+"""`raytrain-ddp cluster validate`: check cluster files before they meet a cloud.
+
+Owns: validating Ray cluster-launcher YAMLs (against Ray's own JSON schema, read from the
+installed `ray` package after Ray's own default-filling, plus our rules) and KubeRay
+`RayCluster` / `RayJob` manifests (the fields this project relies on). Every problem names
+the file, the key path and the fix; the exit code is 1 when any problem is found.
+Must not touch: Ray runtime (nothing here starts or contacts a cluster), the training path.
+
+Our rules, and why:
+* image: `rayproject/ray:<installed Ray>-py3XX-cuXXX`. A different Ray on the nodes than
+  in the driver fails at connect time; `latest` drifts; `ray-ml` images are deprecated.
+* head advertises `GPU: 0`: a training worker on the head competes with the GCS and
+  dashboard, and the head is usually a CPU machine anyway.
+* GPU worker types autoscale from `min_workers: 0` to a stated `max_workers`: idle GPUs
+  are the dominant cost. (On-prem `local` provider: all listed hosts, see onprem.yaml.)
+* no public 6379 / 8265 / 10001 (GCS, dashboard + jobs API, client): each runs code on
+  the cluster; the dashboard is reached with `ray dashboard` (SSH port-forward).
+* token authentication on (`RAY_AUTH_MODE=token` for every `ray start`, the token file
+  mounted, never a token in the file); setup installs this project at this version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import ipaddress
+import json
+import logging
+import re
+import shlex
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import yaml
+
+import raytrain_ddp
+
+GUARDED_PORTS = {6379: "GCS", 8265: "dashboard / jobs API", 10001: "Ray Client server"}
+IMAGE_RE = re.compile(r"^rayproject/ray:(?P<ver>\d+\.\d+\.\d+)-py(?P<py>3\d{1,2})-(?P<acc>cu\d{3}|cpu)$")
+PROJECT = "raytrain-ddp"
+
+
+@dataclass(frozen=True)
+class Problem:
+    file: str
+    key: str
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.key or '<top>'}: {self.message}\n    fix: {self.fix}"
+
+
+def ray_version() -> str:
+    import ray
+
+    return ray.__version__
+
+
+def ray_schema() -> dict[str, Any]:
+    """Ray's own launcher schema, from the installed package (never a copy)."""
+    return json.loads((resources.files("ray.autoscaler") / "ray-schema.json").read_text())
+
+
+def key_path(parts: Iterable[Any]) -> str:
+    out = ""
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+# --------------------------------------------------------------------------- entry point
+
+def main(files: list[str]) -> int:
+    paths, problems = _expand(files or ["cluster"])
+    for path in paths:
+        problems.extend(validate_file(path))
+    for problem in problems:
+        print(problem)
+    print(f"raytrain-ddp cluster validate: {len(paths)} file(s), {len(problems)} problem(s)"
+          + ("" if problems else " -- all good"))
+    return 1 if problems else 0
+
+
+def _expand(items: list[str]) -> tuple[list[Path], list[Problem]]:
+    paths: list[Path] = []
+    problems: list[Problem] = []
+    for item in items:
+        p = Path(item)
+        if p.is_dir():
+            found = sorted(x for x in p.rglob("*") if x.suffix in (".yaml", ".yml") and x.is_file())
+            if not found:
+                problems.append(Problem(item, "", "directory holds no .yaml/.yml files",
+                                        "pass cluster files or the cluster/ directory"))
+            paths.extend(found)
+        elif p.is_file():
+            paths.append(p)
+        else:
+            problems.append(Problem(item, "", "no such file or directory",
+                                    "run from the repository root or pass the path to a cluster YAML"))
+    return paths, problems
+
+
+def validate_file(path: Path) -> list[Problem]:
+    name = str(path)
+    try:
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    except yaml.YAMLError as exc:
+        return [Problem(name, "", f"not valid YAML: {exc}", "fix the YAML syntax at the position shown")]
+    if not docs:
+        return [Problem(name, "", "file is empty", "remove it or add a cluster definition")]
+    problems: list[Problem] = []
+    for doc in docs:
+        if not isinstance(doc, dict):
+            problems.append(Problem(name, "", f"top level is a {type(doc).__name__}, not a mapping",
+                                    "a cluster file is a mapping of keys"))
+        elif "apiVersion" in doc and "kind" in doc:
+            problems.extend(validate_kube(name, doc))
+        elif "provider" in doc or "cluster_name" in doc:
+            problems.extend(validate_launcher(name, doc))
+        else:
+            problems.append(Problem(name, "", "neither a Ray cluster-launcher YAML (cluster_name, provider) "
+                                    "nor a Kubernetes manifest (apiVersion, kind)",
+                                    "move it out of cluster/ or add the missing keys"))
+    return problems
+
+
+# --------------------------------------------------------------------------- launcher YAMLs
+
+def validate_launcher(name: str, cfg: dict[str, Any]) -> list[Problem]:
+    problems = ray_schema_problems(name, cfg)
+    if problems:  # our rules assume the shapes the schema guarantees
+        return problems
+    rules = [_image_rules, _port_rules, _auth_rules, _install_rules]
+    rules.append(_local_rules if cfg["provider"].get("type") == "local" else _node_type_rules)
+    for rule in rules:
+        problems.extend(rule(name, cfg))
+    return problems
+
+
+def ray_schema_problems(name: str, cfg: dict[str, Any]) -> list[Problem]:
+    """What `ray up` itself would reject: Ray fills in its provider defaults, then checks
+    the result against ray-schema.json and its own cross-field rules."""
+    import jsonschema
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    quiet = [logging.getLogger(n) for n in ("ray", "ray.autoscaler")]
+    levels = [lg.level for lg in quiet]
+    for lg in quiet:
+        lg.setLevel(logging.ERROR)
+    try:
+        try:
+            # Ray's cli_logger prints advice (e.g. on file mounts) while preparing; keep our
+            # report to our own findings.
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                prepared = prepare_config(copy.deepcopy(cfg))
+        except (Exception, SystemExit) as exc:  # cli_logger.abort raises SystemExit-like errors
+            return [Problem(name, "", f"Ray cannot prepare this config: {exc}",
+                            "compare with Ray's example YAMLs for this provider")]
+        validator = jsonschema.Draft7Validator(ray_schema())
+        errors = sorted(validator.iter_errors(prepared), key=lambda e: list(e.absolute_path))
+        if errors:
+            return [_schema_problem(name, e) for e in errors]
+        try:
+            validate_config(prepared)
+        except Exception as exc:  # noqa: BLE001 - Ray's cross-field checks raise ValueError/RuntimeError
+            return [Problem(name, "", f"Ray rejects it: {exc}", "see the message; it is Ray's own check")]
+    finally:
+        for lg, level in zip(quiet, levels):
+            lg.setLevel(level)
+    return []
+
+
+def _schema_problem(name: str, err: Any) -> Problem:
+    key = key_path(err.absolute_path)
+    if err.validator == "type" and "resources" in list(err.absolute_path):
+        fix = "Ray resources in cluster YAMLs are whole numbers: use an integer (e.g. GPU: 1)"
+    elif err.validator == "additionalProperties":
+        fix = "remove or rename the unknown key (see ray/autoscaler/ray-schema.json in the installed ray)"
+    elif err.validator == "required":
+        fix = "add the missing key"
+    else:
+        fix = f"make it match Ray's schema ({err.validator}: {err.validator_value!r})"
+    return Problem(name, key, f"{err.message} (Ray's schema)", fix)
+
+
+def _images(cfg: dict[str, Any]) -> list[tuple[str, str, bool]]:
+    """(key path, image, must have CUDA) for every container image the file names."""
+    docker = cfg.get("docker") or {}
+    types = cfg.get("available_node_types") or {}
+    gpu_types = {n for n, t in types.items() if n != cfg.get("head_node_type") and _gpus(t) > 0}
+    out = []
+    if "image" in docker:
+        out.append(("docker.image", docker["image"], bool(gpu_types) or cfg["provider"].get("type") == "local"))
+    if "head_image" in docker:
+        out.append(("docker.head_image", docker["head_image"], False))
+    if "worker_image" in docker:
+        out.append(("docker.worker_image", docker["worker_image"], True))
+    for tname, t in types.items():
+        img = (t.get("docker") or {}).get("worker_image")
+        if img:
+            out.append((f"available_node_types.{tname}.docker.worker_image", img, tname in gpu_types))
+    return out
+
+
+def _image_rules(name: str, cfg: dict[str, Any]) -> list[Problem]:
+    if not (cfg.get("docker") or {}).get("image"):
+        return [Problem(name, "docker.image", "no container image: nodes would run whatever Ray the machine image has",
+                        f"set docker.image: rayproject/ray:{ray_version()}-py311-cu128")]
+    problems = []
+    pys = set()
+    for key, image, needs_cuda in _images(cfg):
+        problem = image_problem(name, key, image, needs_cuda)
+        if problem:
+            problems.append(problem)
+        m = IMAGE_RE.match(str(image))
+        if m:
+            pys.add(m["py"])
+    if len(pys) > 1:
+        problems.append(Problem(name, "docker", f"images use different Pythons ({', '.join(sorted(pys))})",
+                                "use one Python tag for every node: Ray needs the same Python everywhere"))
+    return problems
+
+
+def image_problem(name: str, key: str, image: Any, needs_cuda: bool) -> Optional[Problem]:
+    version = ray_version()
+    want = f"rayproject/ray:{version}-py311-cu128"
+    image = str(image)
+    if image.startswith("rayproject/ray-ml"):
+        return Problem(name, key, f"{image!r} is a deprecated ray-ml image",
+                       f"use {want} (this project installs its own ML dependencies)")
+    m = IMAGE_RE.match(image)
+    if not m:
+        return Problem(name, key, f"{image!r} is not a pinned rayproject/ray image (<version>-py3XX-cuXXX); "
+                       "'latest', bare or custom tags drift away from the Ray the project pins", f"use {want}")
+    if m["ver"] != version:
+        return Problem(name, key, f"{image!r} runs Ray {m['ver']}, but this project runs Ray {version}",
+                       f"use {want}: driver and nodes must run the same Ray")
+    if int(m["py"][1:]) < 10:
+        return Problem(name, key, f"{image!r} has Python 3.{m['py'][1:]}; raytrain-ddp needs >= 3.10", f"use {want}")
+    if needs_cuda and m["acc"] == "cpu":
+        return Problem(name, key, f"{image!r} has no CUDA, but GPU workers run it", f"use {want}")
+    return None
+
+
+def _gpus(node_type: dict[str, Any]) -> int:
+    return int((node_type.get("resources") or {}).get("GPU", 0) or 0)
+
+
+def _node_type_rules(name: str, cfg: dict[str, Any]) -> list[Problem]:
+    problems = []
+    types = cfg.get("available_node_types") or {}
+    head = cfg.get("head_node_type")
+    if "max_workers" not in cfg:
+        problems.append(Problem(name, "max_workers", "no global max_workers: Ray's default (2) silently caps the cluster",
+                                "state max_workers: the most worker nodes you are willing to pay for"))
+    head_type = types.get(head, {})
+    head_res = head_type.get("resources") or {}
+    if head_res.get("GPU") != 0:
+        got = f"GPU: {head_res['GPU']}" if "GPU" in head_res else "no GPU key (Ray would auto-detect the instance's GPUs)"
+        problems.append(Problem(name, f"available_node_types.{head}.resources.GPU",
+                                f"the head must advertise no GPUs, got {got}",
+                                f"set available_node_types.{head}.resources.GPU: 0 so no training worker lands on the head"))
+    gpu_types = []
+    for tname, t in types.items():
+        if tname == head:
+            continue
+        base = f"available_node_types.{tname}"
+        if "GPU" not in (t.get("resources") or {}):
+            problems.append(Problem(name, f"{base}.resources.GPU", "worker type does not advertise its GPU count",
+                                    f"set {base}.resources.GPU to the GPUs per node (0 for a CPU-only type)"))
+            continue
+        if _gpus(t) == 0:
+            continue
+        gpu_types.append(tname)
+        if t.get("min_workers", 0) != 0:
+            problems.append(Problem(name, f"{base}.min_workers",
+                                    f"is {t['min_workers']}: that many GPU nodes stay up (and billed) with nothing to train",
+                                    f"set {base}.min_workers: 0; the autoscaler adds GPU nodes when a run asks for GPUs"))
+        if "max_workers" not in t:
+            problems.append(Problem(name, f"{base}.max_workers", "GPU type states no max_workers",
+                                    f"set {base}.max_workers to the most nodes of this type you want"))
+        elif t["max_workers"] < 1:
+            problems.append(Problem(name, f"{base}.max_workers", f"is {t['max_workers']}: this type can never start",
+                                    f"set {base}.max_workers >= 1 or remove the type"))
+    if not gpu_types:
+        problems.append(Problem(name, "available_node_types", "no worker type advertises GPUs",
+                                "add a worker type with resources: {GPU: <n>} (min_workers: 0, max_workers: <cap>)"))
+    return problems
+
+
+def _local_rules(name: str, cfg: dict[str, Any]) -> list[Problem]:
+    """The `local` provider has no node types: GPUs are declared on the `ray start` lines."""
+    problems = []
+    n = len(cfg["provider"].get("worker_ips") or [])
+    for key in ("min_workers", "max_workers"):
+        if cfg.get(key) != n:
+            problems.append(Problem(name, key, f"is {cfg.get(key)!r} but provider.worker_ips lists {n} host(s); the local "
+                                    "provider learns node resources from the head (no GPUs), so it never starts a GPU "
+                                    "host on demand", f"set {key}: {n} (all listed hosts start with `ray up`)"))
+    head_starts = _ray_starts(cfg, "head_start_ray_commands")
+    if not any(_flag(cmd, "--num-gpus") == "0" for _, cmd in head_starts):
+        problems.append(Problem(name, "head_start_ray_commands", "the head's `ray start` does not pass --num-gpus=0",
+                                "add --num-gpus=0 so no training worker lands on the head"))
+    for key, cmd in _ray_starts(cfg, "worker_start_ray_commands"):
+        gpus = _flag(cmd, "--num-gpus")
+        if gpus is None or not gpus.isdigit() or int(gpus) < 1:
+            problems.append(Problem(name, key, f"worker `ray start` advertises no GPUs (--num-gpus={gpus})",
+                                    "add --num-gpus=<GPUs per host> (a whole number >= 1)"))
+    return problems
+
+
+def _ray_starts(cfg: dict[str, Any], key: str) -> list[tuple[str, str]]:
+    return [(f"{key}[{i}]", c) for i, c in enumerate(cfg.get(key) or []) if re.search(r"\bray start\b", c)]
+
+
+def _flag(cmd: str, flag: str) -> Optional[str]:
+    try:
+        words = shlex.split(cmd.replace(";", " ; "))
+    except ValueError:
+        words = cmd.split()
+    for i, w in enumerate(words):
+        if w.startswith(flag + "="):
+            return w.split("=", 1)[1]
+        if w == flag and i + 1 < len(words):
+            return words[i + 1]
+    return None
+
+
+def _port_rules(name: str, cfg: dict[str, Any]) -> list[Problem]:
+    problems = []
+    perms = ((cfg["provider"].get("security_group") or {}).get("IpPermissions")) or []
+    for i, rule in enumerate(perms):
+        key = f"provider.security_group.IpPermissions[{i}]"
+        lo, hi = rule.get("FromPort", -1), rule.get("ToPort", -1)
+        all_ports = str(rule.get("IpProtocol")) == "-1" or lo == -1
+        hit = [p for p in GUARDED_PORTS if all_ports or lo <= p <= hi]
+        cidrs = [r.get("CidrIp") for r in rule.get("IpRanges") or []] + \
+                [r.get("CidrIpv6") for r in rule.get("Ipv6Ranges") or []]
+        public = [c for c in cidrs if c and not _private_cidr(c)]
+        if hit and public:
+            ports = ", ".join(f"{p} ({GUARDED_PORTS[p]})" for p in hit)
+            problems.append(Problem(name, key, f"opens {ports} to {', '.join(public)}",
+                                    "remove the rule: use `ray dashboard <file>` (SSH port-forward) for the "
+                                    "dashboard and jobs API; nodes reach each other inside the security group"))
+    for key, cmd in _ray_starts(cfg, "head_start_ray_commands"):
+        host = _flag(cmd, "--dashboard-host")
+        if host not in ("127.0.0.1", "localhost"):
+            problems.append(Problem(name, key, f"dashboard host is {host or 'not set'}: the dashboard and jobs API "
+                                    "must listen on loopback only", "pass --dashboard-host=127.0.0.1 and use "
+                                    "`ray dashboard <file>` to reach it"))
+    docker = cfg.get("docker") or {}
+    for opt_key in ("run_options", "head_run_options", "worker_run_options"):
+        for i, opt in enumerate(docker.get(opt_key) or []):
+            published = _published_ports(str(opt))
+            if published:
+                problems.append(Problem(name, f"docker.{opt_key}[{i}]",
+                                        f"publishes port(s) {', '.join(map(str, published))} of the container",
+                                        "remove it: Ray runs the container with host networking; reach the "
+                                        "dashboard with `ray dashboard <file>`"))
+    return problems
+
+
+def _private_cidr(cidr: str) -> bool:
+    try:
+        net = ipaddress.ip_network(cidr, strict=False)
+    except ValueError:
+        return False
+    return net.is_private or net.is_loopback
+
+
+def _published_ports(opt: str) -> list[int]:
+    if re.search(r"(^|\s)(-P|--publish-all)(\s|$)", opt):
+        return sorted(GUARDED_PORTS)
+    found = []
+    for m in re.finditer(r"(?:^|\s)(?:-p|--publish)[\s=]+(\S+)", opt):
+        spec = m.group(1).split("/")[0]
+        container = spec.rsplit(":", 1)[-1]
+        lo, _, hi = container.partition("-")
+        if lo.isdigit():
+            found += [p for p in GUARDED_PORTS if int(lo) <= p <= int(hi or lo)]
+    return sorted(set(found))
+
+
+def _all_commands(cfg: dict[str, Any]) -> list[tuple[str, str]]:
+    out = []
+    for key in ("initialization_commands", "setup_commands", "head_setup_commands", "worker_setup_commands",
+                "head_start_ray_commands", "worker_start_ray_commands"):
+        out += [(f"{key}[{i}]", str(c)) for i, c in enumerate(cfg.get(key) or [])]
+    for tname, t in (cfg.get("available_node_types") or {}).items():
+        for key in ("initialization_commands", "worker_setup_commands"):
+            out += [(f"available_node_types.{tname}.{key}[{i}]", str(c)) for i, c in enumerate(t.get(key) or [])]
+    docker = cfg.get("docker") or {}
+    for key in ("run_options", "head_run_options", "worker_run_options"):
+        out += [(f"docker.{key}[{i}]", str(c)) for i, c in enumerate(docker.get(key) or [])]
+    return out
+
+
+def _auth_rules(name: str, cfg: dict[str, Any]) -> list[Problem]:
+    problems = []
+    for key, cmd in _all_commands(cfg):
+        if re.search(r"RAY_AUTH_MODE=(?!token\b)", cmd):
+            problems.append(Problem(name, key, "turns token authentication off",
+                                    "remove it: RAY_AUTH_MODE must be token everywhere"))
+        if re.search(r"RAY_AUTH_TOKEN=\S", cmd):
+            problems.append(Problem(name, key, "holds a token in the file (it would end up in git and logs)",
+                                    "mount the token file instead: file_mounts {'~/.ray/auth_token': '~/.ray/auth_token'}"))
+    for list_key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        starts = _ray_starts(cfg, list_key)
+        if not starts:
+            problems.append(Problem(name, list_key, "has no `ray start` command",
+                                    "state the start commands so token authentication is explicit"))
+        for key, cmd in starts:
+            if not re.search(r"\bRAY_AUTH_MODE=token\b", cmd):
+                problems.append(Problem(name, key, "`ray start` runs without RAY_AUTH_MODE=token",
+                                        "prefix it with `export RAY_AUTH_MODE=token;` (every node, head and workers)"))
+    mounts = cfg.get("file_mounts") or {}
+    token_paths = {"~/.ray/auth_token"}
+    for _, cmd in _all_commands(cfg):
+        token_paths.update(re.findall(r"RAY_AUTH_TOKEN_PATH=(\S+)", cmd))
+    if not any(k.rstrip("/") in token_paths or k.endswith("/.ray/auth_token") for k in mounts):
+        problems.append(Problem(name, "file_mounts", "the auth token is not mounted on the nodes",
+                                "add file_mounts: {'~/.ray/auth_token': '~/.ray/auth_token'} "
+                                "(create it with `ray get-auth-token --generate`)"))
+    return problems
+
+
+def _install_rules(name: str, cfg: dict[str, Any]) -> list[Problem]:
+    """Setup must install raytrain-ddp at this version: `raytrain-ddp==X` or this checkout, mounted."""
+    version = raytrain_ddp.__version__
+    mounts = {k.rstrip("/"): str(v) for k, v in (cfg.get("file_mounts") or {}).items()}
+    setup = [(k, c) for k, c in _all_commands(cfg) if "setup_commands" in k]
+    for key, cmd in setup:
+        if "pip install" not in cmd:
+            continue
+        pinned = re.search(r"raytrain[-_]ddp==([\w.]+)", cmd)
+        if pinned:
+            if pinned.group(1) != version:
+                return [Problem(name, key, f"installs raytrain-ddp {pinned.group(1)}, but this checkout is {version}",
+                                f"install raytrain-ddp=={version}")]
+            return []
+        for word in cmd.split():
+            target = word.rstrip("/")
+            if f"{target}/pyproject.toml" in mounts and f"{target}/raytrain_ddp" in mounts:
+                if Path(mounts[f"{target}/raytrain_ddp"]).name != "raytrain_ddp":
+                    return [Problem(name, f"file_mounts.{target}/raytrain_ddp",
+                                    f"mounts {mounts[f'{target}/raytrain_ddp']}, not this project's package",
+                                    "mount ./raytrain_ddp")]
+                return []
+    return [Problem(name, "setup_commands", f"nothing installs raytrain-ddp {version} on the nodes, so "
+                    "`python -m raytrain_ddp` fails there", "mount this checkout (~/raytrain-ddp/{pyproject.toml,"
+                    "README.md,raytrain_ddp}) and add `pip install ~/raytrain-ddp`, or "
+                    f"`pip install raytrain-ddp=={version}`")]
+
+
+# --------------------------------------------------------------------------- KubeRay manifests
+
+def validate_kube(name: str, doc: dict[str, Any]) -> list[Problem]:
+    kind = doc.get("kind")
+    if kind == "Secret":
+        data = {**(doc.get("data") or {}), **(doc.get("stringData") or {})}
+        if data:
+            return [Problem(name, "Secret.data", "a Secret with its value committed to the repository",
+                            "create it with `kubectl create secret` (or let KubeRay's authOptions generate it)")]
+        return []
+    if not str(doc.get("apiVersion", "")).startswith("ray.io/"):
+        return []
+    if kind == "RayCluster":
+        return _raycluster_rules(name, doc.get("spec") or {}, "spec")
+    if kind == "RayJob":
+        return _rayjob_rules(name, doc.get("spec") or {})
+    return []
+
+
+def _containers(pod_template: dict[str, Any]) -> list[dict[str, Any]]:
+    return ((pod_template or {}).get("spec") or {}).get("containers") or []
+
+
+def _gpu_limit(container: dict[str, Any]) -> Any:
+    return ((container.get("resources") or {}).get("limits") or {}).get("nvidia.com/gpu")
+
+
+def _raycluster_rules(name: str, spec: dict[str, Any], base: str) -> list[Problem]:
+    problems = []
+    version = ray_version()
+    if str(spec.get("rayVersion")) != version:
+        problems.append(Problem(name, f"{base}.rayVersion", f"is {spec.get('rayVersion')!r}, but this project runs Ray {version}",
+                                f"set {base}.rayVersion: '{version}' (KubeRay adapts to it)"))
+    if spec.get("enableInTreeAutoscaling") is not True:
+        problems.append(Problem(name, f"{base}.enableInTreeAutoscaling", "autoscaling is off: GPU groups cannot scale from zero",
+                                f"set {base}.enableInTreeAutoscaling: true"))
+    if (spec.get("authOptions") or {}).get("mode") != "token":
+        problems.append(Problem(name, f"{base}.authOptions.mode", "token authentication is not on",
+                                f"set {base}.authOptions: {{mode: token}} (KubeRay >= 1.5.1 creates the Secret and "
+                                "sets RAY_AUTH_TOKEN on every Ray container)"))
+    head = spec.get("headGroupSpec") or {}
+    hbase = f"{base}.headGroupSpec"
+    if str((head.get("rayStartParams") or {}).get("num-gpus")) != "0":
+        problems.append(Problem(name, f"{hbase}.rayStartParams.num-gpus", "the head may advertise GPUs",
+                                f"set {hbase}.rayStartParams.num-gpus: '0' so no training worker lands on the head"))
+    if head.get("serviceType", "ClusterIP") != "ClusterIP":
+        problems.append(Problem(name, f"{hbase}.serviceType", f"is {head['serviceType']}: exposes 6379/8265/10001 "
+                                "outside the cluster", "remove it (ClusterIP) and use `kubectl port-forward`"))
+    if head.get("enableIngress"):
+        problems.append(Problem(name, f"{hbase}.enableIngress", "publishes the dashboard / jobs API through an Ingress",
+                                "remove it and use `kubectl port-forward svc/<cluster>-head-svc 8265:8265`"))
+    for i, c in enumerate(_containers(head.get("template"))):
+        ckey = f"{hbase}.template.spec.containers[{i}]"
+        problems += _container_rules(name, ckey, c, needs_cuda=False)
+        if _gpu_limit(c):
+            problems.append(Problem(name, f"{ckey}.resources.limits.nvidia.com/gpu", "the head requests GPUs",
+                                    "remove the GPU limit from the head; GPUs belong to worker groups"))
+    groups = spec.get("workerGroupSpecs") or []
+    gpu_groups = 0
+    for g_i, group in enumerate(groups):
+        gbase = f"{base}.workerGroupSpecs[{g_i}]"
+        containers = _containers(group.get("template"))
+        gpus = [_gpu_limit(c) for c in containers if _gpu_limit(c) is not None]
+        for c_i, c in enumerate(containers):
+            problems += _container_rules(name, f"{gbase}.template.spec.containers[{c_i}]", c, needs_cuda=bool(gpus))
+        if not gpus:
+            continue
+        gpu_groups += 1
+        for c_i, c in enumerate(containers):
+            lim = _gpu_limit(c)
+            if lim is not None and not re.fullmatch(r"[1-9]\d*", str(lim)):
+                problems.append(Problem(name, f"{gbase}.template.spec.containers[{c_i}].resources.limits.nvidia.com/gpu",
+                                        f"is {lim!r}: GPUs are whole numbers", "use an integer >= 1"))
+        for key in ("minReplicas", "replicas"):
+            if group.get(key, 0) != 0:
+                problems.append(Problem(name, f"{gbase}.{key}", f"is {group[key]}: GPU pods stay up (and billed) "
+                                        "with nothing to train", f"set {gbase}.{key}: 0; the autoscaler adds pods on demand"))
+        if not isinstance(group.get("maxReplicas"), int) or group["maxReplicas"] < 1:
+            problems.append(Problem(name, f"{gbase}.maxReplicas", "GPU group states no maxReplicas >= 1",
+                                    f"set {gbase}.maxReplicas to the most GPU pods you want"))
+    if not gpu_groups:
+        problems.append(Problem(name, f"{base}.workerGroupSpecs", "no worker group requests nvidia.com/gpu",
+                                "add a worker group whose container has resources.limits['nvidia.com/gpu']"))
+    return problems
+
+
+def _container_rules(name: str, key: str, c: dict[str, Any], needs_cuda: bool) -> list[Problem]:
+    problems = []
+    image_p = image_problem(name, f"{key}.image", c.get("image", ""), needs_cuda)
+    if image_p:
+        problems.append(image_p)
+    for e_i, env in enumerate(c.get("env") or []):
+        if env.get("name") == "RAY_AUTH_MODE" and env.get("value") != "token":
+            problems.append(Problem(name, f"{key}.env[{e_i}]", f"RAY_AUTH_MODE={env.get('value')!r} turns token "
+                                    "authentication off", "remove it or set it to token"))
+        if env.get("name") == "RAY_AUTH_TOKEN" and "value" in env:
+            problems.append(Problem(name, f"{key}.env[{e_i}]", "a token committed in the manifest",
+                                    "use authOptions (KubeRay generates the Secret) or valueFrom.secretKeyRef"))
+    return problems
+
+
+def _rayjob_rules(name: str, spec: dict[str, Any]) -> list[Problem]:
+    problems = []
+    entry = str(spec.get("entrypoint", ""))
+    if not re.search(r"python3? -m raytrain_ddp train\b", entry):
+        problems.append(Problem(name, "spec.entrypoint", f"does not run the trainer: {entry!r}",
+                                "use `python -m raytrain_ddp train <config> [overrides]`"))
+    if spec.get("shutdownAfterJobFinishes") is not True:
+        problems.append(Problem(name, "spec.shutdownAfterJobFinishes", "the cluster outlives the job (GPUs keep billing)",
+                                "set spec.shutdownAfterJobFinishes: true"))
+    for key, what in (("ttlSecondsAfterFinished", "how long the finished cluster is kept for its logs"),
+                      ("activeDeadlineSeconds", "the most a run may take before KubeRay stops it")):
+        if not isinstance(spec.get(key), int) or spec[key] < (0 if key.startswith("ttl") else 1):
+            problems.append(Problem(name, f"spec.{key}", "missing or not a positive whole number of seconds",
+                                    f"set spec.{key}: {what}"))
+    runtime = spec.get("runtimeEnvYAML")
+    version = raytrain_ddp.__version__
+    try:
+        env = yaml.safe_load(runtime) if isinstance(runtime, str) else (runtime or {})
+    except yaml.YAMLError as exc:
+        env = None
+        problems.append(Problem(name, "spec.runtimeEnvYAML", f"not valid YAML: {exc}", "fix the embedded YAML"))
+    if env is not None:
+        pip = (env or {}).get("pip") or []
+        packages = pip.get("packages", []) if isinstance(pip, dict) else pip
+        pinned = [p for p in packages if re.match(r"raytrain[-_]ddp==", str(p))]
+        if not pinned or pinned[0].split("==", 1)[1] != version:
+            problems.append(Problem(name, "spec.runtimeEnvYAML.pip", f"does not install raytrain-ddp=={version}",
+                                    f"list raytrain-ddp=={version} under pip.packages"))
+    if "rayClusterSpec" not in spec:
+        problems.append(Problem(name, "spec.rayClusterSpec", "missing: the job needs its own cluster to shut down",
+                                "add spec.rayClusterSpec (see cluster/kuberay/raycluster.yaml)"))
+    else:
+        problems += _raycluster_rules(name, spec["rayClusterSpec"] or {}, "spec.rayClusterSpec")
+    return problems
