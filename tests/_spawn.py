@@ -18,10 +18,12 @@ Usage (from any test; `tests/` must be on sys.path, see tests/parallel/conftest.
 Why it is built this way:
 - Ranks start from a `forkserver` that has imported torch once, so each rank costs a
   fork, not a 2-second `import torch` (pass start_method="spawn" for a clean interpreter).
-- Each rank pickles its result itself and then leaves with `os._exit`: no process-group
-  teardown can abort or hang after the answer is in, and a rank that raised never keeps
-  its peers waiting in a barrier. Peers blocked in a collective with an exited rank get a
-  connection error at once.
+- After `init_process_group` all ranks pass one barrier (so nobody leaves while a peer is
+  still connecting); then each rank pickles its result itself and leaves with `os._exit`:
+  no process-group teardown can abort or hang after the answer is in, and a rank that
+  raised never keeps its peers waiting. Peers blocked in a collective with an exited rank
+  get a connection error at once, so ranks should do the same collectives (as real
+  training does) or synchronise before returning.
 - One hard deadline for the whole group: on expiry every rank still running is killed
   (SIGKILL, by pid) and `RankTimeout` says which ranks never answered.
 - A rank that raised makes `run_ranks` raise `RankFailed` carrying that rank's formatted
@@ -90,6 +92,9 @@ def _rank_main(fn, world_rank, world_size, port, args, kwargs, backend, init_pg,
                 backend, init_method=f"tcp://127.0.0.1:{port}", rank=world_rank,
                 world_size=world_size, timeout=timedelta(seconds=pg_timeout_s),
             )
+            # Every rank finishes connecting before any may leave: a rank that returns (or
+            # raises) at once would otherwise break a peer still inside gloo's connect.
+            dist.barrier()
         start = time.monotonic()
         payload = ("ok", pickle.dumps(fn(world_rank, world_size, *args, **kwargs)))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
@@ -98,7 +103,27 @@ def _rank_main(fn, world_rank, world_size, port, args, kwargs, backend, init_pg,
     out_q.put((world_rank,) + payload)
     out_q.close()
     out_q.join_thread()  # flush before leaving without any teardown
+    if init_pg:
+        _linger(world_size)
     os._exit(0)
+
+
+def _linger(world_size: int, limit_s: float = 10.0) -> None:
+    """Leave together (bounded): an early exit could reset sockets a peer is still reading.
+
+    Uses the TCP store, not gloo, so it works even after a failed collective; a rank that
+    never arrives costs at most `limit_s` (and the parent's deadline still applies).
+    """
+    try:
+        import torch.distributed as dist
+
+        store = dist.distributed_c10d._get_default_store()
+        store.add("_spawn_done", 1)
+        deadline = time.monotonic() + limit_s
+        while store.add("_spawn_done", 0) < world_size and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except Exception:  # noqa: BLE001 - the store's host (rank 0) may be gone already
+        pass
 
 
 _CTX_CACHE: dict[str, Any] = {}

@@ -1,0 +1,46 @@
+"""The shared rank launcher (tests/_spawn.py) itself: results, tracebacks, and the deadline."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _spawn import RankFailed, RankTimeout, run_ranks
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(60)]
+
+
+def _sum_ranks(world_rank, world_size, scale):
+    t = torch.tensor([float(world_rank)])
+    dist.all_reduce(t)
+    return t.item() * scale, os.environ["MASTER_ADDR"]
+
+
+def _rank1_raises(world_rank, world_size):
+    if world_rank == 1:
+        raise ValueError("boom on rank 1")
+    return "fine"
+
+
+def _rank1_hangs(world_rank, world_size):
+    if world_rank == 1:
+        time.sleep(120)
+    return os.getpid()
+
+
+def test_results_errors_and_deadline():
+    assert run_ranks(_sum_ranks, 3, 2.0, timeout_s=30) == [(6.0, "127.0.0.1")] * 3
+
+    with pytest.raises(RankFailed, match="rank 1 raised ValueError: boom on rank 1"):
+        run_ranks(_rank1_raises, 2, timeout_s=30)
+    mixed = run_ranks(_rank1_raises, 2, timeout_s=30, return_exceptions=True)
+    assert mixed[0] == "fine" and mixed[1].type_name == "ValueError"
+
+    start = time.monotonic()
+    with pytest.raises(RankTimeout, match=r"ranks \[(0, )?1\] of 2 did not answer within 8"):
+        run_ranks(_rank1_hangs, 2, timeout_s=8)  # rank 0 may miss it too on a loaded machine
+    assert time.monotonic() - start < 30  # killed at the deadline, not after the 120 s sleep
