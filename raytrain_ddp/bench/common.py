@@ -49,7 +49,7 @@ FULL = Sizes("full", rounds=5, steps_per_round=8, warmup_steps=3, mlp_batch=64, 
              train_steps=60)
 QUICK = Sizes("quick", rounds=3, steps_per_round=4, warmup_steps=2, mlp_batch=64, gpt_batch=16,
               accum_steps=2, ray_steps=20, ray_warmup=5, ingest_rows=16384, ingest_passes=2,
-              train_steps=20)
+              train_steps=15)
 
 
 def stats(values: list[float]) -> dict[str, float]:

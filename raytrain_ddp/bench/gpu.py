@@ -30,7 +30,7 @@ PEAK_BF16 = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12,
              "L4": 121e12, "RTX 4090": 165.2e12}
 
 GPU_SIZES = Sizes("cuda", rounds=5, steps_per_round=10, warmup_steps=5, mlp_batch=1024, gpt_batch=32,
-                  accum_steps=4, ray_steps=60, ray_warmup=10, ingest_rows=262144, ingest_passes=3,
+                  accum_steps=4, ray_steps=60, ray_warmup=10, ingest_rows=131072, ingest_passes=3,
                   train_steps=100)
 DRYRUN_SIZES = Sizes("cuda-dryrun", rounds=2, steps_per_round=2, warmup_steps=1, mlp_batch=16, gpt_batch=2,
                      accum_steps=1, ray_steps=5, ray_warmup=2, ingest_rows=4096, ingest_passes=1,

@@ -7,21 +7,26 @@ caller owns `ray.init`).
 
 Readers, slowest to fastest in principle:
 - `ray_data`: `read_parquet(...).iter_torch_batches(batch_size=B)`, the product's
-  streaming path;
+  streaming path (parquet read and decoded on every pass);
+- `ray_data_materialized`: the same after `.materialize()` (blocks already decoded in
+  the object store): what Ray Data's iterator itself costs;
 - `dataloader_stream`: a torch `IterableDataset` reading the same parquet record batch
   by record batch with pyarrow (`DataLoader(batch_size=None, num_workers=0)`);
 - `dataloader_rows`: the tutorial pattern, a map-style `Dataset` over the (pre-read)
   rows, one `__getitem__` per sample and the default collate (`num_workers=0`);
 - `in_memory`: the upper bound, tensors already in memory, each batch gathered by a
   shuffled index (what `data.sharding: exact` does every step).
-Every pass is timed from its first batch to its end (first-batch latency, i.e. the
-pipeline's start-up, is reported apart); the median over passes is kept.
+Every pass is timed from its first batch to its end (`samples_per_s`, warm-up excluded)
+and from the call to its end (`samples_per_s_total`, start-up included; Ray Data
+schedules read tasks on every pass); the median over passes is kept. The file is split
+in 8 parquet files so Ray Data really streams (one read task per file).
 """
 
 from __future__ import annotations
 
 import json
 import tempfile
+import warnings
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
@@ -33,17 +38,27 @@ from raytrain_ddp.bench.common import Sizes, ratio, stats
 FEATURES = 256
 CLASSES = 16
 BATCH = 256
+FILES = 8
+
+# Ray Data hands out read-only numpy views; torch warns once per conversion. Readers do
+# not write into batches, so the warning is noise here.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
 
-def write_parquet(path: Path, rows: int, seed: int = 0) -> Path:
+def write_parquet(path: Path, rows: int, files: int = FILES, seed: int = 0) -> Path:
+    """A directory of `files` parquet files, so Ray Data streams several read tasks."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((rows, FEATURES), dtype=np.float32)
     y = rng.integers(0, CLASSES, size=rows, dtype=np.int64)
-    flat = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), FEATURES)
-    pq.write_table(pa.table({"x": flat, "y": y}), path, row_group_size=8192)
+    path.mkdir(parents=True, exist_ok=True)
+    per_file = -(-rows // files)
+    for i in range(files):
+        lo, hi = i * per_file, min(rows, (i + 1) * per_file)
+        flat = pa.FixedSizeListArray.from_arrays(pa.array(x[lo:hi].reshape(-1)), FEATURES)
+        pq.write_table(pa.table({"x": flat, "y": y[lo:hi]}), path / f"part-{i:03d}.parquet", row_group_size=2048)
     return path
 
 
@@ -68,24 +83,35 @@ def _time_pass(batches: Iterable) -> dict[str, float]:
             first_at, first_rows = time.perf_counter(), n
     end = time.perf_counter()
     steady = (rows - first_rows) / max(end - first_at, 1e-9) if first_at is not None else 0.0
-    return {"rows": rows, "samples_per_s": steady, "first_batch_s": (first_at or end) - start,
-            "total_s": end - start}
+    return {"rows": rows, "samples_per_s": steady, "samples_per_s_total": rows / max(end - start, 1e-9),
+            "first_batch_s": (first_at or end) - start, "total_s": end - start}
 
 
-def _measure(name: str, make_iter: Callable[[], Iterable], passes: int, rows: int) -> dict[str, Any]:
-    results = [_time_pass(make_iter()) for _ in range(passes)]
-    for r in results:
-        if r["rows"] != rows:
-            raise RuntimeError(f"ingest reader {name!r} yielded {r['rows']} rows, expected {rows}")
-    return {"samples_per_s": stats([r["samples_per_s"] for r in results])["median"],
-            "first_batch_s": stats([r["first_batch_s"] for r in results])["median"],
-            "passes": [{k: round(v, 4) for k, v in r.items()} for r in results]}
+def _one_pass(name: str, make_iter: Callable[[], Iterable], rows: int) -> dict[str, float]:
+    result = _time_pass(make_iter())
+    if result["rows"] != rows:
+        raise RuntimeError(f"ingest reader {name!r} yielded {result['rows']} rows, expected {rows}")
+    return {k: round(v, 4) for k, v in result.items()}
 
 
 def ray_data_iter(path: Path) -> Iterable:
     import ray.data
 
-    return ray.data.read_parquet(str(path)).iter_torch_batches(batch_size=BATCH, collate_fn=_collate)
+    return ray.data.read_parquet(str(path)).iter_torch_batches(batch_size=BATCH, collate_fn=_collate_class()())
+
+
+def ray_data_materialized_iter(ds: Any) -> Iterable:
+    return ds.iter_torch_batches(batch_size=BATCH, collate_fn=_collate_class()())
+
+
+def _collate_class():
+    from ray.data.collate_fn import NumpyBatchCollateFn
+
+    class Collate(NumpyBatchCollateFn):  # Ray 2.47+ wants a class, not a function
+        def __call__(self, batch: dict[str, np.ndarray]) -> tuple:
+            return _collate(batch)
+
+    return Collate
 
 
 def dataloader_stream_iter(path: Path) -> Iterable:
@@ -94,9 +120,10 @@ def dataloader_stream_iter(path: Path) -> Iterable:
 
     class ParquetStream(torch.utils.data.IterableDataset):
         def __iter__(self):
-            for rb in pq.ParquetFile(path).iter_batches(batch_size=BATCH, columns=["x", "y"]):
-                x = rb.column("x").flatten().to_numpy().reshape(-1, FEATURES)
-                yield _to_tensors(x, rb.column("y").to_numpy())
+            for file in sorted(path.glob("*.parquet")):
+                for rb in pq.ParquetFile(file).iter_batches(batch_size=BATCH, columns=["x", "y"]):
+                    x = rb.column("x").flatten().to_numpy().reshape(-1, FEATURES)
+                    yield _to_tensors(x, rb.column("y").to_numpy())
 
     return torch.utils.data.DataLoader(ParquetStream(), batch_size=None, num_workers=0)
 
@@ -126,7 +153,7 @@ def in_memory_iter(x: Any, y: Any, seed: int) -> Iterable:
 def read_arrays(path: Path) -> tuple[np.ndarray, np.ndarray]:
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path)
+    table = pq.read_table(path)  # a directory reads as one table
     x = table.column("x").combine_chunks().flatten().to_numpy().reshape(-1, FEATURES)
     return x, table.column("y").to_numpy()
 
@@ -134,11 +161,15 @@ def read_arrays(path: Path) -> tuple[np.ndarray, np.ndarray]:
 def readers(sizes: Sizes, tmp: Path, log=print) -> dict[str, Any]:
     import torch
 
-    path = write_parquet(tmp / "ingest.parquet", sizes.ingest_rows)
+    path = write_parquet(tmp / "ingest", sizes.ingest_rows)
     x, y = read_arrays(path)
     tx, ty = torch.from_numpy(x.copy()), torch.from_numpy(y.copy())
+    import ray.data
+
+    materialized = ray.data.read_parquet(str(path)).materialize()
     makers: dict[str, Callable[[], Iterable]] = {
         "ray_data": lambda: ray_data_iter(path),
+        "ray_data_materialized": lambda: ray_data_materialized_iter(materialized),
         "dataloader_stream": lambda: dataloader_stream_iter(path),
         "dataloader_rows": lambda: dataloader_rows_iter(x, y),
         "in_memory": lambda: in_memory_iter(tx, ty, seed=0),
@@ -147,23 +178,24 @@ def readers(sizes: Sizes, tmp: Path, log=print) -> dict[str, Any]:
     per_reader: dict[str, list] = {name: [] for name in makers}
     for _ in range(sizes.ingest_passes):
         for name, make in makers.items():
-            per_reader[name].append(_measure(name, make, 1, sizes.ingest_rows)["passes"][0])
+            per_reader[name].append(_one_pass(name, make, sizes.ingest_rows))
     out: dict[str, Any] = {}
     for name, passes in per_reader.items():
         out[name] = {"samples_per_s": stats([p["samples_per_s"] for p in passes])["median"],
+                     "samples_per_s_total": stats([p["samples_per_s_total"] for p in passes])["median"],
                      "first_batch_s": stats([p["first_batch_s"] for p in passes])["median"],
                      "passes": passes}
     return out
 
 
 def training_wait(sizes: Sizes, tmp: Path, sharding: str, use_gpu: bool = False,
-                  workers: int = 2, log=print) -> dict[str, Any]:
+                  workers: int = 2, micro: int = 64, log=print) -> dict[str, Any]:
     """A short real run (`run_training`, MLP, synthetic data) and its logged data-wait fraction."""
     from raytrain_ddp.config import validate_config
     from raytrain_ddp.launcher import run_training
     from raytrain_ddp.metrics import METRICS_FILE
 
-    micro, steps = 64, sizes.train_steps
+    steps = sizes.train_steps
     global_batch = micro * workers
     cfg = validate_config({
         "name": f"bench-wait-{sharding}",
@@ -197,7 +229,7 @@ def training_wait(sizes: Sizes, tmp: Path, sharding: str, use_gpu: bool = False,
 
 
 def run(sizes: Sizes, device: str = "cpu", log=print, train_shardings: tuple[str, ...] = ("streaming", "exact"),
-        workers: int = 2) -> dict[str, Any]:
+        workers: int = 2, micro: int = 64) -> dict[str, Any]:
     log(f"  ingest: {sizes.ingest_rows} rows x {FEATURES} float32, batch {BATCH}, {sizes.ingest_passes} pass(es) ...")
     with tempfile.TemporaryDirectory(prefix="raytrain-ingest-") as name:
         tmp = Path(name)
@@ -206,12 +238,13 @@ def run(sizes: Sizes, device: str = "cpu", log=print, train_shardings: tuple[str
         sps = {k: v["samples_per_s"] for k, v in section["readers"].items()}
         section["samples_per_s"] = sps
         section["ray_data_over_in_memory"] = ratio(sps["ray_data"], sps["in_memory"])
+        section["ray_data_materialized_over_in_memory"] = ratio(sps["ray_data_materialized"], sps["in_memory"])
         section["ray_data_over_dataloader_stream"] = ratio(sps["ray_data"], sps["dataloader_stream"])
         section["training"] = {}
         for sharding in train_shardings:
             log(f"  ingest: data wait inside a real {workers}-worker training run (sharding={sharding}) ...")
             section["training"][sharding] = training_wait(sizes, tmp, sharding, use_gpu=device == "cuda",
-                                                          workers=workers, log=log)
+                                                          workers=workers, micro=micro, log=log)
         first = train_shardings[0]
         section["data_wait_fraction"] = section["training"][first]["data_wait_fraction"]
         section["data_wait_sharding"] = first

@@ -50,6 +50,7 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
 
 
 def markdown(results: dict[str, Any]) -> str:
+    results = {k: v for k, v in results.items() if not (isinstance(v, dict) and "error" in v)}
     out = []
     meta = results.get("meta", {})
     out.append(f"### raytrain-ddp bench ({meta.get('preset')}, device {meta.get('device')}, "
@@ -124,7 +125,8 @@ def plot(results: dict[str, Any], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [k for k in ("strategies", "accumulation", "ray_overhead", "ingest", "gpt") if results.get(k)]
+    panels = [k for k in ("strategies", "accumulation", "ray_overhead", "ingest", "gpt")
+              if results.get(k) and "error" not in results[k]]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False)
     for ax, key in zip(axes[0], panels):
         sec = results[key]

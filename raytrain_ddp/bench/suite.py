@@ -14,6 +14,7 @@ section is recorded as `{"error": ...}`, the others still run, and the exit stat
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import sys
@@ -42,7 +43,7 @@ def _section(results: dict, name: str, fn: Callable[[], dict]) -> None:
         results[name]["section_s"] = time.perf_counter() - started
     except Exception as exc:  # noqa: BLE001 - record it, run the remaining sections
         results[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-        _log(f"  {name}: FAILED: {type(exc).__name__}: {exc}")
+        _log(f"  {name}: FAILED:\n{traceback.format_exc()}")
 
 
 def _meta(preset: str, device: str) -> dict[str, Any]:
@@ -67,6 +68,11 @@ def _start_ray(num_cpus: int, num_gpus: Optional[int] = None) -> float:
         kwargs["num_gpus"] = num_gpus
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
              log_to_driver=False, configure_logging=True, logging_level="WARNING", **kwargs)
+    import ray.data
+
+    # Keep stderr readable: Ray Data logs every execution plan and progress at INFO.
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
     return time.perf_counter() - started
 
 
@@ -84,7 +90,7 @@ def run_cpu(sizes: Sizes) -> dict[str, Any]:
     try:
         rounds = 1 if sizes.name in ("quick", "smoke") else 2
         _section(results, "ray_overhead", lambda: ray_overhead.run(sizes, rounds=rounds, ray_init_s=ray_init_s, log=_log))
-        shardings = ("streaming",) if sizes.name == "smoke" else ("streaming", "exact")
+        shardings = ("streaming", "exact") if sizes.name == "full" else ("streaming",)
         _section(results, "ingest", lambda: ingest.run(sizes, log=_log, train_shardings=shardings))
     finally:
         ray.shutdown()
@@ -112,7 +118,8 @@ def run_cuda(dry: bool) -> dict[str, Any]:
     ray_init_s = _start_ray(num_cpus=max(4, os.cpu_count() or 1), num_gpus=gpus)
     try:
         _section(results, "ingest", lambda: ingest.run(
-            sizes, device="cpu" if dry else "cuda", log=_log, train_shardings=("streaming", "exact"), workers=1))
+            sizes, device="cpu" if dry else "cuda", log=_log, train_shardings=("streaming", "exact"), workers=1,
+            micro=16 if dry else 512))
         results["ingest"]["ray_init_s"] = ray_init_s
     finally:
         ray.shutdown()

@@ -1,0 +1,123 @@
+"""The benchmark suite runs end to end and its JSON holds every section with sane values.
+
+Timings are checked only for being positive and finite (this machine is shared and
+noisy); the exact counts (bytes sent / theoretical minimum, calls on non-final
+micro-steps) are asserted exactly. The suite runs with the `smoke` preset
+(RAYTRAIN_DDP_BENCH_SIZE=smoke): `--quick`'s code paths with fewer repetitions, so the
+test fits its budget while other tests load the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+VARIANTS = ("single", "naive", "bucketed_1mb", "bucketed_25mb", "bucketed_100mb", "native", "torch_ddp")
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def _raytrain_ddp() -> list[str]:
+    return [sys.executable, "-m", "raytrain_ddp"]
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    env = dict(os.environ, RAYTRAIN_DDP_BENCH_SIZE="smoke")
+    env.pop("RAY_ADDRESS", None)  # the suite starts its own local instance
+    proc = subprocess.run(_raytrain_ddp() + ["bench", "--quick", "--out", str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=240)
+    return proc, out
+
+
+@pytest.mark.ray
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_quick_bench_writes_every_section(smoke_run):
+    proc, out = smoke_run
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+    results = json.loads(out.read_text())
+    assert out.with_suffix(".png").stat().st_size > 1000
+    assert "| variant |" in proc.stdout and "**Targets**" in proc.stdout
+    assert results["meta"]["preset"] == "smoke" and results["meta"]["device"] == "cpu"
+
+    strategies = results["strategies"]
+    assert strategies["world_size"] == 2 and strategies["threads_per_rank"] == 1
+    for model in ("mlp", "gpt"):
+        section = strategies[model]
+        for variant in VARIANTS:
+            assert _positive(section["step_ms"][variant]), (model, variant)
+            spread = section["spread_ms"][variant]
+            assert spread["min"] <= spread["p25"] <= spread["median"] <= spread["p75"] <= spread["max"]
+        for name in ("bucketed_over_native", "naive_over_bucketed", "bucketed_over_torch_ddp"):
+            assert _positive(section["ratios"][name]), (model, name)
+
+    acc = results["accumulation"]
+    seen = {(row["strategy"], row["k"]) for row in acc["rows"]}
+    assert seen == {(s, k) for s in ("naive", "bucketed", "native") for k in (1, 2, 4, 8)}
+    for row in acc["rows"]:
+        # Exact counts, not timings: every gradient byte exactly once per optimizer step,
+        # nothing sent on the micro-steps under no_sync.
+        assert abs(row["bytes_over_min"] - 1.0) <= 1e-9, row
+        assert row["allreduce_bytes_per_step"] == row["min_bytes_per_step"] > 0
+        assert row["nonfinal_calls"] == 0 and row["nonfinal_bytes"] == 0, row
+        assert row["allreduce_calls_per_step"] >= 1
+        assert _positive(row["ms_per_sample"])
+    calls = {row["strategy"]: row["allreduce_calls_per_step"] for row in acc["rows"] if row["k"] == 1}
+    assert calls["naive"] == 6  # one per parameter tensor of the 3-layer MLP (3 weights + 3 biases)
+
+    ray = results["ray_overhead"]
+    for key in ("plain_step_ms", "ray_step_ms", "ray_over_plain", "plain_startup_s", "ray_startup_s", "ray_init_s"):
+        assert _positive(ray[key]), key
+    assert ray["world_size"] == 2
+
+    ingest = results["ingest"]
+    for reader in ("ray_data", "ray_data_materialized", "dataloader_stream", "dataloader_rows", "in_memory"):
+        assert _positive(ingest["samples_per_s"][reader]), reader
+        assert all(p["rows"] == ingest["rows"] for p in ingest["readers"][reader]["passes"])
+    assert _positive(ingest["ray_data_over_in_memory"])
+    assert 0.0 <= ingest["data_wait_fraction"] <= 1.0
+    assert ingest["training"]["streaming"]["status"] == "ok"
+
+    names = {v["target"] for v in results["targets"]}
+    assert "Ray Train / plain torch.distributed step" in names and len(names) == 8
+
+
+@pytest.mark.timeout(60)
+def test_cuda_without_a_gpu_is_a_clear_error(tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env.pop("RAYTRAIN_DDP_BENCH_CUDA_DRYRUN", None)
+    proc = subprocess.run(_raytrain_ddp() + ["bench", "--device", "cuda", "--out", str(tmp_path / "g.json")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 2
+    assert "no CUDA device is visible" in proc.stderr and "--device cpu" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "g.json").exists()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_gpu_code_paths_dry_run_on_cpu():
+    """The CUDA preset's DataParallel row and bf16 GPT section, exercised on gloo/CPU."""
+    from raytrain_ddp.bench import gpu, strategies
+
+    sizes = gpu.DRYRUN_SIZES
+    section = strategies.run(sizes, device="cpu", world_size=1, models=("mlp",), with_dp=True, log=lambda _: None)
+    assert _positive(section["mlp"]["step_ms"]["data_parallel"])
+    assert _positive(section["mlp"]["ratios"]["data_parallel_over_native"])
+    gpt = gpu.gpt_section(sizes, gpu.DRYRUN_GPT, "cpu", "gloo", log=lambda _: None)
+    assert set(gpt["variants"]) == {"bare", "bucketed", "native"}
+    for variant in gpt["variants"].values():
+        assert _positive(variant["tokens_per_s"]) and math.isnan(variant["mfu"])  # no peak known on CPU
+    assert gpt["flops_per_token"] > 6 * 0.4e6
+    assert gpu.peak_flops("NVIDIA H200") == pytest.approx(989.4e12)
