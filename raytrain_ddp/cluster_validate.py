@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import io
 import ipaddress
 import json
@@ -54,12 +55,14 @@ class Problem:
         return f"{self.file}: {self.key or '<top>'}: {self.message}\n    fix: {self.fix}"
 
 
+@functools.lru_cache(maxsize=None)
 def ray_version() -> str:
     import ray
 
     return ray.__version__
 
 
+@functools.lru_cache(maxsize=None)
 def ray_schema() -> dict[str, Any]:
     """Ray's own launcher schema, from the installed package (never a copy)."""
     return json.loads((resources.files("ray.autoscaler") / "ray-schema.json").read_text())
@@ -160,7 +163,7 @@ def ray_schema_problems(name: str, cfg: dict[str, Any]) -> list[Problem]:
         except (Exception, SystemExit) as exc:  # cli_logger.abort raises SystemExit-like errors
             return [Problem(name, "", f"Ray cannot prepare this config: {exc}",
                             "compare with Ray's example YAMLs for this provider")]
-        validator = jsonschema.Draft7Validator(ray_schema())
+        validator = jsonschema.Draft7Validator(ray_schema())  # cached: read once per process
         errors = sorted(validator.iter_errors(prepared), key=lambda e: list(e.absolute_path))
         if errors:
             return [_schema_problem(name, e) for e in errors]
