@@ -13,6 +13,7 @@ it): the loop reaches Ray, this package only reaches torch and torch.distributed
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch.distributed as dist
@@ -35,6 +36,8 @@ __all__ = [
 ]
 
 COMPRESSIONS = (None, "bf16")
+# module -> its current wrapper (weak both ways; nothing stored on the module, so it still pickles)
+_LIVE_WRAPPERS: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
 def wrap_model(
@@ -65,6 +68,8 @@ def wrap_model(
                          `CollectiveTimeoutError` naming the bucket/parameter. The process
                          group's own timeout (init_process_group) still applies, and if it is
                          shorter it fires first (reported the same way).
+
+    Wrapping a module that is already wrapped closes the earlier wrapper first.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not one of {STRATEGIES}")
@@ -82,6 +87,17 @@ def wrap_model(
     if isinstance(module, WrappedModel):
         raise ValueError(f"module is already wrapped (strategy {module.strategy!r}); pass .module")
 
+    previous = _LIVE_WRAPPERS.get(module)
+    if previous is not None and previous() is not None:
+        previous().close()  # two live wrappers would both sync every backward
+    wrapper = _build(module, strategy, bucket_cap_mb, compress, verify_init, process_group,
+                     device_ids, collective_timeout_s)
+    _LIVE_WRAPPERS[module] = weakref.ref(wrapper)
+    return wrapper
+
+
+def _build(module, strategy, bucket_cap_mb, compress, verify_init, process_group, device_ids,
+           collective_timeout_s) -> WrappedModel:
     if strategy == "naive":
         return NaiveDDP(module, process_group, verify_init=verify_init,
                         collective_timeout_s=collective_timeout_s)

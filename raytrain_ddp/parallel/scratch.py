@@ -34,6 +34,10 @@ then hands over a fresh gradient, which the hook copies into the bucket once and
 bucket and accumulating into it (a memset plus a read-modify-write). Later micro-steps of
 a `no_sync` window accumulate straight into the bucket.
 
+Wrapping the same module again closes the previous wrapper first (its hooks are removed;
+two live wrappers would both all-reduce). Move the module to its device before wrapping:
+the buckets are allocated where the parameters are at wrap time.
+
 Frozen parameters (requires_grad=False) are skipped entirely. World size 1 (or no
 process group) registers no hooks and sends nothing.
 """
@@ -68,6 +72,13 @@ class _ScratchBase(WrappedModel):
                                world_size=self.world_size, world_rank=self.world_rank)
         self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._queued = False  # a sync callback is queued for the running backward
+        self._handles: list = []
+
+    def close(self) -> None:
+        """Remove our gradient hooks: the module trains unsynchronised again (or can be re-wrapped)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
     @property
     def module(self) -> nn.Module:
@@ -91,8 +102,7 @@ class NaiveDDP(_ScratchBase):
         super().__init__(module, process_group, verify_init, collective_timeout_s)
         self._stats["buckets"] = len(self._named) if self.world_size > 1 else 0
         if self.world_size > 1:
-            for _, p in self._named:
-                p.register_post_accumulate_grad_hook(self._on_grad)
+            self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in self._named]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._queued = False  # a backward that raised never ran its callback
@@ -170,8 +180,8 @@ class BucketedDDP(_ScratchBase):
         self._bucket_of: list[int] = [0] * len(self._params)
         if self.world_size > 1:
             self._build_buckets(int(bucket_cap_mb * 2**20))
-            for i, p in enumerate(self._params):
-                p.register_post_accumulate_grad_hook(self._make_hook(i))
+            self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+                             for i, p in enumerate(self._params)]
         self._stats["buckets"] = len(self._buckets)
         self._reset_backward()
 

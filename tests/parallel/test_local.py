@@ -143,3 +143,20 @@ def test_import_does_not_pull_ray():
     code = "import sys, raytrain_ddp.parallel; assert 'ray' not in sys.modules, 'ray imported'"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
     assert proc.returncode == 0, proc.stderr
+
+
+def _rewrap(world_rank, world_size):
+    """Wrapping the same module twice must not sync twice (the first wrapper is closed)."""
+    net = make_model(seed=1)
+    first = wrap_model(net, "bucketed")
+    second = wrap_model(net, "naive")
+    second(torch.randn(2, 5, dtype=torch.float64)).sum().backward()
+    return (first.comm_stats["allreduce_calls"], second.comm_stats["allreduce_calls"],
+            sum(p.requires_grad for p in net.parameters()))
+
+
+@pytest.mark.distributed
+def test_rewrapping_closes_the_previous_wrapper():
+    for first_calls, second_calls, n_trainable in run_ranks(_rewrap, 2, timeout_s=45):
+        assert first_calls == 0  # the closed bucketed wrapper no longer syncs
+        assert second_calls == n_trainable
