@@ -157,6 +157,12 @@ class ScalingConfig(_Section):
     )
     use_gpu: bool = Field(False, description="One GPU per worker; NCCL instead of gloo.")
     cpus_per_worker: float = Field(1.0, gt=0.0, description="Logical CPUs reserved by each worker.")
+    resize_interval_s: float = Field(
+        300.0, ge=0.0,
+        description="Elastic runs: how often Ray may grow the worker group when more workers "
+        "fit. Each resize restarts from the latest checkpoint, so keep it well above the "
+        "checkpoint interval.",
+    )
 
     @field_validator("num_workers", mode="before")
     @classmethod
@@ -195,6 +201,16 @@ class RunConfig(_Section):
     checkpoint_every_steps: int = Field(0, ge=0, description="0: checkpoint only at epoch ends.")
     num_to_keep: int = Field(2, ge=1, description="Checkpoints kept on disk.")
     max_failures: int = Field(1, ge=-1, description="Worker-group restarts allowed; -1 is unlimited.")
+    max_preemption_failures: int = Field(
+        -1, ge=-1, description="Restarts after node preemptions (spot reclaims), counted apart "
+        "from run.max_failures; -1 is unlimited.",
+    )
+    preemption_grace_s: float = Field(
+        0.0, ge=0.0,
+        description="Seconds the surviving workers may run past a preemption deadline so a "
+        "just-in-time checkpoint can finish (also lets Ray's checkpoint report complete "
+        "without the preempted workers).",
+    )
     resume: Optional[str] = Field(
         None, description="null: continue this run name's latest checkpoint if there is one; "
         "'latest': the same, but an error if there is none; a path: that checkpoint; "
