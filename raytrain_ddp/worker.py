@@ -267,15 +267,19 @@ def _fit_id_of(path: Path) -> Optional[str]:
 class FaultPlan:
     """TEST-ONLY: `RAYTRAIN_DDP_FAULT="rank=1,step=3,attempt=1,mode=exit"`.
 
-    After optimizer step `step` on rank `rank` during attempt `attempt`, `exit` kills the
-    process (`os._exit`, as a crashed node would), `raise` raises; `nan` instead makes that
-    rank's loss NaN for step `step` (exercises the non-finite path). Unset in real runs.
+    After optimizer step `step` on rank `rank` during attempt `attempt` (`attempt=any`:
+    every attempt), `exit` kills the process (`os._exit`, as a crashed node would), `raise`
+    raises; `hang` stops that rank taking part in collectives (it sleeps until killed),
+    first writing its pid to `pidfile=PATH` if given, so a test can SIGKILL it from
+    outside; `nan` instead makes that rank's loss NaN for step `step` (exercises the
+    non-finite path). Unset in real runs.
     """
 
     rank: int = 0
     step: int = -1
-    attempt: int = 1
+    attempt: int = 1  # 0: every attempt
     mode: str = "exit"
+    pidfile: Optional[str] = None
 
     @classmethod
     def from_env(cls) -> Optional["FaultPlan"]:
@@ -283,14 +287,17 @@ class FaultPlan:
         if not spec:
             return None
         fields = dict(item.split("=", 1) for item in spec.split(",") if "=" in item)
+        attempt = fields.get("attempt", "1")
         plan = cls(rank=int(fields.get("rank", 0)), step=int(fields["step"]),
-                   attempt=int(fields.get("attempt", 1)), mode=fields.get("mode", "exit"))
-        if plan.mode not in ("exit", "raise", "nan"):
-            raise ValueError(f"{FAULT_ENV}: mode must be exit|raise|nan, got {plan.mode!r}")
+                   attempt=0 if attempt == "any" else int(attempt), mode=fields.get("mode", "exit"),
+                   pidfile=fields.get("pidfile"))
+        if plan.mode not in ("exit", "raise", "nan", "hang"):
+            raise ValueError(f"{FAULT_ENV}: mode must be exit|raise|nan|hang, got {plan.mode!r}")
         return plan
 
     def hits(self, rank: Rank, step: int, attempt: int) -> bool:
-        return rank.world_rank == self.rank and step == self.step and attempt == self.attempt
+        return (rank.world_rank == self.rank and step == self.step
+                and self.attempt in (0, attempt))
 
     def loss_poison(self, rank: Rank, next_step: int, attempt: int) -> float:
         return math.nan if self.mode == "nan" and self.hits(rank, next_step, attempt) else 1.0
@@ -301,4 +308,11 @@ class FaultPlan:
         print(f"[fault injection] rank {rank.world_rank} {self.mode} after step {step}, attempt {attempt}", flush=True)
         if self.mode == "exit":
             os._exit(1)
+        if self.mode == "hang":
+            if self.pidfile:
+                tmp = f"{self.pidfile}.tmp"
+                Path(tmp).write_text(str(os.getpid()))
+                os.replace(tmp, self.pidfile)
+            while True:  # never returns: peers are left waiting in their next collective
+                time.sleep(1)
         raise RuntimeError(f"injected fault on rank {rank.world_rank} after step {step} ({FAULT_ENV})")
