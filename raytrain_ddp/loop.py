@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ import torch.distributed as dist
 
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.metrics import METRICS_FILE, MetricsWriter, StepMeter
+from raytrain_ddp.preemption import PreemptionGuard
 from raytrain_ddp.worker import (
     ABORT_FILE, FaultPlan, Job, Parts, Progress, Rank, all_ranks_agree, build_parts,
     find_resume_state, record_attempt, restore,
@@ -69,6 +71,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
               f"{data.accumulation_steps} micro-steps per optimizer step, starting from {where}", flush=True)
     meter = StepMeter(cfg.train.global_batch_size, data.wait_seconds, parts.wrapper.comm_stats)
     loss = math.nan
+    guard = PreemptionGuard.for_worker(cfg, rank, attempt)  # spot reclaims: see preemption.py
+
+    def checkpoint(metrics: dict) -> None:
+        started = time.monotonic()  # the guard plans just-in-time saves with this duration
+        _paused(meter, data, lambda: save_and_report(parts, progress, job, rank, metrics))
+        guard.checkpoint_took(time.monotonic() - started)
 
     try:
         for epoch in range(progress.epoch, num_epochs):
@@ -87,20 +95,22 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 last = progress.step >= total_steps
                 if progress.step % cfg.run.log_every_steps == 0 or last or progress.steps_into_epoch == data.steps_per_epoch:
                     writer.write({"step": progress.step, "epoch": epoch + 1, "loss": loss,
-                                  "lr": lr, "nonfinite_steps": progress.nonfinite_steps,
+                                  "lr": lr, "nonfinite_steps": progress.nonfinite_steps, "attempt": attempt,
                                   **meter.summarize(data.wait_seconds, parts.wrapper.comm_stats)})
                 if last:
                     break
                 every = cfg.run.checkpoint_every_steps
-                if every and progress.step % every == 0 and progress.steps_into_epoch < data.steps_per_epoch:
-                    _paused(meter, data, lambda: save_and_report(parts, progress, job, rank, {"loss": loss}))
+                periodic = bool(every) and progress.step % every == 0
+                preempted = guard.after_step(progress.step)  # a collective: same answer on all ranks
+                if (periodic or preempted) and progress.steps_into_epoch < data.steps_per_epoch:
+                    checkpoint({"loss": loss, **({"preemption": 1} if preempted else {})})
 
             if progress.steps_into_epoch >= data.steps_per_epoch:
                 progress.epoch, progress.steps_into_epoch = epoch + 1, 0
             val = _paused(meter, data, lambda: validate(parts, data, rank, job.spec))
             if val:
                 writer.write({"step": progress.step, "epoch": epoch + 1, **val})
-            _paused(meter, data, lambda: save_and_report(parts, progress, job, rank, {"loss": loss, **val}))
+            checkpoint({"loss": loss, **val})
             if progress.step >= total_steps:
                 break
     except NonFiniteAbort as exc:
