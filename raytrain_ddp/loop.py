@@ -15,6 +15,12 @@ Invariants the story relies on:
   the loss before `optimizer.step()`: all ranks skip (or abort) together.
 - Only rank 0 writes files (metrics, attempts, checkpoints); `ray.train.report` is the
   barrier after a checkpoint.
+- Everything that depends on the worker count (accumulation steps, each rank's slice
+  of a global batch) is derived from the *actual* world size at every (re)start, so an
+  elastic resize or a restart on fewer workers continues the same optimisation.
+- The preemption poll (`PreemptionGuard`, see preemption.py) is a collective at step
+  boundaries whose schedule and answer are agreed by all ranks; a just-in-time
+  checkpoint is an ordinary checkpoint taken at that boundary.
 
 Test-only fault injection: the environment variable `RAYTRAIN_DDP_FAULT` (see
 `worker.FaultPlan`) kills or poisons one rank at one step of one attempt. It is read here
