@@ -178,6 +178,7 @@ def training_state(parts: Parts, progress: Progress, job: Job, rank: Rank) -> di
         "world_size": rank.world_size,
         "rng": ckpt.rng_state(),
         "config_digest": job.config_digest,
+        "config": job.cfg.to_yaml(),  # the launcher checks what a resume may change
         "fit_id": job.fit_id,
     }
 
