@@ -25,6 +25,22 @@ Decisions, and why:
   checkpoint's manifest) and use the one chosen here, so the four modes above hold. A
   restart after a worker failure inside this fit continues from this fit's latest
   checkpoint.
+* What a resume may change (`check_resume_config`; every checkpoint records its config):
+  how the run is executed is free (`scaling.*` -- the worker count above all --,
+  `run.*`, `parallel.*`, `train.micro_batch_size`, `data.prefetch_batches`): the loop
+  re-derives accumulation from the actual worker count and the optimisation is the
+  same. `train.epochs` / `train.max_steps` are free too (the LR schedule stretches to the
+  new total). `model.*` is refused (the weights would not fit). The keys that decide
+  which samples form step s of an epoch (`data.*`, `train.global_batch_size`,
+  `train.seed`) are refused mid-epoch -- the recorded position would point into another
+  order -- and allowed at an epoch boundary. Any other change (optimizer, lr, schedule
+  shape, precision, clipping) is allowed and printed as a warning: the run continues,
+  but not on the trajectory of an uninterrupted run.
+* Elastic runs (`scaling.num_workers: [min, max]`) hand the range to Ray Train with
+  `elastic_resize_monitor_interval_s = scaling.resize_interval_s`; preemption settings
+  map to `FailureConfig(max_preemption_failures, preemption_grace_s,
+  relax_collectives_on_preemption = preemption_grace_s > 0)` (grace only helps if Ray's
+  checkpoint report may finish without the preempted ranks).
 * `attempts` in `summary.json` counts worker-group starts of this fit (rank 0 appends
   to `attempts.jsonl` at every start), so a run that survived one worker failure has 2.
 * `RAYTRAIN_DDP_*` environment variables of the driver are forwarded to the workers
@@ -95,13 +111,66 @@ def resolve_resume(cfg: Config, run_dir: Path) -> Optional[Path]:
                     "train without run.resume first, or pass run.resume=PATH"
                 )
             return None
+        check_resume_config(cfg, found[0], found[1])
         return found[1]
     path = Path(mode).expanduser().resolve()
     try:
-        ckpt.load_checkpoint(path)
+        state = ckpt.load_checkpoint(path)
     except CheckpointError as exc:
         raise ResumeError(f"run.resume={mode!r}: {exc}") from None
-    return path.parent if path.is_file() else path
+    path = path.parent if path.is_file() else path
+    check_resume_config(cfg, state, path)
+    return path
+
+
+RESUME_FREE = ("name", "scaling.", "run.", "parallel.", "train.micro_batch_size", "train.epochs",
+               "train.max_steps", "train.nonfinite.", "data.prefetch_batches")
+RESUME_REFUSED = ("model.",)
+RESUME_EPOCH_BOUNDARY = ("data.", "train.global_batch_size", "train.seed")
+
+
+def check_resume_config(cfg: Config, state: dict[str, Any], path: Path) -> list[str]:
+    """Refuse resumes that cannot continue the run; warn about ones that change it.
+
+    Returns the warned keys (see the module docstring for the three classes).
+    """
+    import yaml
+
+    if not isinstance(state.get("config"), str):  # checkpoints written before configs were kept
+        return []
+    old, new = _flat(yaml.safe_load(state["config"])), _flat(yaml.safe_load(cfg.to_yaml()))
+    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    mid_epoch = int(state.get("steps_into_epoch", 0)) > 0
+
+    def shown(keys: list[str]) -> str:
+        return ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys)
+
+    refused = [k for k in changed if k.startswith(RESUME_REFUSED)]
+    if mid_epoch:
+        refused += [k for k in changed if k.startswith(RESUME_EPOCH_BOUNDARY)]
+    if refused:
+        raise ResumeError(
+            f"cannot resume from {path} (step {state.get('step')}, "
+            f"{state.get('steps_into_epoch')} steps into epoch {int(state.get('epoch', 0)) + 1}): "
+            f"{shown(refused)}. Model keys must match the checkpoint; data order keys may change "
+            "only at an epoch boundary. Restore the old values, or start a new run "
+            "(another name, or run.resume=never)"
+        )
+    warned = [k for k in changed if not k.startswith(RESUME_FREE + RESUME_EPOCH_BOUNDARY)]
+    if warned:
+        print(f"raytrain-ddp: warning: resuming {path} with a different optimisation "
+              f"({shown(warned)}); the run will not follow the trajectory of an uninterrupted one",
+              file=sys.stderr, flush=True)
+    return warned
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix.rstrip("."): tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_flat(value, f"{prefix}{key}."))
+    return out
 
 
 def connect_ray(cfg: Config) -> bool:
@@ -154,11 +223,17 @@ def _fit(cfg: Config, run_dir: Path, resume_from: Optional[Path]) -> dict[str, A
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
             resources_per_worker={"CPU": cfg.scaling.cpus_per_worker, **({"GPU": 1} if cfg.scaling.use_gpu else {})},
+            elastic_resize_monitor_interval_s=cfg.scaling.resize_interval_s,
         ),
         run_config=RunConfig(
             name=cfg.name, storage_path=str(run_dir.parent),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.num_to_keep),
-            failure_config=FailureConfig(max_failures=cfg.run.max_failures),
+            failure_config=FailureConfig(
+                max_failures=cfg.run.max_failures,
+                max_preemption_failures=cfg.run.max_preemption_failures,
+                preemption_grace_s=cfg.run.preemption_grace_s,
+                relax_collectives_on_preemption=cfg.run.preemption_grace_s > 0,
+            ),
             worker_runtime_env={"env_vars": env_vars} if env_vars else None,
             logging_config=LoggingConfig(log_level="WARNING"),  # our progress lines say it all
         ),
