@@ -22,10 +22,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
 
 from raytrain_ddp.parallel import wrap_model
 
 NO_COMM = "none"  # the bare module, no wrapper: compute-only baseline
+TORCH_DDP = "torch_ddp"  # torch DDP exactly as torch ships it (no counting comm hook): the bar
 
 
 def articles_mlp(width: int = 1024, out: int = 256) -> nn.Module:
@@ -47,6 +50,8 @@ def time_strategies(
 ) -> dict[str, dict[str, float]]:
     """Median step time (seconds) per strategy; call on every rank (or alone, for NO_COMM).
 
+    `strategies`: names from STRATEGIES plus NO_COMM and TORCH_DDP (untouched torch DDP).
+
     Returns {strategy: {"median_s", "p10_s", "p90_s", "allreduce_calls_per_step",
     "allreduce_bytes_per_step"}}; the same on every rank.
     """
@@ -55,7 +60,11 @@ def time_strategies(
     setups = {}
     for name in strategies:
         model = model_fn()
-        if name != NO_COMM:
+        if name == TORCH_DDP:
+            model = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True)
+            if compress == "bf16":
+                model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        elif name != NO_COMM:
             model = wrap_model(model, name, bucket_cap_mb=bucket_cap_mb,
                                compress=compress if name != "naive" else None)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
@@ -77,7 +86,7 @@ def time_strategies(
             elapsed = time.perf_counter() - start
             if round_ >= warmup:
                 times[name].append(elapsed)
-            if round_ == warmup - 1 and name != NO_COMM:
+            if round_ == warmup - 1 and hasattr(model, "reset_comm_stats"):
                 model.reset_comm_stats()
 
     result = {}
@@ -86,7 +95,7 @@ def time_strategies(
         if distributed:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank ends
         values = sorted(t.tolist())
-        stats = setups[name][0].comm_stats if name != NO_COMM else {}
+        stats = getattr(setups[name][0], "comm_stats", {})  # torch_ddp / none: not counted
         result[name] = {
             "median_s": statistics.median(values),
             "p10_s": values[len(values) // 10],
