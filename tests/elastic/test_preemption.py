@@ -1,0 +1,130 @@
+"""Preemption: the guard's policy on a fake clock, and a simulated spot reclaim end to end.
+
+The policy tests drive `PreemptionGuard` with a scripted signal source, wall clock and
+step clock (world size 1, so nothing is all-reduced): when it polls, when it saves, when
+it refuses because the checkpoint no longer fits. The end-to-end test makes the poll
+return a synthetic signal at step 4 (`RAYTRAIN_DDP_PREEMPT`), kills rank 1 after step 9
+as the reclaimed node would be, and checks that the run continued from the just-in-time
+checkpoint with every step trained once and the parameters of the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from _elastic import ATOL, STEPS, elastic_cfg, max_difference, states_by_step
+from raytrain_ddp.launcher import run_training
+from raytrain_ddp.metrics import read_metrics
+from raytrain_ddp.preemption import SIMULATE_ENV, PreemptionGuard, Signal, SimulatedPreemption
+from raytrain_ddp.worker import read_jsonl
+
+
+class Script:
+    """Fake clocks and a fake Ray: each step takes `step_s`; the signal is whatever is set."""
+
+    def __init__(self, step_s: float = 0.1):
+        self.now, self.step_s = 1_000.0, step_s
+        self.signal = None
+        self.polled_at: list[int] = []
+        self.logs: list[str] = []
+
+    def guard(self, **kw) -> PreemptionGuard:
+        return PreemptionGuard(is_main=True, world_size=1, poll_interval_s=1.0, source=self.source,
+                               clock=lambda: self.now, monotonic=lambda: self.now, log=self.logs.append, **kw)
+
+    def source(self, step: int):
+        self.polled_at.append(step)
+        return self.signal
+
+    def checkpoint(self, guard: PreemptionGuard, seconds: float) -> None:
+        self.now += seconds
+        guard.checkpoint_took(seconds)
+
+    def run(self, guard: PreemptionGuard, steps: range) -> list[int]:
+        saved = []
+        for step in steps:
+            self.now += self.step_s
+            if guard.after_step(step):
+                saved.append(step)
+        return saved
+
+
+@pytest.mark.timeout(30)
+def test_polls_about_once_a_second_and_saves_once_per_signal_without_deadline():
+    s = Script(step_s=0.1)
+    guard = s.guard()
+    assert s.run(guard, range(1, 32)) == []
+    assert s.polled_at == [1, 11, 21, 31]  # first boundary, then every 1 s / 0.1 s per step
+    s.signal = Signal(deadline_s=None, ranks=(1,))
+    assert s.run(guard, range(32, 60)) == [41]  # next poll; no deadline: save at once, once
+    assert s.polled_at[-2:] == [41, 51]
+    s.signal = Signal(deadline_s=None, ranks=(1, 2))  # another node: answered again
+    assert s.run(guard, range(60, 80)) == [61]
+    assert any("ranks [1, 2]" in line and "checkpoint after step 61" in line for line in s.logs)
+
+
+@pytest.mark.timeout(30)
+def test_far_deadline_waits_until_near_then_saves():
+    s = Script(step_s=0.1)
+    guard = s.guard()
+    s.run(guard, range(1, 3))
+    s.checkpoint(guard, 2.0)  # margin = 2 x (2.0 + 1.0 + 0.1) = 6.2 s
+    s.signal = Signal(deadline_s=s.now + 30.0, ranks=(1,))
+    saved = s.run(guard, range(3, 400))
+    assert len(saved) == 1
+    left = 30.0 - (saved[0] - 2) * 0.1
+    assert 5.0 <= left <= 6.2 + 1e-9  # saved when near, not at the first sight of the signal
+
+
+@pytest.mark.timeout(30)
+def test_checkpoint_that_no_longer_fits_is_not_attempted_unless_grace_covers_it():
+    for grace, expect in ((0.0, []), (10.0, [11])):
+        s = Script(step_s=0.1)
+        guard = s.guard(grace_s=grace)
+        s.run(guard, range(1, 3))
+        s.checkpoint(guard, 5.0)
+        s.signal = Signal(deadline_s=s.now + 2.0, ranks=(1,))  # 2 s left, a save takes 5 s
+        assert s.run(guard, range(3, 40)) == expect
+        if not expect:
+            assert any("no just-in-time checkpoint" in line for line in s.logs)
+
+
+@pytest.mark.timeout(30)
+def test_simulated_signal_fires_in_its_attempt_from_its_step(monkeypatch):
+    monkeypatch.setenv(SIMULATE_ENV, "step=4,attempt=1,ranks=1+3,deadline_s=30")
+    sim = SimulatedPreemption.from_env()
+    assert sim == SimulatedPreemption(step=4, attempt=1, ranks=(1, 3), deadline_s=30.0)
+    real_calls = []
+    poll = sim.source(attempt=1, real=lambda step: real_calls.append(step), clock=lambda: 500.0)
+    assert poll(3) is None and poll(4) == poll(9) == Signal(530.0, (1, 3))
+    assert real_calls == [3, 4, 9]  # the real (collective) call is always made
+    assert sim.source(attempt=2, real=lambda step: None, clock=lambda: 0.0)(9) is None
+    monkeypatch.setenv(SIMULATE_ENV, "attempt=1")
+    with pytest.raises(ValueError, match="needs step=N"):
+        SimulatedPreemption.from_env()
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_simulated_preemption_checkpoints_and_the_run_continues_without_lost_steps(reference, tmp_path, monkeypatch):
+    monkeypatch.setenv(SIMULATE_ENV, "step=4,attempt=1,ranks=1,deadline_s=none")
+    monkeypatch.setenv("RAYTRAIN_DDP_FAULT", "rank=1,step=9,attempt=1,mode=exit")  # the node goes away
+    cfg = elastic_cfg(tmp_path, "spot", "scaling.num_workers=[1, 2]", "run.checkpoint_every_steps=0",
+                      "scaling.resize_interval_s=600")
+    summary = run_training(cfg)
+    assert summary["status"] == "ok", summary.get("error")
+    assert summary["attempts"] == 2 and summary["steps"] == STEPS
+    run_dir = Path(summary["run_dir"])
+    sizes = [r["world_size"] for r in read_jsonl(run_dir / "attempts.jsonl")]
+    assert sizes[0] == 2 and sizes[1] in (1, 2)  # elastic: the restart takes what is free
+
+    states = states_by_step(run_dir)
+    assert sorted(states) == [4, STEPS]  # no periodic checkpoints: step 4 is the just-in-time one
+    assert states[4]["world_size"] == 2
+    assert max_difference(states[STEPS]["model"], reference.states[STEPS]["model"]) < ATOL
+
+    train = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))  # each step once
+    assert [r["attempt"] for r in train] == [1] * 4 + [2] * (STEPS - 4)  # resumed from step 4
