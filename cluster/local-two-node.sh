@@ -120,27 +120,29 @@ group_alive() {
   ps -eo pgid=,stat= | awk -v g="$1" '$1 == g && $2 !~ /^Z/ {n++} END {exit n ? 0 : 1}'
 }
 
-kill_group() {
-  local pgid="$1"
-  group_alive "$pgid" || return 0
-  kill -TERM -- "-$pgid" 2>/dev/null || true
+# SIGTERM every given process group at once, wait up to 10 s for all of them, then SIGKILL
+# whatever is left (only these groups: never anything found by name).
+kill_groups() {
+  local pgid
+  for pgid in "$@"; do kill -TERM -- "-$pgid" 2>/dev/null || true; done
   for _ in $(seq 1 50); do
-    group_alive "$pgid" || return 0
+    local alive=0
+    for pgid in "$@"; do group_alive "$pgid" && alive=1; done
+    (( alive )) || return 0
     sleep 0.2
   done
-  kill -KILL -- "-$pgid" 2>/dev/null || true
+  for pgid in "$@"; do kill -KILL -- "-$pgid" 2>/dev/null || true; done
 }
 
 cmd_down() {
   local dir="${1:-}"
   [[ -n "$dir" && -d "$dir" ]] || { echo "local-two-node: down needs the state dir printed by 'up'" >&2; exit 2; }
   [[ -f "$dir/rt2n" ]] || { echo "local-two-node: $dir was not created by 'up' (no rt2n marker); refusing to touch it" >&2; exit 2; }
-  # The worker node first, so the head does not spend the shutdown reporting it dead.
+  local groups=()
   for name in node head; do
-    if [[ -f "$dir/$name.pgid" ]]; then
-      kill_group "$(cat "$dir/$name.pgid")"
-    fi
+    [[ -f "$dir/$name.pgid" ]] && groups+=("$(cat "$dir/$name.pgid")")
   done
+  (( ${#groups[@]} )) && kill_groups "${groups[@]}"
   if [[ "${RT2N_KEEP:-0}" == "1" ]]; then
     echo "local-two-node: stopped; logs kept in $dir"
   else
