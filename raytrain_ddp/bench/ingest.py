@@ -243,9 +243,14 @@ def run(sizes: Sizes, device: str = "cpu", log=print, train_shardings: tuple[str
         section["training"] = {}
         for sharding in train_shardings:
             log(f"  ingest: data wait inside a real {workers}-worker training run (sharding={sharding}) ...")
-            section["training"][sharding] = training_wait(sizes, tmp, sharding, use_gpu=device == "cuda",
-                                                          workers=workers, micro=micro, log=log)
+            try:
+                section["training"][sharding] = training_wait(sizes, tmp, sharding, use_gpu=device == "cuda",
+                                                              workers=workers, micro=micro, log=log)
+            except Exception as exc:  # noqa: BLE001 - keep the reader numbers, flag the section
+                section["training"][sharding] = {"error": f"{type(exc).__name__}: {exc}"}
+                section["error"] = f"training run (sharding={sharding}) failed: {type(exc).__name__}: {exc}"
+                log(f"  ingest: training run (sharding={sharding}) FAILED: {type(exc).__name__}: {exc}")
         first = train_shardings[0]
-        section["data_wait_fraction"] = section["training"][first]["data_wait_fraction"]
+        section["data_wait_fraction"] = section["training"][first].get("data_wait_fraction", float("nan"))
         section["data_wait_sharding"] = first
     return section

@@ -56,12 +56,21 @@ def _meta(preset: str, device: str) -> dict[str, Any]:
         "python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "load_avg_at_start": list(load),
         "threads_note": "CPU: 2 gloo ranks x torch.set_num_threads(1) on this machine's cores",
+        "ray_worker_niceness": os.environ.get("RAY_worker_niceness", "0 (set by the bench)"),
     }
 
 
 def _start_ray(num_cpus: int, num_gpus: Optional[int] = None) -> float:
+    """A local instance whose workers run at the driver's priority.
+
+    Ray starts worker processes at niceness 15 unless told otherwise (`ray job submit`
+    resets it to 0 for its jobs). The plain torch.distributed processes we compare with run
+    at 0, so on a machine shared with anything else the default would measure scheduling
+    priority, not orchestration: we set RAY_worker_niceness=0 for a fair A/B.
+    """
     import ray
 
+    os.environ.setdefault("RAY_worker_niceness", "0")
     started = time.perf_counter()
     kwargs: dict[str, Any] = {}
     if num_gpus is not None:
