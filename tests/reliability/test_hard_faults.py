@@ -1,0 +1,111 @@
+"""Real faults in real runs on the session's local Ray (issue #6, items 1, 2, 4, 6).
+
+Faults are injected through the test-only `RAYTRAIN_DDP_FAULT` plan (`worker.FaultPlan`):
+`hang` makes one rank stop taking part in collectives (and write its pid, so this test
+can SIGKILL it from outside), `raise` fails a rank, `nan` poisons one rank's loss. Each
+run is a background thread joined with a deadline: a hang fails the test, never CI.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from _harness import BackgroundRun, tiny, train_lines, wait_for
+from raytrain_ddp import checkpoint as ckpt
+from raytrain_ddp.metrics import read_metrics
+from raytrain_ddp.worker import read_jsonl
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+
+FAULT = "RAYTRAIN_DDP_FAULT"
+RUN_TIMEOUT_S = 240  # generous: this 2-core machine runs other suites at the same time
+
+
+def _checkpoint_steps(run_dir: Path) -> list[int]:
+    return sorted(int(ckpt.read_manifest(p)["step"]) for p in ckpt.find_checkpoints(run_dir)
+                  if (p / ckpt.MANIFEST_FILE).exists())
+
+
+def test_worker_sigkilled_mid_epoch_restarts_from_checkpoint_and_loses_nothing(ray_cluster, tmp_path, monkeypatch):
+    pidfile = tmp_path / "rank1.pid"
+    # rank 1 finishes step 12 (checkpoint at 10, epoch = 22 steps), then parks and reports its pid
+    monkeypatch.setenv(FAULT, f"rank=1,step=12,attempt=1,mode=hang,pidfile={pidfile}")
+    run = BackgroundRun(tiny(tmp_path, "sigkill", "train.epochs=1", "run.log_every_steps=1"))
+    run_dir = tmp_path / "sigkill"
+
+    pid = int(wait_for(lambda: pidfile.exists() and pidfile.read_text(), RUN_TIMEOUT_S, "rank 1's pid", run=run))
+    assert pid != os.getpid()
+    before_kill = [r["step"] for r in train_lines(run_dir)]
+    assert before_kill[-1] == 12 and _checkpoint_steps(run_dir) == [10]
+    os.kill(pid, signal.SIGKILL)  # from outside, no warning, no cleanup
+
+    summary = run.result(RUN_TIMEOUT_S)
+    assert summary["status"] == "ok", summary.get("error")
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert summary["attempts"] == 2 and summary["steps"] == 22  # the planned count, not more, not less
+    assert json.loads((run_dir / "summary.json").read_text())["attempts"] == 2
+    attempts = [r for r in read_jsonl(run_dir / "attempts.jsonl") if r["fit_id"] == summary["fit_id"]]
+    assert [r["attempt"] for r in attempts] == [1, 2]
+
+    lines = train_lines(run_dir)
+    steps = [r["step"] for r in lines]
+    assert steps == list(range(1, 23)), steps  # each step once: no gap, no duplicate
+    # attempt 1 owns everything up to the step-10 checkpoint; its steps 11-12 were lost with
+    # the worker and redone by attempt 2, which starts right after the checkpoint step
+    assert [r["attempt"] for r in lines] == [1] * 10 + [2] * 12
+    state = ckpt.load_checkpoint(summary["checkpoint"])
+    assert (state["step"], state["epoch"], state["steps_into_epoch"]) == (22, 1, 0)
+
+
+def test_worker_that_always_fails_stops_after_max_failures_plus_one_attempts(ray_cluster, tmp_path, monkeypatch):
+    monkeypatch.setenv(FAULT, "rank=1,step=2,attempt=any,mode=raise")
+    cfg = tiny(tmp_path, "always", "train.epochs=1", "run.max_failures=1")
+    summary = BackgroundRun(cfg).result(RUN_TIMEOUT_S)
+    assert summary["status"] == "failed"
+    assert summary["attempts"] == cfg.run.max_failures + 1 == 2
+    # the original exception, not a wrapper's description of it
+    assert "RuntimeError" in summary["error"] or "injected fault" in summary["error"], summary["error"]
+    assert "injected fault on rank 1 after step 2" in summary["error"], summary["error"]
+    on_disk = json.loads((tmp_path / "always" / "summary.json").read_text())
+    assert on_disk["status"] == "failed" and on_disk["error"] == summary["error"]
+
+
+def test_rank_that_stops_collectives_fails_the_run_within_the_configured_timeout(ray_cluster, tmp_path, monkeypatch):
+    monkeypatch.setenv(FAULT, "rank=1,step=3,attempt=any,mode=hang")
+    cfg = tiny(tmp_path, "hang", "train.epochs=1", "parallel.collective_timeout_s=5", "run.max_failures=0")
+    summary = BackgroundRun(cfg).result(RUN_TIMEOUT_S)  # the default timeout (300 s) would overrun this
+    assert summary["status"] == "failed" and summary["attempts"] == 1
+    error = summary["error"]
+    assert "all-reduce of bucket" in error, error  # which operation
+    assert "did not finish within 5s" in error, error  # the configured timeout fired
+    assert "on rank 0 of 2" in error, error
+
+
+def test_nonfinite_loss_on_one_rank_is_skipped_by_all_counted_and_weights_stay_finite(ray_cluster, tmp_path,
+                                                                                      monkeypatch):
+    monkeypatch.setenv(FAULT, "rank=1,step=3,mode=nan")
+    summary = BackgroundRun(tiny(tmp_path, "nan", "train.epochs=1", "run.log_every_steps=1")).result(RUN_TIMEOUT_S)
+    assert summary["status"] == "ok", summary.get("error")
+    assert summary["steps"] == 22 and summary["attempts"] == 1  # skipping is not a failure
+
+    lines = train_lines(tmp_path / "nan")
+    assert [r["step"] for r in lines] == list(range(1, 23))
+    assert math.isnan(lines[2]["loss"])  # step 3: the poisoned mean loss, reported as is
+    assert [r["nonfinite_steps"] for r in lines] == [0, 0] + [1] * 20
+    assert all(math.isfinite(r["loss"]) for r in lines[3:])
+    assert lines[-1]["loss"] < lines[0]["loss"]  # training went on after the skip
+    state = ckpt.load_checkpoint(summary["checkpoint"])
+    assert state["nonfinite_steps"] == 1
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
+    for slot in state["optimizer"]["state"].values():
+        assert all(torch.isfinite(t).all() for t in slot.values() if torch.is_tensor(t))
+    assert summary["final_metrics"]["nonfinite_steps"] == 1
+    assert read_metrics(tmp_path / "nan")[-1]["val_loss"] == pytest.approx(summary["final_metrics"]["val_loss"])
