@@ -263,13 +263,16 @@ def build_summary(job: Job, *, status: str, error: Optional[str], elapsed_s: flo
     latest = ckpt.load_latest_valid(ckpt.find_checkpoints(run_dir))
     manifest = ckpt.read_manifest(latest[1]) if latest else {}
     attempts = [r for r in read_jsonl(run_dir / ATTEMPTS_FILE) if r.get("fit_id") == job.fit_id]
+    records = read_metrics(run_dir / METRICS_FILE)
+    # steps done: the checkpoint's, or further if steps ran after it (an abort, a failure)
+    steps = max([int(manifest.get("step", 0))] + [int(r.get("step", 0)) for r in records[-1:]])
     summary: dict[str, Any] = {
         "status": status,
         "run_dir": str(run_dir),
-        "steps": int(manifest.get("step", 0)),
+        "steps": steps,
         "epochs": int(manifest.get("epoch", 0)),
         "attempts": len(attempts),
-        "final_metrics": final_metrics(read_metrics(run_dir / METRICS_FILE)),
+        "final_metrics": final_metrics(records),
         "checkpoint": str(latest[1]) if latest else None,
         "resumed_from": job.resume_from,
         "workers": attempts[-1]["world_size"] if attempts else None,

@@ -120,8 +120,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             if progress.step >= total_steps:
                 break
     except NonFiniteAbort as exc:
+        writer.write({"step": progress.step + 1, "epoch": progress.epoch + 1, "loss": math.nan,
+                      "lr": parts.scheduler.lr, "nonfinite_steps": progress.nonfinite_steps,
+                      **meter.summarize(data.wait_seconds, parts.wrapper.comm_stats)})
         if rank.is_main:
-            (Path(job.run_dir) / ABORT_FILE).write_text(json.dumps({"step": progress.step, "reason": str(exc)}))
+            (Path(job.run_dir) / ABORT_FILE).write_text(json.dumps({"step": progress.step + 1, "reason": str(exc)}))
             print(f"[rank 0] aborting: {exc}", flush=True)
 
 

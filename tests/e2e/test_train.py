@@ -101,14 +101,15 @@ def test_resume_latest_continues_from_the_checkpoint_step(finished_run):
 def test_worker_killed_on_first_attempt_restarts_from_checkpoint(ray_cluster, tmp_path, monkeypatch):
     monkeypatch.setenv("RAYTRAIN_DDP_FAULT", "rank=1,step=12,attempt=1,mode=exit")
     summary = run_training(tiny(tmp_path, "faulty", "train.epochs=1"))
-    assert summary["status"] == "ok", summary.get("error")
-    assert summary["attempts"] == 2 and summary["steps"] == 22
     run_dir = Path(summary["run_dir"])
     attempts = [r for r in read_jsonl(run_dir / "attempts.jsonl") if r["fit_id"] == summary["fit_id"]]
-    assert [r["attempt"] for r in attempts] == [1, 2]
+    story = f"summary={summary}\nattempts={attempts}\nmetrics={read_metrics(run_dir / 'metrics.jsonl')}"
+    assert summary["status"] == "ok", story
+    assert summary["attempts"] == 2 and summary["steps"] == 22, story
+    assert [r["attempt"] for r in attempts] == [1, 2], story
     # step 12 ran, then rank 1 died; attempt 2 resumed from the step-10 checkpoint, so the
     # history has each step once and continues past the failure
-    assert _train_steps(run_dir) == [5, 10, 15, 20, 22]
+    assert _train_steps(run_dir) == [5, 10, 15, 20, 22], story
 
 
 def test_bad_parquet_is_rejected_naming_file_and_column(ray_cluster, tmp_path):
@@ -122,3 +123,16 @@ def test_bad_parquet_is_rejected_naming_file_and_column(ray_cluster, tmp_path):
     with pytest.raises(DataError, match=r"strings\.parquet: column 'x' \(data\.features\) has type string"):
         run_training(tiny(tmp_path, "strpq", "data.source=parquet", f"data.path={strings}"))
     assert not (tmp_path / "badpq").exists() and not (tmp_path / "strpq").exists()
+
+
+def test_nan_on_one_rank_makes_every_rank_abort_together(ray_cluster, tmp_path, monkeypatch):
+    # Only rank 1's loss is NaN at step 3: without the all-reduced flag rank 0 would step
+    # and rank 1 would not, and the next collective would hang or the replicas diverge.
+    monkeypatch.setenv("RAYTRAIN_DDP_FAULT", "rank=1,step=3,attempt=1,mode=nan")
+    summary = run_training(tiny(tmp_path, "nan", "train.max_steps=8", "train.nonfinite.action=abort"))
+    assert summary["status"] == "aborted" and summary["attempts"] == 1, summary
+    assert "non-finite loss or gradient at step 3" in summary["error"]
+    assert summary["steps"] == 3
+    last = read_metrics(Path(summary["run_dir"]) / "metrics.jsonl")[-1]
+    assert last["step"] == 3 and math.isnan(last["loss"]) and last["nonfinite_steps"] == 1
+    assert json.loads((Path(summary["run_dir"]) / "summary.json").read_text())["status"] == "aborted"

@@ -160,3 +160,14 @@ def test_fault_plan_parses_and_fires_only_where_asked(monkeypatch):
     monkeypatch.setenv("RAYTRAIN_DDP_FAULT", "step=1,mode=explode")
     with pytest.raises(ValueError, match="mode must be"):
         FaultPlan.from_env()
+
+
+def test_bf16_autocast_step_on_cpu_and_sgd_with_clipping(group):
+    cfg = _cfg("train.precision=bf16", "train.optimizer=sgd", "train.clip_grad_norm=0.01")
+    parts = build_parts(cfg, SPEC, RANK, total_steps=10)
+    before = [p.detach().clone() for p in parts.params]
+    loss = train_step(parts, _window(), 2, Progress(), cfg, RANK)
+    assert math.isfinite(loss) and not parts.scaler.is_enabled()
+    moved = torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(before, parts.params)))
+    # one SGD step from zero momentum with a clipped gradient moves at most lr * max_norm
+    assert 0 < moved <= cfg.train.lr * 0.01 * (1 + 1e-3)
