@@ -107,7 +107,7 @@ def test_simulated_signal_fires_in_its_attempt_from_its_step(monkeypatch):
 
 
 @pytest.mark.ray
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_simulated_preemption_checkpoints_and_the_run_continues_without_lost_steps(reference, tmp_path, monkeypatch):
     monkeypatch.setenv(SIMULATE_ENV, "step=4,attempt=1,ranks=1,deadline_s=none")
     monkeypatch.setenv("RAYTRAIN_DDP_FAULT", "rank=1,step=9,attempt=1,mode=exit")  # the node goes away

@@ -18,7 +18,7 @@ from _elastic import ATOL, STEPS, elastic_cfg, max_difference, optimizer_differe
 from raytrain_ddp.launcher import run_training
 from raytrain_ddp.metrics import read_metrics
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(480)]
 
 
 def _assert_same_state(state: dict, ref: dict) -> None:
