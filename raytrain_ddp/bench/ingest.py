@@ -174,11 +174,18 @@ def readers(sizes: Sizes, tmp: Path, log=print) -> dict[str, Any]:
         "dataloader_rows": lambda: dataloader_rows_iter(x, y),
         "in_memory": lambda: in_memory_iter(tx, ty, seed=0),
     }
-    # Interleave: one pass of each reader per round, so drift hits them alike.
+    # Interleave: one pass of each reader per round, so drift hits them alike. One torch
+    # thread in the consumer, as in a training worker: with more, every small gather pays
+    # an OpenMP fork/join, which on a loaded machine made the in-memory gather 10x slower.
     per_reader: dict[str, list] = {name: [] for name in makers}
-    for _ in range(sizes.ingest_passes):
-        for name, make in makers.items():
-            per_reader[name].append(_one_pass(name, make, sizes.ingest_rows))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(sizes.ingest_passes):
+            for name, make in makers.items():
+                per_reader[name].append(_one_pass(name, make, sizes.ingest_rows))
+    finally:
+        torch.set_num_threads(threads)
     out: dict[str, Any] = {}
     for name, passes in per_reader.items():
         out[name] = {"samples_per_s": stats([p["samples_per_s"] for p in passes])["median"],
