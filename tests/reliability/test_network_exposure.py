@@ -1,0 +1,127 @@
+"""What the embedded Ray instance of `raytrain-ddp train` exposes on the network (issue #6, item 9).
+
+`launcher.connect_ray` starts Ray in a child process of its own session; the test lists
+every listening TCP socket owned by that session (from /proc) and checks:
+
+* the dashboard / Jobs HTTP API (the port that runs code on request) listens on
+  127.0.0.1 only;
+* every socket bound beyond loopback belongs to Ray's own services (GCS, raylet, core
+  workers, agents, autoscaler monitor) -- none is opened by our code;
+* those services refuse a client that lacks the token: the GCS refuses a driver, the
+  runtime-env agent answers 401 (Ray 2.60 turns token authentication on by default).
+
+Known limit, stated in docs/reliability.md: Ray 2.60 binds its gRPC servers to all
+interfaces and rewrites a node IP of 127.0.0.1 to the primary interface, so "loopback
+only" cannot be promised for them; the token is what protects them.
+Token refusal of `ray job submit` is tested in tests/e2e/test_job_submit.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+
+REPO = Path(__file__).resolve().parents[2]
+RAY_SERVICES = ("gcs_server", "raylet", "ray::", "dashboard", "monitor.py", "log_monitor.py", "runtime_env")
+
+_EMBEDDED = """
+import json, sys, ray
+import ray._private.worker as ray_worker
+from raytrain_ddp.config import load_config
+from raytrain_ddp.launcher import connect_ray
+assert connect_ray(load_config(sys.argv[1], []))
+print(json.dumps({"dashboard": ray_worker.get_dashboard_url(),
+                  "gcs": ray.get_runtime_context().gcs_address}), flush=True)
+sys.stdin.read()  # until the test closes stdin
+ray.shutdown()
+"""
+
+
+def _listeners(session_id: int) -> list[tuple[str, int, str]]:
+    """(address, port, command line) of every LISTEN socket of processes in `session_id`."""
+    owners: dict[str, str] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getsid(int(pid)) != session_id:
+                continue
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    owners[link[8:-1]] = cmd
+        except OSError:
+            continue
+    found = []
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in owners:  # 0A: LISTEN
+                continue
+            hex_addr, hex_port = fields[1].split(":")
+            raw = bytes.fromhex(hex_addr)
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # per-word little endian
+            found.append((socket.inet_ntop(family, raw), int(hex_port, 16), owners[fields[9]]))
+    return found
+
+
+def _loopback(address: str) -> bool:
+    return address in ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+
+
+def test_embedded_ray_exposes_only_loopback_http_and_token_protected_services(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen([sys.executable, "-c", _EMBEDDED, str(REPO / "examples/configs/tiny.yaml")],
+                            cwd=tmp_path, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 150)
+        assert ready, "embedded Ray did not start within 150s"
+        info = json.loads(proc.stdout.readline())
+        time.sleep(3)  # agents finish binding
+        sockets = _listeners(proc.pid)
+        dash_host, dash_port = info["dashboard"].rsplit(":", 1)
+        assert dash_host == "127.0.0.1"
+        dashboard = [s for s in sockets if s[1] == int(dash_port)]
+        assert dashboard and all(_loopback(addr) for addr, _, _ in dashboard), dashboard
+
+        exposed = [s for s in sockets if not _loopback(s[0])]
+        strangers = [s for s in exposed if not any(name in s[2] for name in RAY_SERVICES)]
+        assert not strangers, f"non-Ray processes listen beyond loopback: {strangers}"
+
+        # The runtime-env agent (HTTP, node IP) answers 401 without the token.
+        agent = [s for s in exposed if "RuntimeEnvAgent" in s[2]]
+        for addr, port, _ in agent:
+            host = addr if addr not in ("0.0.0.0", "::") else info["gcs"].rsplit(":", 1)[0]
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(f"http://{host}:{port}/", timeout=10)
+            assert refused.value.code == 401
+
+        # The GCS (all interfaces) refuses a driver that has no token.
+        home = tmp_path / "home"
+        home.mkdir()
+        no_token = {**env, "HOME": str(home), "RAY_AUTH_MODE": "disabled"}
+        attempt = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address={info['gcs']!r}); print('JOINED')"],
+                                 env=no_token, capture_output=True, text=True, timeout=120)
+        assert attempt.returncode != 0 and "JOINED" not in attempt.stdout, attempt.stdout + attempt.stderr[-2000:]
+    finally:
+        proc.stdin.close()  # the child shuts Ray down ...
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(proc.pid, 9)  # ... and whatever is left of the session it led is killed
+        except ProcessLookupError:
+            pass
