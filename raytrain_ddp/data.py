@@ -66,7 +66,20 @@ class PreparedData:
 # --------------------------------------------------------------------------- driver side
 
 
-def prepare_datasets(cfg: Config) -> PreparedData:
+def precheck(cfg: Config) -> Optional["ParquetInfo"]:
+    """The data checks that need no Ray, run before Ray starts: bad parquet costs nothing.
+
+    Returns the parquet facts so `prepare_datasets` does not scan the files twice.
+    """
+    if cfg.data.source != "parquet":
+        return None
+    info = check_parquet(cfg.data.path, cfg.data.features, cfg.data.label, lm=cfg.model.name == "gpt")
+    val_rows = int(round(info.rows * cfg.data.val_fraction))
+    _check_row_counts(cfg, info.rows - val_rows, val_rows, str(cfg.data.path))
+    return info
+
+
+def prepare_datasets(cfg: Config, checked: Optional["ParquetInfo"] = None) -> PreparedData:
     """Build and check the datasets on the driver; every problem raises `DataError` early."""
     import ray.data
     import ray.train
@@ -91,7 +104,8 @@ def prepare_datasets(cfg: Config) -> PreparedData:
         if val_table is not None:
             datasets[VAL] = ray.data.from_arrow(val_table)
     else:
-        info = check_parquet(cfg.data.path, cfg.data.features, cfg.data.label, lm=cfg.model.name == "gpt")
+        info = checked or precheck(cfg)
+        assert info is not None
         total_rows, spec_shape, num_classes, task = info.rows, info.feature_shape, info.num_classes, info.task
         spec_shape = _model_shape(cfg, spec_shape)
         full = ray.data.read_parquet(info.files, columns=[cfg.data.features, cfg.data.label])

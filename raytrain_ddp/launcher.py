@@ -80,11 +80,14 @@ def run_dir_of(cfg: Config) -> Path:
 
 def run_training(cfg: Config) -> dict[str, Any]:
     """Train `cfg` to the end; returns the summary (also written to summary.json)."""
+    from raytrain_ddp.data import precheck
+
     run_dir = run_dir_of(cfg)
     resume_from = resolve_resume(cfg, run_dir)
+    checked = precheck(cfg)  # bad parquet fails here, before Ray or any worker starts
     started_here = connect_ray(cfg)
     try:
-        return _fit(cfg, run_dir, resume_from)
+        return _fit(cfg, run_dir, resume_from, checked)
     finally:
         if started_here:
             import ray
@@ -192,7 +195,7 @@ def connect_ray(cfg: Config) -> bool:
     return True
 
 
-def _fit(cfg: Config, run_dir: Path, resume_from: Optional[Path]) -> dict[str, Any]:
+def _fit(cfg: Config, run_dir: Path, resume_from: Optional[Path], checked: Any = None) -> dict[str, Any]:
     import ray.data
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
     from ray.train.v2.api.config import LoggingConfig
@@ -202,7 +205,7 @@ def _fit(cfg: Config, run_dir: Path, resume_from: Optional[Path]) -> dict[str, A
     from raytrain_ddp.loop import train_loop_per_worker
 
     ray.data.DataContext.get_current().enable_progress_bars = False
-    prepared = prepare_datasets(cfg)
+    prepared = prepare_datasets(cfg, checked)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / CONFIG_FILE).write_text(cfg.to_yaml())
     for stale in (SUMMARY_FILE, ABORT_FILE):
