@@ -17,8 +17,11 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+# The demo always trains from scratch (a re-run of a finished run would resume and train nothing).
 demo: $(STAMP)
+	rm -rf runs/quickstart
 	$(VENV)/bin/raytrain-ddp train examples/configs/quickstart.yaml
+	$(VENV)/bin/raytrain-ddp plot runs/quickstart
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
