@@ -10,7 +10,7 @@ every listening TCP socket owned by that session (from /proc) and checks:
 * those services refuse a client that lacks the token: the GCS refuses a driver, the
   runtime-env agent answers 401 (Ray 2.60 turns token authentication on by default).
 
-Known limit, stated in docs/reliability.md: Ray 2.60 binds its gRPC servers to all
+Known limit, stated in the README (Security): Ray 2.60 binds its gRPC servers to all
 interfaces and rewrites a node IP of 127.0.0.1 to the primary interface, so "loopback
 only" cannot be promised for them; the token is what protects them.
 Token refusal of `ray job submit` is tested in tests/e2e/test_job_submit.py.
