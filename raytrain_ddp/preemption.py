@@ -41,13 +41,14 @@ every step so the checkpoint step is deterministic. Never set it in real runs.
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from raytrain_ddp.envspec import read_env_spec
 
 POLL_INTERVAL_S = 1.0
 MAX_STEPS_BETWEEN_POLLS = 1000
@@ -87,12 +88,9 @@ class SimulatedPreemption:
 
     @classmethod
     def from_env(cls) -> Optional["SimulatedPreemption"]:
-        spec = os.environ.get(SIMULATE_ENV)
-        if not spec:
+        fields = read_env_spec(SIMULATE_ENV, required=("step",))
+        if fields is None:
             return None
-        fields = dict(item.split("=", 1) for item in spec.split(",") if "=" in item)
-        if "step" not in fields:
-            raise ValueError(f"{SIMULATE_ENV}={spec!r}: needs step=N (e.g. step=6,attempt=1,ranks=1)")
         deadline = fields.get("deadline_s", "none")
         return cls(step=int(fields["step"]), attempt=int(fields.get("attempt", 1)),
                    ranks=tuple(int(r) for r in fields.get("ranks", "1").split("+")),

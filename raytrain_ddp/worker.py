@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import Config
+from raytrain_ddp.envspec import read_env_spec
 from raytrain_ddp.schedule import WarmupCosine, build_optimizer
 
 ATTEMPTS_FILE = "attempts.jsonl"
@@ -284,10 +285,9 @@ class FaultPlan:
 
     @classmethod
     def from_env(cls) -> Optional["FaultPlan"]:
-        spec = os.environ.get(FAULT_ENV)
-        if not spec:
+        fields = read_env_spec(FAULT_ENV, required=("step",))
+        if fields is None:
             return None
-        fields = dict(item.split("=", 1) for item in spec.split(",") if "=" in item)
         attempt = fields.get("attempt", "1")
         plan = cls(rank=int(fields.get("rank", 0)), step=int(fields["step"]),
                    attempt=0 if attempt == "any" else int(attempt), mode=fields.get("mode", "exit"),

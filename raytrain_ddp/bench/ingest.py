@@ -29,7 +29,7 @@ import tempfile
 import warnings
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable
 
 import numpy as np
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from raytrain_ddp.config import Config, ConfigError, config_keys, load_config
+from raytrain_ddp.config import ConfigError, config_keys, load_config
 
 pytestmark = pytest.mark.timeout(30)
 
