@@ -108,7 +108,7 @@ def prepare_datasets(cfg: Config, checked: Optional["ParquetInfo"] = None) -> Pr
         assert info is not None
         total_rows, spec_shape, num_classes, task = info.rows, info.feature_shape, info.num_classes, info.task
         spec_shape = _model_shape(cfg, spec_shape)
-        full = ray.data.read_parquet(info.files, columns=[cfg.data.features, cfg.data.label])
+        full = ray.data.read_parquet(info.files).select_columns([cfg.data.features, cfg.data.label])
         if cfg.data.val_fraction > 0:
             train_ds, val_ds = full.train_test_split(
                 test_size=cfg.data.val_fraction, shuffle=True, seed=cfg.train.seed
