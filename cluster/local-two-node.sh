@@ -71,6 +71,20 @@ print(" ".join(map(str, ports + ranges)))
 EOF
 }
 
+# Set NODE_ARGS to the `ray start` flags both nodes share: loopback, the node's own pinned
+# ports and worker-port range, CPUs, the object store, and a custom resource naming the
+# node (so tests can place work on it). Arguments: RESOURCE CPUS NM OM AG AGG RE MET WLO.
+node_args() {
+  local resource="$1" cpus="$2" nm="$3" om="$4" ag="$5" agg="$6" re="$7" met="$8" wlo="$9"
+  NODE_ARGS=(--node-ip-address=127.0.0.1
+    --node-manager-port="$nm" --object-manager-port="$om"
+    --dashboard-agent-listen-port="$ag" --dashboard-agent-grpc-port="$agg"
+    --runtime-env-agent-port="$re" --metrics-export-port="$met"
+    --min-worker-port="$wlo" --max-worker-port="$((wlo + 99))"
+    --num-cpus="$cpus" --num-gpus=0 --object-store-memory="$STORE_BYTES"
+    --resources="{\"$resource\": 1}" --disable-usage-stats)
+}
+
 # Start "$@" in its own session (so it has its own process group) and print its pid.
 start_group() {
   local log="$1"; shift
@@ -175,31 +189,20 @@ export RT2N_DASHBOARD=http://127.0.0.1:$DASH
 EOF
 
   local head_pid node_pid
+  node_args node_a "$HEAD_CPUS" "$H_NM" "$H_OM" "$H_AG" "$H_AGG" "$H_RE" "$H_MET" "$H_WLO"
   head_pid=$(start_group "$dir/head.log" "$RAY_BIN" start --head --block \
-    --node-ip-address=127.0.0.1 --port="$GCS" --temp-dir="$dir/ray" \
+    --port="$GCS" --temp-dir="$dir/ray" \
     --include-dashboard=true --dashboard-host=127.0.0.1 --dashboard-port="$DASH" \
-    --ray-client-server-port="$CLIENT" \
-    --node-manager-port="$H_NM" --object-manager-port="$H_OM" \
-    --dashboard-agent-listen-port="$H_AG" --dashboard-agent-grpc-port="$H_AGG" \
-    --runtime-env-agent-port="$H_RE" --metrics-export-port="$H_MET" \
-    --min-worker-port="$H_WLO" --max-worker-port="$((H_WLO + 99))" \
-    --num-cpus="$HEAD_CPUS" --num-gpus=0 --object-store-memory="$STORE_BYTES" \
-    --resources='{"node_a": 1}' --disable-usage-stats)
+    --ray-client-server-port="$CLIENT" "${NODE_ARGS[@]}")
   echo "$head_pid" > "$dir/head.pgid"
   echo "local-two-node: head pid $head_pid, GCS 127.0.0.1:$GCS, dashboard 127.0.0.1:$DASH" >&2
   if ! wait_for_gcs "$dir" "$GCS" "$head_pid"; then
     tail -n 30 "$dir/head.log" >&2; RT2N_KEEP=1 cmd_down "$dir" >&2; exit 1
   fi
 
-
-  node_pid=$(start_group "$dir/node.log" "$RAY_BIN" start --block \
-    --address="127.0.0.1:$GCS" --node-ip-address=127.0.0.1 \
-    --node-manager-port="$N_NM" --object-manager-port="$N_OM" \
-    --dashboard-agent-listen-port="$N_AG" --dashboard-agent-grpc-port="$N_AGG" \
-    --runtime-env-agent-port="$N_RE" --metrics-export-port="$N_MET" \
-    --min-worker-port="$N_WLO" --max-worker-port="$((N_WLO + 99))" \
-    --num-cpus="$NODE_CPUS" --num-gpus=0 --object-store-memory="$STORE_BYTES" \
-    --resources='{"node_b": 1}' --disable-usage-stats)
+  node_args node_b "$NODE_CPUS" "$N_NM" "$N_OM" "$N_AG" "$N_AGG" "$N_RE" "$N_MET" "$N_WLO"
+  node_pid=$(start_group "$dir/node.log" "$RAY_BIN" start --block --address="127.0.0.1:$GCS" \
+    "${NODE_ARGS[@]}")
   echo "$node_pid" > "$dir/node.pgid"
 
   if ! wait_for_nodes "$dir" 2 >&2; then

@@ -1,29 +1,25 @@
-"""What every benchmark section shares: timing statistics, sizes, and gloo rank launching.
+"""What every benchmark section shares: timing statistics, sizes, and the rank launcher's defaults.
 
 Owns: `Sizes` (the quick / full presets), `stats` (median and spread of a list of
-timings), `run_ranks` (run one function on W gloo ranks on 127.0.0.1 with a hard
-deadline) and small helpers. Must not touch: Ray, the training loop, files outside the
-directories it is given.
+timings), `run_ranks` (the package's launcher, `raytrain_ddp.parallel.launch`, with the
+benchmarks' defaults) and small helpers. Must not touch: Ray, the training loop, files
+outside the directories it is given.
 
-Why a launcher of its own rather than tests/_spawn.py: the package must not import from
-tests/. It follows the same rules: loopback only, a free port, one deadline for the
+The launcher is the one the tests use: loopback only, a free port, one deadline for the
 group, ranks killed by pid on expiry, and each rank leaves with `os._exit` once its
 answer is queued, so no process-group teardown can hang a benchmark.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import pickle
-import queue as queue_mod
-import socket
 import statistics
-import time
-import traceback
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Callable
+
+from raytrain_ddp.parallel import launch
+from raytrain_ddp.parallel.launch import RankError, free_port
+
+__all__ = ["Sizes", "FULL", "QUICK", "stats", "ratio", "run_ranks", "free_port", "RankError"]
 
 
 @dataclass(frozen=True)
@@ -72,83 +68,13 @@ def ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class RankError(RuntimeError):
-    """A benchmark rank raised or missed its deadline; the message carries its traceback."""
-
-
-def _rank_main(fn, world_rank, world_size, port, args, backend, threads, out_q):
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(world_rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(world_rank),
-                      LOCAL_WORLD_SIZE=str(world_size))
-    try:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(threads)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=world_rank,
-                                world_size=world_size, timeout=timedelta(seconds=120))
-        payload = ("ok", pickle.dumps(fn(world_rank, world_size, *args)))
-    except BaseException:  # noqa: BLE001 - the parent reports it
-        payload = ("err", traceback.format_exc())
-    out_q.put((world_rank,) + payload)
-    out_q.close()
-    out_q.join_thread()
-    os._exit(0)
-
-
-_CTX: dict[str, Any] = {}
-
-
-def _context() -> Any:
-    if "ctx" not in _CTX:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed"])
-        _CTX["ctx"] = ctx
-    return _CTX["ctx"]
-
-
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0,
               backend: str = "gloo", threads: int = 1) -> list[Any]:
-    """`fn(world_rank, world_size, *args)` on every rank; results by rank, or `RankError`."""
-    ctx = _context()
-    out_q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, daemon=True,
-                         args=(fn, r, world_size, port, args, backend, threads, out_q))
-             for r in range(world_size)]
-    for proc in procs:
-        proc.start()
-    results: dict[int, tuple[str, Any]] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(results) < world_size and time.monotonic() < deadline:
-            try:
-                rank, status, blob = out_q.get(timeout=0.5)
-            except queue_mod.Empty:
-                if all(not p.is_alive() for p in procs) and out_q.empty():
-                    break
-                continue
-            results[rank] = (status, blob)
-            if status == "err":
-                break  # peers will fail or hang on the dead rank; stop them all
-    finally:
-        for proc in procs:
-            proc.join(timeout=max(0.0, min(3.0, deadline - time.monotonic())))
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-        out_q.close()
-    errors = [blob for status, blob in results.values() if status == "err"]
-    if errors:
-        raise RankError(f"a benchmark rank of {fn.__name__} failed:\n{errors[0]}")
-    missing = [r for r in range(world_size) if r not in results]
-    if missing:
-        raise RankError(f"ranks {missing} of {fn.__name__} did not finish within {timeout_s:.0f}s (killed)")
-    return [pickle.loads(results[r][1]) for r in range(world_size)]
+    """`fn(world_rank, world_size, *args)` on every rank; results by rank, or `RankError`.
+
+    One intra-op thread per rank by default: W ranks share this machine's cores, and more
+    would time thread contention. A collective stuck for 120 s fails in the rank (and is
+    reported with its traceback) well before the group's deadline kills it.
+    """
+    return launch.run_ranks(fn, world_size, *args, timeout_s=timeout_s, backend=backend, threads=threads,
+                            pg_timeout_s=min(120.0, timeout_s))

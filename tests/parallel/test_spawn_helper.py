@@ -1,8 +1,10 @@
-"""The shared rank launcher (tests/_spawn.py) itself: results, tracebacks, and the deadline."""
+"""The shared rank launcher (raytrain_ddp.parallel.launch, via tests/_spawn.py): results, tracebacks, deadline."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -32,6 +34,10 @@ def _rank1_hangs(world_rank, world_size):
     return os.getpid()
 
 
+def _threads(world_rank, world_size):
+    return torch.get_num_threads()
+
+
 def test_results_errors_and_deadline():
     assert run_ranks(_sum_ranks, 3, 2.0, timeout_s=30) == [(6.0, "127.0.0.1")] * 3
 
@@ -44,3 +50,10 @@ def test_results_errors_and_deadline():
     with pytest.raises(RankTimeout, match=r"ranks \[(0, )?1\] of 2 did not answer within 6"):
         run_ranks(_rank1_hangs, 2, timeout_s=6)  # rank 0 may miss it too on a loaded machine
     assert time.monotonic() - start < 30  # killed at the deadline, not after the 120 s sleep
+
+
+def test_threads_per_rank_and_no_ray():
+    # 3 is nobody's default on this machine, so the value must come from `threads`.
+    assert run_ranks(_threads, 2, threads=3, init_pg=False, timeout_s=30) == [3, 3]
+    code = "import sys, raytrain_ddp.parallel.launch; assert 'ray' not in sys.modules, 'ray imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=50)
