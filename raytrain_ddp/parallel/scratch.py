@@ -183,6 +183,7 @@ class BucketedDDP(_ScratchBase):
             self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                              for i, p in enumerate(self._params)]
         self._stats["buckets"] = len(self._buckets)
+        self._inv_world_size = 1.0 / self.world_size
         self._reset_backward()
 
     def _build_buckets(self, cap_bytes: int) -> None:
@@ -207,6 +208,7 @@ class BucketedDDP(_ScratchBase):
         self._queued = False
         self._pending = [len(b.members) for b in self._buckets]
         self._ready = bytearray(len(self._params))
+        self._scaled = bytearray(len(self._params))  # view already holds grad / world_size
         self._next = 0
         self._works: list[tuple[_Bucket, Any, torch.Tensor]] = []
 
@@ -219,11 +221,19 @@ class BucketedDDP(_ScratchBase):
         view = self._views[i]
 
         def hook(p: torch.Tensor) -> None:
-            if p.grad is not view:  # first gradient after zero_grad(set_to_none=True): adopt it
-                view.copy_(p.grad)
-                p.grad = view
+            fresh = p.grad is not view  # first gradient after zero_grad(set_to_none=True)
             if not self._sync_enabled:
+                if fresh:  # accumulating under no_sync: adopt it unscaled
+                    view.copy_(p.grad)
+                    p.grad = view
                 return
+            if fresh:
+                # Adopt and pre-divide in one pass over memory, as torch DDP's reducer does
+                # (mul_out into the bucket view); a separate div_ of the bucket at launch
+                # would read and write every gradient byte a second time.
+                torch.mul(p.grad, self._inv_world_size, out=view)
+                p.grad = view
+                self._scaled[i] = 1
             if not self._queued:
                 self._queued = True
                 _queue_callback(self._finish)
@@ -244,10 +254,10 @@ class BucketedDDP(_ScratchBase):
             self._next += 1
 
     def _launch(self, bucket: _Bucket) -> None:
-        if self._wire_dtype is None:
-            send = bucket.buffer.div_(self.world_size)  # pre-divide: sum of means = mean
-        else:
-            send = bucket.buffer.to(self._wire_dtype).div_(self.world_size)
+        for i in bucket.members:  # pre-divide (sum of means = mean) what the hook did not
+            if not self._scaled[i]:
+                self._views[i].div_(self.world_size)
+        send = bucket.buffer if self._wire_dtype is None else bucket.buffer.to(self._wire_dtype)
         work = dist.all_reduce(send, group=self._pg, async_op=True)
         self._count(send)
         self._works.append((bucket, work, send))
