@@ -88,6 +88,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         for epoch in range(progress.epoch, num_epochs):
             if progress.step >= total_steps:  # resuming a finished run: nothing left to do
                 break
+            epoch_done = True  # unless max_steps ends the run mid-epoch
             for window in data.train_windows(epoch, skip_steps=progress.steps_into_epoch):
                 poison = fault.loss_poison(rank, progress.step + 1, attempt) if fault else 1.0
                 lr = parts.scheduler.lr
@@ -104,6 +105,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                                   "lr": lr, "nonfinite_steps": progress.nonfinite_steps, "attempt": attempt,
                                   **meter.summarize(data.wait_seconds, parts.wrapper.comm_stats)})
                 if last:
+                    epoch_done = progress.steps_into_epoch >= data.steps_per_epoch
                     break
                 every = cfg.run.checkpoint_every_steps
                 periodic = bool(every) and progress.step % every == 0
@@ -111,7 +113,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 if (periodic or preempted) and progress.steps_into_epoch < data.steps_per_epoch:
                     checkpoint({"loss": loss, **({"preemption": 1} if preempted else {})})
 
-            if progress.steps_into_epoch >= data.steps_per_epoch:
+            # Advance on exhaustion, not on a count: streaming shards can end a window or two
+            # before the estimate, and a stale position would skip steps of the next epoch.
+            if epoch_done:
                 progress.epoch, progress.steps_into_epoch = epoch + 1, 0
             val = _paused(meter, data, lambda: validate(parts, data, rank, job.spec))
             if val:
@@ -207,7 +211,10 @@ def save_and_report(parts: Parts, progress: Progress, job: Job, rank: Rank, metr
 
     from raytrain_ddp.worker import training_state
 
-    name = f"{ckpt.CHECKPOINT_PREFIX}{progress.step:08d}_{job.fit_id[:8]}"
+    # The epoch position is in the name: a periodic save on a streaming epoch's last
+    # window and the epoch-end save can share a step, and must not share a directory.
+    name = (f"{ckpt.CHECKPOINT_PREFIX}{progress.step:08d}_e{progress.epoch}"
+            f"s{progress.steps_into_epoch}_{job.fit_id[:8]}")
     with tempfile.TemporaryDirectory(prefix="raytrain_ddp_ckpt_") as tmp:
         checkpoint = None
         if rank.is_main:
