@@ -102,7 +102,7 @@ def test_simulated_signal_fires_in_its_attempt_from_its_step(monkeypatch):
     assert real_calls == [3, 4, 9]  # the real (collective) call is always made
     assert sim.source(attempt=2, real=lambda step: None, clock=lambda: 0.0)(9) is None
     monkeypatch.setenv(SIMULATE_ENV, "attempt=1")
-    with pytest.raises(ValueError, match="needs step=N"):
+    with pytest.raises(ValueError, match="needs step="):
         SimulatedPreemption.from_env()
 
 
