@@ -117,9 +117,7 @@ def prepare_datasets(cfg: Config, checked: Optional["ParquetInfo"] = None) -> Pr
         else:
             datasets = {TRAIN: full}
 
-    val_rows = int(round(total_rows * cfg.data.val_fraction)) if VAL in datasets else 0
-    if cfg.data.source == "parquet" and VAL in datasets:
-        val_rows = datasets[VAL].count()
+    val_rows = datasets[VAL].count() if VAL in datasets else 0  # metadata for in-memory tables
     train_rows = total_rows - val_rows
     _check_row_counts(cfg, train_rows, val_rows, source)
 

@@ -61,8 +61,8 @@ from typing import Any, Optional
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import Config
 from raytrain_ddp.errors import CheckpointError, UserError
-from raytrain_ddp.metrics import METRICS_FILE, ProgressPrinter, final_metrics, read_metrics
-from raytrain_ddp.worker import ABORT_FILE, ATTEMPTS_FILE, Job, read_jsonl
+from raytrain_ddp.metrics import METRICS_FILE, ProgressPrinter, final_metrics, read_jsonl, read_metrics
+from raytrain_ddp.worker import ABORT_FILE, ATTEMPTS_FILE, Job
 
 DATA_HEADROOM_CPUS = 2
 SUMMARY_FILE = "summary.json"
@@ -214,7 +214,7 @@ def _fit(cfg: Config, run_dir: Path, resume_from: Optional[Path], checked: Any =
     steps_per_epoch = prepared.spec.train_rows // cfg.train.global_batch_size
     total_steps = cfg.train.max_steps or cfg.train.epochs * steps_per_epoch
     job = Job(cfg=cfg, spec=prepared.spec, run_dir=str(run_dir), fit_id=uuid.uuid4().hex,
-              resume_from=str(resume_from) if resume_from else None, total_steps_hint=total_steps)
+              resume_from=str(resume_from) if resume_from else None)
     print_plan(cfg, prepared.spec, run_dir, steps_per_epoch, total_steps, resume_from)
 
     env_vars = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}

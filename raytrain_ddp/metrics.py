@@ -118,10 +118,14 @@ class MetricsWriter:
 
 
 def read_metrics(path: os.PathLike | str) -> list[dict[str, Any]]:
-    """Every complete line of a metrics file; a torn last line (writer killed) is ignored."""
+    """Every complete line of a metrics file (or of RUN_DIR/metrics.jsonl)."""
     path = Path(path)
-    if path.is_dir():
-        path = path / METRICS_FILE
+    return read_jsonl(path / METRICS_FILE if path.is_dir() else path)
+
+
+def read_jsonl(path: os.PathLike | str) -> list[dict[str, Any]]:
+    """Every complete JSON object line; a torn last line (writer killed) is ignored."""
+    path = Path(path)
     if not path.exists():
         return []
     records = []

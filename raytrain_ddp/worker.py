@@ -14,7 +14,6 @@ strategy or a state field is added.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import math
@@ -32,6 +31,7 @@ import torch.distributed as dist
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import Config
 from raytrain_ddp.envspec import read_env_spec
+from raytrain_ddp.metrics import read_jsonl
 from raytrain_ddp.schedule import WarmupCosine, build_optimizer
 
 ATTEMPTS_FILE = "attempts.jsonl"
@@ -48,15 +48,7 @@ class Job:
     run_dir: str
     fit_id: str  # one per `run_training` call; tells this fit's checkpoints from older ones
     resume_from: Optional[str] = None  # checkpoint chosen (and verified) by the driver
-    total_steps_hint: Optional[int] = None
 
-    @property
-    def config_digest(self) -> str:
-        return config_digest(self.cfg)
-
-
-def config_digest(cfg: Config) -> str:
-    return hashlib.sha256(cfg.to_yaml().encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -178,7 +170,6 @@ def training_state(parts: Parts, progress: Progress, job: Job, rank: Rank) -> di
         "nonfinite_steps": progress.nonfinite_steps,
         "world_size": rank.world_size,
         "rng": ckpt.rng_state(),
-        "config_digest": job.config_digest,
         "config": job.cfg.to_yaml(),  # the launcher checks what a resume may change
         "fit_id": job.fit_id,
     }
@@ -235,17 +226,6 @@ def record_attempt(job: Job, rank: Rank) -> int:
                                      "world_size": rank.world_size, "time": time.time()}) + "\n")
     dist.broadcast(number, src=0)
     return int(number.item())
-
-
-def read_jsonl(path: os.PathLike | str) -> list[dict]:
-    path = Path(path)
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            out.append(json.loads(line))
-    return out
 
 
 def all_ranks_agree(value: int, rank: Rank, what: str) -> None:

@@ -20,7 +20,7 @@ from raytrain_ddp.errors import DataError
 from raytrain_ddp.launcher import ResumeError, run_training
 from raytrain_ddp.metrics import read_metrics
 from raytrain_ddp.plot import plot_run
-from raytrain_ddp.worker import read_jsonl
+from raytrain_ddp.metrics import read_jsonl
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 

@@ -18,7 +18,7 @@ from _elastic import ATOL, STEPS, elastic_cfg, max_difference, states_by_step
 from raytrain_ddp.launcher import run_training
 from raytrain_ddp.metrics import read_metrics
 from raytrain_ddp.preemption import SIMULATE_ENV, PreemptionGuard, Signal, SimulatedPreemption
-from raytrain_ddp.worker import read_jsonl
+from raytrain_ddp.metrics import read_jsonl
 
 
 class Script:

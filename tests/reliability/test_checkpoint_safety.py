@@ -38,7 +38,7 @@ def _state(step: int, fit_id: str = FIT) -> dict:
     model = torch.nn.Linear(4, 3)
     return {"model": model.state_dict(), "optimizer": torch.optim.SGD(model.parameters(), lr=0.1).state_dict(),
             "scheduler": {}, "scaler": {}, "step": step, "epoch": 0, "steps_into_epoch": step,
-            "world_size": 2, "rng": ckpt.rng_state(), "config_digest": "x", "fit_id": fit_id}
+            "world_size": 2, "rng": ckpt.rng_state(), "fit_id": fit_id}
 
 
 def _save(run_dir: Path, step: int, fit_id: str = FIT) -> Path:

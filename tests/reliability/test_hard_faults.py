@@ -20,7 +20,7 @@ import torch
 from _harness import BackgroundRun, tiny, train_lines, wait_for
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.metrics import read_metrics
-from raytrain_ddp.worker import read_jsonl
+from raytrain_ddp.metrics import read_jsonl
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
