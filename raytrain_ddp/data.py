@@ -490,8 +490,8 @@ class WorkerData:
         return features, labels
 
     def _arrays(self, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        x = _stack(batch[self.cfg.data.features])
-        y = _stack(batch[self.cfg.data.label])
+        x = stack_column(batch[self.cfg.data.features])
+        y = stack_column(batch[self.cfg.data.label])
         if self.spec.task == "lm":
             x = x.astype(np.int64)
         else:
@@ -510,7 +510,7 @@ class WorkerData:
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
 
-def _stack(column: np.ndarray) -> np.ndarray:
+def stack_column(column: np.ndarray) -> np.ndarray:
     """Parquet list columns arrive as object arrays of arrays; make them one 2-D array."""
     if column.dtype == object:
         return np.stack(column)

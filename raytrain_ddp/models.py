@@ -116,8 +116,13 @@ def build_model(cfg: Config, spec: DataSpec) -> nn.Module:
     return MLP(math.prod(spec.feature_shape), list(m.hidden_sizes), spec.num_classes, m.dropout)
 
 
+def cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy in fp32; over every token position when logits are (B, T, V)."""
+    if logits.dim() == 3:
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+    return F.cross_entropy(logits.float(), y)
+
+
 def loss_fn(spec: DataSpec) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Mean cross-entropy; for language models over every token position."""
-    if spec.task == "lm":
-        return lambda logits, y: F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-    return lambda logits, y: F.cross_entropy(logits.float(), y)
+    """The training loss for this data: cross-entropy for classifiers and language models."""
+    return cross_entropy

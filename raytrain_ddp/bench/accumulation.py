@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from raytrain_ddp.bench.common import Sizes, run_ranks, stats
-from raytrain_ddp.bench.strategies import build_model, grad_bytes, loss_of, make_batch
+from raytrain_ddp.bench.strategies import build_model, grad_bytes, make_batch
+from raytrain_ddp.models import cross_entropy
 
 KS = (1, 2, 4, 8)
 STRATEGIES = ("naive", "bucketed", "native")
@@ -47,7 +48,7 @@ def accumulate_rank(world_rank: int, world_size: int, sizes: Sizes) -> dict[str,
                 for i, ((x, y), scale) in enumerate(accumulation_window(model, batches[:k], expected=k,
                                                                        partial="scale")):
                     mid = model.comm_stats
-                    (loss_of(model(x), y) * scale).backward()
+                    (cross_entropy(model(x), y) * scale).backward()
                     after = model.comm_stats
                     if i < k - 1:
                         nonfinal_calls += after["allreduce_calls"] - mid["allreduce_calls"]

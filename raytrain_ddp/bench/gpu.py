@@ -55,7 +55,8 @@ def gpt_rank(world_rank: int, world_size: int, sizes: Sizes, shape: dict, device
     """bf16 autocast step time of the bare GPT and of each wrapper around it (world size 1)."""
     import torch.distributed as dist
 
-    from raytrain_ddp.bench.strategies import _sync, _wrap, build_model, loss_of, make_batch
+    from raytrain_ddp.bench.strategies import _sync, _wrap, build_model, make_batch
+    from raytrain_ddp.models import cross_entropy
 
     device = torch.device(device_name, world_rank) if device_name == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -73,7 +74,7 @@ def gpt_rank(world_rank: int, world_size: int, sizes: Sizes, shape: dict, device
         opts[label].zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=torch.bfloat16):
             out = model(x)
-        loss_of(out, y).backward()
+        cross_entropy(out, y).backward()
         opts[label].step()
 
     for label, model in variants:

@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from raytrain_ddp.bench.common import Sizes, ratio, stats
+from raytrain_ddp.data import stack_column
 
 FEATURES = 256
 CLASSES = 16
@@ -65,7 +66,7 @@ def write_parquet(path: Path, rows: int, files: int = FILES, seed: int = 0) -> P
 def _to_tensors(x: Any, y: Any) -> tuple:
     import torch
 
-    x = np.stack(x) if x.dtype == object else x
+    x = stack_column(x)
     return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)), torch.from_numpy(np.asarray(y))
 
 

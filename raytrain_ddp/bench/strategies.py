@@ -28,11 +28,10 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from raytrain_ddp.bench.common import Sizes, ratio, run_ranks, stats
-from raytrain_ddp.models import MLP, TinyGPT
+from raytrain_ddp.models import MLP, TinyGPT, cross_entropy
 
 # The articles' MLP and the config's default tiny GPT.
 MLP_SHAPE = dict(in_features=1024, hidden_sizes=[1024, 1024, 256], num_classes=256)
@@ -61,12 +60,6 @@ def make_batch(model: nn.Module, name: str, batch: int, seed: int, device: torch
         x = torch.randint(0, vocab, (batch, length), generator=gen)
         y = torch.randint(0, vocab, (batch, length), generator=gen)
     return x.to(device), y.to(device)
-
-
-def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if out.dim() == 3:
-        return F.cross_entropy(out.float().flatten(0, 1), y.flatten())
-    return F.cross_entropy(out.float(), y)
 
 
 def grad_bytes(model: nn.Module) -> int:
@@ -121,7 +114,7 @@ def time_variants(world_rank: int, world_size: int, model_name: str, sizes: Size
 
     def step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
         opt.zero_grad(set_to_none=True)
-        loss_of(model(x), y).backward()
+        cross_entropy(model(x), y).backward()
         opt.step()
 
     for _, model, opt in variants:
