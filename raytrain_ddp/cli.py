@@ -46,7 +46,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from raytrain_ddp.plot import plot_run
+    from raytrain_ddp.ops.plot import plot_run
 
     out = plot_run(args.run_dir, args.out)
     print(f"wrote {out}")
@@ -62,13 +62,13 @@ def _cmd_data(args: argparse.Namespace) -> int:
 
 
 def _cmd_cluster_validate(args: argparse.Namespace) -> int:
-    from raytrain_ddp.cluster_validate import main as validate_main
+    from raytrain_ddp.ops.cluster import main as validate_main
 
     return validate_main(args.files)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from raytrain_ddp.bench.suite import main as bench_main
+    from raytrain_ddp.ops.bench.suite import main as bench_main
 
     return bench_main(quick=args.quick, out=args.out, device=args.device)
 

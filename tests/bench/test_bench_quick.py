@@ -109,7 +109,7 @@ def test_cuda_without_a_gpu_is_a_clear_error(tmp_path):
 @pytest.mark.timeout(120)
 def test_gpu_code_paths_dry_run_on_cpu():
     """The CUDA preset's DataParallel row and bf16 GPT section, exercised on gloo/CPU."""
-    from raytrain_ddp.bench import gpu, strategies
+    from raytrain_ddp.ops.bench import gpu, strategies
 
     sizes = gpu.DRYRUN_SIZES
     section = strategies.run(sizes, device="cpu", world_size=1, models=("mlp",), with_dp=True, log=lambda _: None)

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import pytest
 import yaml
 
-from raytrain_ddp import cluster_validate as cv
+from raytrain_ddp.ops import cluster as cv
 from raytrain_ddp.cli import main as cli_main
 
 pytestmark = pytest.mark.timeout(120)

@@ -19,7 +19,7 @@ from raytrain_ddp.config import load_config
 from raytrain_ddp.errors import DataError
 from raytrain_ddp.launcher import ResumeError, run_training
 from raytrain_ddp.metrics import read_metrics
-from raytrain_ddp.plot import plot_run
+from raytrain_ddp.ops.plot import plot_run
 from raytrain_ddp.metrics import read_jsonl
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]

@@ -1,4 +1,4 @@
-"""The shared rank launcher (raytrain_ddp.parallel.launch, via tests/_spawn.py): results, tracebacks, deadline."""
+"""The shared rank launcher (raytrain_ddp.ops.ranks, via tests/_spawn.py): results, tracebacks, deadline."""
 
 from __future__ import annotations
 
@@ -55,5 +55,5 @@ def test_results_errors_and_deadline():
 def test_threads_per_rank_and_no_ray():
     # 3 is nobody's default on this machine, so the value must come from `threads`.
     assert run_ranks(_threads, 2, threads=3, init_pg=False, timeout_s=30) == [3, 3]
-    code = "import sys, raytrain_ddp.parallel.launch; assert 'ray' not in sys.modules, 'ray imported'"
+    code = "import sys, raytrain_ddp.ops.ranks; assert 'ray' not in sys.modules, 'ray imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=50)

@@ -12,7 +12,7 @@ from raytrain_ddp.errors import UserError
 from raytrain_ddp.metrics import (
     MetricsWriter, ProgressPrinter, StepMeter, final_metrics, format_record, read_metrics,
 )
-from raytrain_ddp.plot import plot_run
+from raytrain_ddp.ops.plot import plot_run
 
 pytestmark = pytest.mark.timeout(60)
 

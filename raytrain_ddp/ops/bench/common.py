@@ -1,7 +1,7 @@
 """What every benchmark section shares: timing statistics, sizes, and the rank launcher's defaults.
 
 Owns: `Sizes` (the quick / full presets), `stats` (median and spread of a list of
-timings), `run_ranks` (the package's launcher, `raytrain_ddp.parallel.launch`, with the
+timings), `run_ranks` (the package's launcher, `raytrain_ddp.ops.ranks`, with the
 benchmarks' defaults) and small helpers. Must not touch: Ray, the training loop, files
 outside the directories it is given.
 
@@ -16,8 +16,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from raytrain_ddp.parallel import launch
-from raytrain_ddp.parallel.launch import RankError, free_port
+from raytrain_ddp.ops import ranks as launch
+from raytrain_ddp.ops.ranks import RankError, free_port
 
 __all__ = ["Sizes", "FULL", "QUICK", "stats", "ratio", "run_ranks", "free_port", "RankError"]
 

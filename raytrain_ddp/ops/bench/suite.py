@@ -23,7 +23,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from raytrain_ddp.bench.common import FULL, QUICK, Sizes
+from raytrain_ddp.ops.bench.common import FULL, QUICK, Sizes
 from raytrain_ddp.errors import UserError
 
 SIZE_ENV = "RAYTRAIN_DDP_BENCH_SIZE"  # "smoke": the test suite's even smaller preset
@@ -86,7 +86,7 @@ def _start_ray(num_cpus: int, num_gpus: Optional[int] = None) -> float:
 
 
 def run_cpu(sizes: Sizes) -> dict[str, Any]:
-    from raytrain_ddp.bench import accumulation, ingest, ray_overhead, strategies
+    from raytrain_ddp.ops.bench import accumulation, ingest, ray_overhead, strategies
 
     results: dict[str, Any] = {}
     _section(results, "strategies", lambda: strategies.run(sizes, log=_log))
@@ -109,7 +109,7 @@ def run_cpu(sizes: Sizes) -> dict[str, Any]:
 def run_cuda(dry: bool) -> dict[str, Any]:
     import torch
 
-    from raytrain_ddp.bench import gpu, ingest, strategies
+    from raytrain_ddp.ops.bench import gpu, ingest, strategies
 
     sizes = gpu.DRYRUN_SIZES if dry else gpu.GPU_SIZES
     device = "cpu" if dry else "cuda"
@@ -138,7 +138,7 @@ def run_cuda(dry: bool) -> dict[str, Any]:
 def main(quick: bool, out: Optional[str], device: str) -> int:
     import torch
 
-    from raytrain_ddp.bench import gpu, report
+    from raytrain_ddp.ops.bench import gpu, report
 
     dry = device == "cuda" and gpu.dry_run()
     if device == "cuda" and not dry and not torch.cuda.is_available():

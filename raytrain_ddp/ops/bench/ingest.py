@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from raytrain_ddp.bench.common import Sizes, ratio, stats
+from raytrain_ddp.ops.bench.common import Sizes, ratio, stats
 from raytrain_ddp.data import stack_column
 
 FEATURES = 256

@@ -7,7 +7,7 @@ by pid, never by name). One launcher for the test suite (tests/_spawn.py re-expo
 and for `raytrain-ddp bench`, so both start, time out and clean up ranks the same way.
 Nothing here is imported by `raytrain_ddp.parallel` itself: import this module by name.
 
-    from raytrain_ddp.parallel.launch import run_ranks
+    from raytrain_ddp.ops.ranks import run_ranks
 
     def _body(world_rank, world_size, scale):     # module level, so it pickles by name
         t = torch.ones(1) * world_rank * scale

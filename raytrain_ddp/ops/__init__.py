@@ -1,0 +1,8 @@
+"""Operator tooling behind the CLI: cluster-file validation, benchmarks, plots, the local rank launcher.
+
+Owns: commands an operator runs beside training (`cluster validate`, `bench`, `plot`,
+`verify`) and `ranks`, which starts W local processes with a gloo process group (the
+benchmarks and `verify` use it; tests reach it through `raytrain_ddp.testing`).
+Must not touch: the training path (driver -> worker): nothing in `driver/` or `worker/`
+imports from here.
+"""
