@@ -27,7 +27,8 @@ from raytrain_ddp.parallel.base import (
     WrappedModel,
 )
 from raytrain_ddp.parallel.native import LocalModel, NativeDDP
-from raytrain_ddp.parallel.scratch import BucketedDDP, NaiveDDP
+from raytrain_ddp.parallel.bucketed import BucketedDDP
+from raytrain_ddp.parallel.naive import NaiveDDP
 
 __all__ = [
     "STRATEGIES", "wrap_model", "WrappedModel", "CollectiveTimeoutError", "ModelMismatchError",

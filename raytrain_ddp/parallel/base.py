@@ -105,6 +105,42 @@ class WrappedModel(nn.Module):
             self._stats[key] = 0
 
 
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
+
+class ScratchBase(WrappedModel):
+    """What naive and bucketed share: the start-up sync, hook handles, waiting and counting."""
+
+    def __init__(self, module: nn.Module, process_group, verify_init: bool,
+                 collective_timeout_s: Optional[float]) -> None:
+        super().__init__(process_group)
+        self.wrapped = module
+        self.collective_timeout_s = collective_timeout_s
+        if self.world_size > 1:
+            sync_initial_state(module, process_group, verify=verify_init,
+                               world_size=self.world_size, world_rank=self.world_rank)
+        self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._queued = False  # a sync callback is queued for the running backward
+        self._handles: list = []
+
+    def close(self) -> None:
+        """Remove our gradient hooks: the module trains unsynchronised again (or can be re-wrapped)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    @property
+    def module(self) -> nn.Module:
+        return self.wrapped
+
+    def _wait(self, work, what: str) -> None:
+        wait_work(work, what, self.collective_timeout_s, self.world_rank, self.world_size)
+
+    def _count(self, tensor: torch.Tensor) -> None:
+        self._stats["allreduce_calls"] += 1
+        self._stats["allreduce_bytes"] += tensor.numel() * tensor.element_size()
+
+
 # -- start-up: same structure everywhere, then rank 0's weights everywhere --------------
 
 def _named_state(module: nn.Module) -> list[tuple[str, str, torch.Tensor]]:

@@ -15,7 +15,7 @@ from _workloads import make_model, make_optimizer, reference_params, step_data
 from raytrain_ddp.parallel import (
     STRATEGIES, LocalModel, WrappedModel, accumulation_window, chunked, wrap_model,
 )
-from raytrain_ddp.parallel.scratch import assign_buckets
+from raytrain_ddp.parallel.bucketed import assign_buckets
 
 pytestmark = pytest.mark.timeout(60)
 

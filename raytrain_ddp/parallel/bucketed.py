@@ -1,4 +1,4 @@
-"""Data-parallel wrappers written from scratch: `naive` and `bucketed`.
+"""Strategy `bucketed`: flat gradient buckets all-reduced during backward (written from scratch).
 
 Owns: gradient synchronisation for our own strategies, i.e. when it is triggered (a
 parameter hook queues a callback that runs when backward ends), how gradients are packed
@@ -50,81 +50,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raytrain_ddp.parallel.base import (
-    WrappedModel,
-    describe_tensors,
-    sync_initial_state,
-    wait_work,
-)
+from raytrain_ddp.parallel.base import ScratchBase, _queue_callback, describe_tensors
 
 _FIRST_BUCKET_BYTES = 1024 * 1024  # torch DDP's dist._DEFAULT_FIRST_BUCKET_BYTES
-_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
-
-
-class _ScratchBase(WrappedModel):
-    def __init__(self, module: nn.Module, process_group, verify_init: bool,
-                 collective_timeout_s: Optional[float]) -> None:
-        super().__init__(process_group)
-        self.wrapped = module
-        self.collective_timeout_s = collective_timeout_s
-        if self.world_size > 1:
-            sync_initial_state(module, process_group, verify=verify_init,
-                               world_size=self.world_size, world_rank=self.world_rank)
-        self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self._queued = False  # a sync callback is queued for the running backward
-        self._handles: list = []
-
-    def close(self) -> None:
-        """Remove our gradient hooks: the module trains unsynchronised again (or can be re-wrapped)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-    @property
-    def module(self) -> nn.Module:
-        return self.wrapped
-
-    def _wait(self, work, what: str) -> None:
-        wait_work(work, what, self.collective_timeout_s, self.world_rank, self.world_size)
-
-    def _count(self, tensor: torch.Tensor) -> None:
-        self._stats["allreduce_calls"] += 1
-        self._stats["allreduce_bytes"] += tensor.numel() * tensor.element_size()
-
-
-class NaiveDDP(_ScratchBase):
-    """One all-reduce per gradient after backward; the baseline the other two must beat."""
-
-    strategy = "naive"
-
-    def __init__(self, module: nn.Module, process_group=None, *, verify_init: bool = False,
-                 collective_timeout_s: Optional[float] = None) -> None:
-        super().__init__(module, process_group, verify_init, collective_timeout_s)
-        self._stats["buckets"] = len(self._named) if self.world_size > 1 else 0
-        if self.world_size > 1:
-            self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in self._named]
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._queued = False  # a backward that raised never ran its callback
-        return self.wrapped(*args, **kwargs)
-
-    def _on_grad(self, _param: torch.Tensor) -> None:
-        if self._sync_enabled and not self._queued:
-            self._queued = True
-            _queue_callback(self._sync)
-
-    def _sync(self) -> None:
-        self._queued = False
-        n = len(self._named)
-        for i, (name, p) in enumerate(self._named):
-            if p.grad is None:  # unused this step here, maybe not elsewhere: send zeros
-                p.grad = torch.zeros_like(p)
-            work = dist.all_reduce(p.grad, group=self._pg, async_op=True)
-            self._count(p.grad)
-            self._wait(work, f"all-reduce of gradient {i + 1}/{n} "
-                             f"({describe_tensors([name], p.grad.numel() * p.grad.element_size())})")
-            p.grad.div_(self.world_size)
-        self._stats["syncs"] += 1
 
 
 class _Bucket:
@@ -161,7 +89,7 @@ def assign_buckets(params: list[torch.Tensor], cap_bytes: int,
     return sorted(done, key=lambda members: members[0])
 
 
-class BucketedDDP(_ScratchBase):
+class BucketedDDP(ScratchBase):
     """Flat gradient buckets, all-reduced asynchronously as soon as they are full."""
 
     strategy = "bucketed"

@@ -1,0 +1,60 @@
+"""Agree-across-ranks helpers: the small collectives that keep every rank on one decision.
+
+Owns: the few reductions the loop, the data shard and the preemption guard use so that
+every rank takes the same branch at the same step (skip a step, stop an epoch, poll Ray,
+resume from a step). Must not touch: gradients (the wrappers own those), Ray.
+
+Every helper is a collective: all ranks must call it, in the same order. Outside a
+process group (or with one rank) each returns the local answer, so unit tests and
+world-size-1 runs need no special case.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def _active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def sum_over_ranks(values: Sequence[float] | torch.Tensor, device: Optional[torch.device] = None) -> list[float]:
+    """Element-wise sum over ranks (float64 unless a tensor is given)."""
+    t = values.detach().clone() if isinstance(values, torch.Tensor) else torch.tensor(list(values), dtype=torch.float64, device=device)
+    if _active():
+        dist.all_reduce(t)
+    return [float(v) for v in t.flatten()]
+
+
+def max_over_ranks(values: Sequence[float], device: Optional[torch.device] = None) -> list[float]:
+    """Element-wise maximum over ranks."""
+    t = torch.tensor(list(values), dtype=torch.float64, device=device)
+    if _active():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [float(v) for v in t]
+
+
+def all_true(flag: bool, device: Optional[torch.device] = None) -> bool:
+    """True only if `flag` is true on every rank."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    if _active():
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def from_main(value: int, device: Optional[torch.device] = None) -> int:
+    """Rank 0's `value` on every rank."""
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    if _active():
+        dist.broadcast(t, src=0)
+    return int(t.item())
+
+
+def check_same(value: int, what: str, device: Optional[torch.device] = None) -> None:
+    """Raise on every rank, naming `what`, unless all ranks hold the same `value`."""
+    high, neg_low = max_over_ranks([value, -value], device)
+    if int(high) != -int(neg_low):
+        raise RuntimeError(f"ranks disagree on {what}: min {-int(neg_low)}, max {int(high)} (this rank: {value})")
