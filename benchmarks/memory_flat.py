@@ -26,8 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from raytrain_ddp.config import load_config  # noqa: E402
-from raytrain_ddp.launcher import run_training  # noqa: E402
-from raytrain_ddp.metrics import read_metrics  # noqa: E402
+from raytrain_ddp.driver.launcher import run_training  # noqa: E402
+from raytrain_ddp.rundir import read_metrics  # noqa: E402
 
 
 def _rss_mb(pid: int) -> float:

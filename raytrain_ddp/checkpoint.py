@@ -7,7 +7,8 @@ pass and receive plain state dicts), torch.distributed.
 
 Layout of a checkpoint directory:
 
-    state.pt        torch.save of the state dict (tensors and plain Python values only)
+    state.pt        torch.save of {component name: its state_dict()} (tensors and plain
+                    Python values only; see `worker/state.py` for the components)
     manifest.json   {"format", "step", "epoch", "fit_id", "files": {name: {sha256, size}}}
 
 Why a manifest written last: a directory holding `manifest.json` whose sizes and sha256
@@ -42,14 +43,14 @@ import numpy as np
 import torch
 
 from raytrain_ddp.errors import CheckpointError
+from raytrain_ddp.rundir import CHECKPOINT_PREFIX
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: one entry per component (`progress`, `run`, ...); 1 was a flat dict
 STATE_FILE = "state.pt"
 MANIFEST_FILE = "manifest.json"
-CHECKPOINT_PREFIX = "checkpoint_"
-REQUIRED_KEYS = ("model", "optimizer", "step", "epoch", "steps_into_epoch")
+REQUIRED_KEYS = ("model", "optimizer", "progress", "run")
 
 PathLike = Union[str, os.PathLike]
 
@@ -74,9 +75,9 @@ def save_checkpoint(dirpath: PathLike, state: dict[str, Any]) -> Path:
     _atomic_write(dirpath / STATE_FILE, payload)
     manifest = {
         "format": FORMAT,
-        "step": int(state["step"]),
-        "epoch": int(state["epoch"]),
-        "fit_id": state.get("fit_id"),
+        "step": int(state["progress"]["step"]),
+        "epoch": int(state["progress"]["epoch"]),
+        "fit_id": state["run"].get("fit_id"),
         "created": time.time(),
         "files": {STATE_FILE: {"sha256": hashlib.sha256(payload).hexdigest(), "size": len(payload)}},
     }
@@ -135,7 +136,9 @@ def read_manifest(dirpath: PathLike) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{manifest_path}: unreadable ({exc})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{manifest_path}: unknown checkpoint format (expected format {FORMAT})")
+        raise CheckpointError(f"{manifest_path}: checkpoint format {manifest.get('format') if isinstance(manifest, dict) else '?'} "
+                              f"is not this version's ({FORMAT}); resume it with the raytrain_ddp that wrote it, "
+                              "or start a new run (name=...)")
     return manifest
 
 

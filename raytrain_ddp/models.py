@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raytrain_ddp.config import Config
-from raytrain_ddp.data import DataSpec
+from raytrain_ddp.job import DataSpec
 
 
 class MLP(nn.Module):

@@ -5,6 +5,11 @@ for it) and shuts it down at the end of the session. It mirrors what `raytrain-d
 train` does on this machine: more logical CPUs than cores (workers + Ray Data tasks),
 dashboard and node bound to 127.0.0.1.
 
+Test hooks: every run started from this session (in process, or as a child process that
+inherits the environment) loads `raytrain_ddp.testing.hooks:from_env` on its workers, so
+a test injects a fault by setting `RAYTRAIN_DDP_FAULT` / `RAYTRAIN_DDP_PREEMPT`; without
+those the hooks do nothing.
+
 `_no_leaked_process_group` (autouse) fails any test that leaves a torch.distributed
 process group initialised in the test process, and tears it down so the next test
 starts clean.
@@ -22,6 +27,10 @@ REPO = Path(__file__).resolve().parents[1]
 _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
+
+from raytrain_ddp.testing.hooks import ENABLE as _TEST_HOOKS  # noqa: E402
+
+os.environ.update(_TEST_HOOKS)
 
 
 @pytest.fixture(scope="session")

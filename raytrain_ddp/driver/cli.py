@@ -23,7 +23,7 @@ def _config_and_overrides(args: argparse.Namespace) -> tuple[Optional[str], list
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from raytrain_ddp.config import load_config
-    from raytrain_ddp.launcher import run_training
+    from raytrain_ddp.driver.launcher import run_training
 
     cfg = load_config(*_config_and_overrides(args))
     summary = run_training(cfg)
@@ -54,7 +54,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_data(args: argparse.Namespace) -> int:
-    from raytrain_ddp.data import export_digits
+    from raytrain_ddp.driver.datasets import export_digits
 
     out = export_digits(args.out)
     print(f"wrote {out}")

@@ -1,10 +1,9 @@
-"""Ray Data ingest: sources, checks before workers start, and per-worker batches.
+"""Driver-side data: sources, checks before workers start, and the Ray Datasets handed to them.
 
 Owns: turning `cfg.data` into Ray Datasets on the driver (parquet, bundled digits,
-synthetic), checking them before any worker is paid for, and, inside each worker,
-turning its dataset shard into optimizer-step windows of micro-batches on the device.
-Must not touch: models, optimisation, process groups beyond one tiny agreement
-all-reduce in streaming mode.
+synthetic), the `DataSpec` the model is built from, and checking the data before any
+worker is paid for (`precheck`). Must not touch: models, optimisation, process groups;
+each worker's batches (`worker/shard.py`).
 
 Two sharding modes (`data.sharding`):
 
@@ -28,32 +27,18 @@ configured global batch at any worker count.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal, Optional
+from typing import Any, Literal, Optional
 
 import numpy as np
 import pyarrow as pa
 
 from raytrain_ddp.config import Config
 from raytrain_ddp.errors import DataError
+from raytrain_ddp.job import DataSpec
+from raytrain_ddp.worker.shard import TRAIN, VAL, stack_column
 
-TRAIN = "train"
-VAL = "val"
-_READ_BATCH_ROWS = 4096
-
-
-@dataclass(frozen=True)
-class DataSpec:
-    """What the model and the loop need to know about the data, computed on the driver."""
-
-    task: Literal["classification", "lm"]
-    feature_shape: tuple[int, ...]
-    num_classes: int  # vocabulary size for "lm"
-    train_rows: int
-    val_rows: int
-    source: str
 
 
 @dataclass
@@ -348,170 +333,3 @@ def _split_table(table: pa.Table, cfg: Config) -> tuple[pa.Table, Optional[pa.Ta
         return table, None
     order = np.random.default_rng(cfg.train.seed).permutation(table.num_rows)
     return table.take(order[n_val:]), table.take(order[:n_val])
-
-
-# --------------------------------------------------------------------------- worker side
-
-
-class WorkerData:
-    """One rank's view of the data: optimizer-step windows of micro-batches on `device`."""
-
-    def __init__(self, cfg: Config, spec: DataSpec, world_rank: int, world_size: int, device: Any,
-                 shards: Optional[dict[str, Any]] = None):
-        """`shards` defaults to `ray.train.get_dataset_shard(...)`; tests pass Ray Data iterators."""
-        if shards is None:
-            import ray.train
-
-            shards = {TRAIN: ray.train.get_dataset_shard(TRAIN)}
-            if spec.val_rows:
-                shards[VAL] = ray.train.get_dataset_shard(VAL)
-        self.cfg, self.spec = cfg, spec
-        self.world_rank, self.world_size = world_rank, world_size
-        self.device = device
-        self.micro_batch_size = cfg.train.micro_batch_size
-        self.accumulation_steps = cfg.accumulation_steps(world_size)
-        self.global_batch_size = cfg.train.global_batch_size
-        self.wait_seconds = 0.0
-        self._train_shard = shards[TRAIN]
-        self._val_shard = shards.get(VAL)
-        self._train_tensors: Optional[tuple[Any, Any]] = None
-        self._val_tensors: Optional[tuple[Any, Any]] = None
-        if cfg.data.sharding == "exact":
-            self._train_tensors = self._materialize(self._train_shard)
-            self.steps_per_epoch = len(self._train_tensors[0]) // self.global_batch_size
-        else:
-            rows_per_rank = spec.train_rows // world_size
-            self.steps_per_epoch = rows_per_rank // (self.micro_batch_size * self.accumulation_steps)
-
-    # -- training ---------------------------------------------------------------------
-
-    def train_windows(self, epoch: int, skip_steps: int = 0) -> Iterator[list[tuple[Any, Any]]]:
-        """Yield one list of `accumulation_steps` (x, y) micro-batches per optimizer step."""
-        if self.cfg.data.sharding == "exact":
-            yield from self._exact_windows(epoch, skip_steps)
-        else:
-            yield from self._streaming_windows(epoch, skip_steps)
-
-    def _exact_windows(self, epoch: int, skip_steps: int) -> Iterator[list[tuple[Any, Any]]]:
-        assert self._train_tensors is not None
-        features, labels = self._train_tensors
-        order = self.epoch_order(len(features), epoch)
-        b, k, w, r = self.micro_batch_size, self.accumulation_steps, self.world_size, self.world_rank
-        for step in range(skip_steps, self.steps_per_epoch):
-            start = time.perf_counter()
-            global_idx = order[step * self.global_batch_size:(step + 1) * self.global_batch_size]
-            window = []
-            for micro in range(k):
-                idx = global_idx[(micro * w + r) * b:(micro * w + r + 1) * b]
-                window.append((self._to_device(features[idx]), self._to_device(labels[idx])))
-            self.wait_seconds += time.perf_counter() - start
-            yield window
-
-    def epoch_order(self, rows: int, epoch: int) -> Any:
-        """The same permutation on every rank and at every world size: seeded by (seed, epoch)."""
-        import torch
-
-        if not self.cfg.data.shuffle:
-            return torch.arange(rows)
-        gen = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + epoch)
-        return torch.randperm(rows, generator=gen)
-
-    def _streaming_windows(self, epoch: int, skip_steps: int) -> Iterator[list[tuple[Any, Any]]]:
-        buffer = self.cfg.data.shuffle_buffer
-        if buffer is None and self.cfg.data.shuffle:
-            buffer = max(1024, 8 * self.micro_batch_size)
-        batches = iter(self._train_shard.iter_torch_batches(
-            batch_size=self.micro_batch_size,
-            prefetch_batches=self.cfg.data.prefetch_batches,
-            local_shuffle_buffer_size=buffer if self.cfg.data.shuffle else None,
-            local_shuffle_seed=(self.cfg.train.seed * 1_000_003 + epoch) * 1009 + self.world_rank
-            if self.cfg.data.shuffle else None,
-            drop_last=True,
-            collate_fn=self._collate,
-            device=str(self.device) if getattr(self.device, "type", "cpu") != "cpu" else "cpu",
-        ))
-        step = 0
-        while True:
-            start = time.perf_counter()
-            window = []
-            for _ in range(self.accumulation_steps):
-                batch = next(batches, None)
-                if batch is None:
-                    break
-                window.append(batch)
-            self.wait_seconds += time.perf_counter() - start
-            if not self._all_ranks_have(len(window) == self.accumulation_steps):
-                return
-            if step >= skip_steps:
-                yield window
-            step += 1
-
-    def _all_ranks_have(self, full: bool) -> bool:
-        """Agree across ranks that everyone still has a full window (MIN all-reduce)."""
-        import torch
-        import torch.distributed as dist
-
-        if not dist.is_available() or not dist.is_initialized() or self.world_size == 1:
-            return full
-        flag = torch.tensor([1 if full else 0], dtype=torch.int32, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
-
-    # -- validation -------------------------------------------------------------------
-
-    def val_batches(self) -> Iterator[tuple[Any, Any]]:
-        """This rank's disjoint, strided share of the validation rows (each row once overall)."""
-        if self._val_shard is None:
-            return
-        if self._val_tensors is None:
-            self._val_tensors = self._materialize(self._val_shard)
-        features, labels = self._val_tensors
-        mine = slice(self.world_rank, None, self.world_size)
-        features, labels = features[mine], labels[mine]
-        size = max(self.micro_batch_size, 256)
-        for start in range(0, len(features), size):
-            yield self._to_device(features[start:start + size]), self._to_device(labels[start:start + size])
-
-    # -- helpers ----------------------------------------------------------------------
-
-    def _materialize(self, shard: Any) -> tuple[Any, Any]:
-        """Read a whole (unsplit) dataset once through Ray Data into CPU tensors."""
-        import torch
-
-        start = time.perf_counter()
-        parts_x, parts_y = [], []
-        for batch in shard.iter_batches(batch_size=_READ_BATCH_ROWS, batch_format="numpy"):
-            x, y = self._arrays(batch)
-            parts_x.append(x)
-            parts_y.append(y)
-        features = torch.from_numpy(np.concatenate(parts_x))
-        labels = torch.from_numpy(np.concatenate(parts_y))
-        self.wait_seconds += time.perf_counter() - start
-        return features, labels
-
-    def _arrays(self, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        x = stack_column(batch[self.cfg.data.features])
-        y = stack_column(batch[self.cfg.data.label])
-        if self.spec.task == "lm":
-            x = x.astype(np.int64)
-        else:
-            x = x.astype(np.float32).reshape((len(x),) + self.spec.feature_shape)
-        return x, y.astype(np.int64)
-
-    def _collate(self, batch: dict[str, np.ndarray]) -> tuple[Any, Any]:
-        import torch
-
-        x, y = self._arrays(batch)
-        return self._to_device(torch.from_numpy(x)), self._to_device(torch.from_numpy(y))
-
-    def _to_device(self, tensor: Any) -> Any:
-        if getattr(self.device, "type", "cpu") == "cpu":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
-
-
-def stack_column(column: np.ndarray) -> np.ndarray:
-    """Parquet list columns arrive as object arrays of arrays; make them one 2-D array."""
-    if column.dtype == object:
-        return np.stack(column)
-    return column

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from raytrain_ddp.errors import UserError
-from raytrain_ddp.metrics import METRICS_FILE, read_metrics
+from raytrain_ddp.rundir import METRICS_FILE, read_metrics
 
 
 def plot_run(run_dir: os.PathLike | str, out: Optional[os.PathLike | str] = None) -> Path:

@@ -1,7 +1,7 @@
 """Test-only plans spelled `key=value,key=value` in an environment variable.
 
-Owns: parsing that one format, shared by the fault plan (`worker.FaultPlan`) and the
-simulated preemption signal (`preemption.SimulatedPreemption`), so both read the same way
+Owns: parsing that one format, shared by the fault plan (`testing.hooks.FaultPlan`) and the
+simulated preemption signal (`testing.hooks.SimulatedPreemption`), so both read the same way
 and both fail loudly on a malformed spec. Must not touch: what the plans mean.
 """
 

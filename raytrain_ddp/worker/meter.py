@@ -1,10 +1,9 @@
-"""Training metrics: per-step timing, the rank-0 JSONL sink, and the driver's progress.
+"""What rank 0 records about the run, and the step timing behind it.
 
-Owns: what a line of `metrics.jsonl` holds and how it is written and read back; the
-driver-side thread that tails the file and prints one line per log interval; the
-`final_metrics` of `summary.json`.
-Must not touch: torch.distributed, Ray, the model. The loop does the reductions and
-hands plain numbers here.
+Owns: the lines of `metrics.jsonl` (what a line holds and the log cadence), the
+attempt record in `attempts.jsonl`, `abort.json`, and `StepMeter` (wall time, data wait
+and all-reduce traffic between two log lines). Must not touch: the model, Ray, reading
+the files back (the driver's console does that).
 
 Why our own file: Ray Train V2 keeps reported metrics only next to checkpoints, so the
 history of a run lives in `metrics.jsonl`, written by rank 0 only (every rank's step
@@ -12,22 +11,24 @@ takes the same wall time: the gradient all-reduce synchronises them).
 
 Train lines carry `step`, `epoch`, `loss`, `lr`, `samples_per_s`, `data_wait_fraction`,
 `allreduce_calls`, `allreduce_bytes` (per optimizer step, averaged over the steps since
-the previous line) and `nonfinite_steps` (cumulative). Validation lines carry `step`,
-`epoch`, `val_loss` and, for classifiers, `val_accuracy`.
+the previous line), `nonfinite_steps` (cumulative) and `attempt`. Validation lines carry
+`step`, `epoch`, `val_loss` and, for classifiers, `val_accuracy`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-import sys
-import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional, TextIO
+from typing import Any, Iterator, Optional
 
-METRICS_FILE = "metrics.jsonl"
+from raytrain_ddp import rundir
+from raytrain_ddp.job import Job
+from raytrain_ddp.parallel.collectives import from_main
+from raytrain_ddp.worker.context import Rank
 
 
 class StepMeter:
@@ -100,132 +101,79 @@ class MetricsWriter:
         self.enabled = enabled
 
     def write(self, record: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        line = json.dumps({k: _plain(v) for k, v in record.items()}, allow_nan=True)
-        with open(self.path, "a") as handle:
-            handle.write(line + "\n")
-            handle.flush()
+        if self.enabled:
+            rundir.append_jsonl(self.path, record)
 
     def truncate_after(self, step: int) -> None:
         """Drop lines past `step` (a resumed run redoes those steps; keep one history)."""
-        if not self.enabled or not self.path.exists():
-            return
-        kept = [json.dumps(r) for r in read_metrics(self.path) if r.get("step", 0) <= step]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, self.path)
+        if self.enabled and self.path.exists():
+            rundir.rewrite_jsonl(self.path, [r for r in rundir.read_metrics(self.path) if r.get("step", 0) <= step])
 
 
-def read_metrics(path: os.PathLike | str) -> list[dict[str, Any]]:
-    """Every complete line of a metrics file (or of RUN_DIR/metrics.jsonl)."""
-    path = Path(path)
-    return read_jsonl(path / METRICS_FILE if path.is_dir() else path)
+class RunLog:
+    """Rank 0's record of this worker group: its attempt number, metrics lines, abort.
 
-
-def read_jsonl(path: os.PathLike | str) -> list[dict[str, Any]]:
-    """Every complete JSON object line; a torn last line (writer killed) is ignored."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
-
-
-def final_metrics(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The last train line's values, overlaid with the last validation line's."""
-    out: dict[str, Any] = {}
-    train = [r for r in records if "loss" in r]
-    val = [r for r in records if "val_loss" in r]
-    if train:
-        out.update(train[-1])
-    if val:
-        out.update({k: v for k, v in val[-1].items() if k.startswith("val_")})
-    return out
-
-
-def format_record(record: dict[str, Any], total_steps: Optional[int] = None) -> str:
-    step = record.get("step", "?")
-    width = len(str(total_steps)) if total_steps else 0
-    where = f"step {step:>{width}}/{total_steps}" if total_steps else f"step {step}"
-    where += f" | epoch {record.get('epoch', '?')}"
-    if "val_loss" in record:
-        text = f"{where} | val_loss {record['val_loss']:.4f}"
-        if "val_accuracy" in record:
-            text += f" | val_accuracy {100 * record['val_accuracy']:.2f}%"
-        return text
-    text = (f"{where} | loss {record.get('loss', float('nan')):.4f} | lr {record.get('lr', 0.0):.2e}"
-            f" | {record.get('samples_per_s', 0.0):,.0f} samples/s"
-            f" | data wait {100 * record.get('data_wait_fraction', 0.0):.0f}%")
-    if record.get("nonfinite_steps"):
-        text += f" | non-finite steps {record['nonfinite_steps']}"
-    return text
-
-
-class ProgressPrinter:
-    """Driver side: tails `metrics.jsonl` in a thread and prints each new line.
-
-    Starts after the lines already in the file (a resumed run prints only its own).
+    Every rank holds one (the attempt number is broadcast, the meter runs everywhere);
+    only rank 0 writes. A train line is written every `run.log_every_steps`, on the last
+    step and on an epoch's last step, averaged over the steps since the previous line.
     """
 
-    def __init__(self, path: os.PathLike | str, total_steps: Optional[int] = None,
-                 out: TextIO = sys.stdout, poll_s: float = 0.5) -> None:
-        self.path = Path(path)
+    def __init__(self, job: Job, rank: Rank, state: Any, data: Any, total_steps: int) -> None:
+        self.job, self.rank, self.state, self.data = job, rank, state, data
         self.total_steps = total_steps
-        self.out = out
-        self.poll_s = poll_s
-        self._offset = self.path.stat().st_size if self.path.exists() else 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="raytrain-ddp-progress", daemon=True)
+        self.run_dir = Path(job.run_dir)
+        self.writer = MetricsWriter(self.run_dir / rundir.METRICS_FILE, enabled=rank.is_main)
+        self.attempt = self._record_attempt()
+        self.meter = StepMeter(job.cfg.train.global_batch_size, data.wait_seconds, state.wrapper.comm_stats)
+        self.last_loss = math.nan
 
-    def __enter__(self) -> "ProgressPrinter":
-        self._thread.start()
-        return self
+    def _record_attempt(self) -> int:
+        """Rank 0 appends this worker-group start to attempts.jsonl; every rank learns the number."""
+        number = 0
+        if self.rank.is_main:
+            path = self.run_dir / rundir.ATTEMPTS_FILE
+            number = 1 + sum(1 for r in rundir.read_jsonl(path) if r.get("fit_id") == self.job.fit_id)
+            rundir.append_jsonl(path, {"fit_id": self.job.fit_id, "attempt": number,
+                                       "world_size": self.rank.world_size, "time": time.time()})
+        return from_main(number, self.rank.device)
 
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._drain()
+    def resumed_at(self, step: int) -> None:
+        """Steps past the checkpoint are redone: drop their lines, keep one history."""
+        self.writer.truncate_after(step)
+        self.meter = StepMeter(self.job.cfg.train.global_batch_size, self.data.wait_seconds,
+                               self.state.wrapper.comm_stats)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            self._drain()
+    def step(self, result: Any, epoch: int, end_of_epoch: bool) -> None:
+        self.meter.step_done()
+        self.last_loss = result.loss
+        step = self.state.progress.step
+        if step % self.job.cfg.run.log_every_steps == 0 or step >= self.total_steps or end_of_epoch:
+            self.writer.write({"step": step, "epoch": epoch + 1, "loss": result.loss, "lr": result.lr,
+                               **self._window()})
 
-    def _drain(self) -> None:
-        for record in self._new_records():
-            print(format_record(record, self.total_steps), file=self.out, flush=True)
+    def validation(self, epoch: int, val: dict[str, float]) -> dict[str, float]:
+        if val:
+            self.writer.write({"step": self.state.progress.step, "epoch": epoch + 1, **val})
+        return val
 
-    def _new_records(self) -> Iterator[dict[str, Any]]:
-        if not self.path.exists():
-            return
-        size = self.path.stat().st_size
-        if size < self._offset:  # rewritten by truncate_after on resume
-            self._offset = 0
-        with open(self.path) as handle:
-            handle.seek(self._offset)
-            chunk = handle.read()
-        complete, _, _ = chunk.rpartition("\n")
-        if not complete:
-            return
-        self._offset += len(complete.encode()) + 1
-        for line in complete.splitlines():
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                continue
+    def abort(self, reason: str) -> None:
+        """Every rank stops together (non-finite policy): the failed step's line and why."""
+        progress = self.state.progress
+        self.writer.write({"step": progress.step + 1, "epoch": progress.epoch + 1, "loss": math.nan,
+                           "lr": self.state.schedule.lr, **self._window()})
+        if self.rank.is_main:
+            (self.run_dir / rundir.ABORT_FILE).write_text(json.dumps({"step": progress.step + 1, "reason": reason}))
+        self.rank.say(f"aborting: {reason}")
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Validation and checkpoints count towards neither step time nor data wait."""
+        self.meter.pause(self.data.wait_seconds)
+        try:
+            yield
+        finally:
+            self.meter.resume(self.data.wait_seconds)
 
-def _plain(value: Any) -> Any:
-    if hasattr(value, "item"):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return value  # json writes NaN / Infinity; read back by json.loads
-    return value
-
+    def _window(self) -> dict[str, Any]:
+        return {"nonfinite_steps": self.state.progress.nonfinite_steps, "attempt": self.attempt,
+                **self.meter.summarize(self.data.wait_seconds, self.state.wrapper.comm_stats)}

@@ -1,7 +1,7 @@
 """Spot and preemption awareness inside the loop: when to ask Ray, and when to save.
 
 Owns: the policy that turns Ray Train's preemption signal into "checkpoint at this step
-boundary", how often that signal is polled, and the test-only simulated signal.
+boundary", and how often that signal is polled.
 Must not touch: checkpoint files (the loop saves), Ray's controller or FailureConfig
 (the launcher maps `run.max_preemption_failures` / `run.preemption_grace_s`), the step.
 
@@ -32,10 +32,9 @@ step, and the answer only changes every 5 s anyway. So:
   deadline) is answered again.
 * Until the first checkpoint of an attempt, its duration is unknown and taken as zero.
 
-Test-only simulation: `RAYTRAIN_DDP_PREEMPT="step=6,attempt=1,ranks=1,deadline_s=none"`
-makes the poll return a synthetic signal from optimizer step `step` of attempt
-`attempt` on (deadline `deadline_s` seconds after it first fires, or none), and polls
-every step so the checkpoint step is deterministic. Never set it in real runs.
+Tests replace the signal through the hooks object (`Hooks.preemption_source`; see
+`raytrain_ddp.testing.hooks`), which may also poll every step so the checkpoint step is
+deterministic.
 """
 
 from __future__ import annotations
@@ -46,13 +45,11 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
-from raytrain_ddp.envspec import read_env_spec
+from raytrain_ddp.parallel.collectives import max_over_ranks
 
 POLL_INTERVAL_S = 1.0
 MAX_STEPS_BETWEEN_POLLS = 1000
-SIMULATE_ENV = "RAYTRAIN_DDP_PREEMPT"
 
 
 @dataclass(frozen=True)
@@ -77,40 +74,6 @@ def ray_source(step: int) -> Optional[Signal]:
     return Signal(deadline, tuple(info.preempted_ranks))
 
 
-@dataclass(frozen=True)
-class SimulatedPreemption:
-    """TEST-ONLY: see the module docstring (`RAYTRAIN_DDP_PREEMPT`)."""
-
-    step: int
-    attempt: int = 1
-    ranks: tuple[int, ...] = (1,)
-    deadline_s: Optional[float] = None  # relative to when the signal first fires
-
-    @classmethod
-    def from_env(cls) -> Optional["SimulatedPreemption"]:
-        fields = read_env_spec(SIMULATE_ENV, required=("step",))
-        if fields is None:
-            return None
-        deadline = fields.get("deadline_s", "none")
-        return cls(step=int(fields["step"]), attempt=int(fields.get("attempt", 1)),
-                   ranks=tuple(int(r) for r in fields.get("ranks", "1").split("+")),
-                   deadline_s=None if deadline.lower() == "none" else float(deadline))
-
-    def source(self, attempt: int, real: Source, clock: Callable[[], float]) -> Source:
-        fired_at: list[float] = []
-
-        def poll(step: int) -> Optional[Signal]:
-            signal = real(step)  # keep the real collective in the path
-            if signal is not None or attempt != self.attempt or step < self.step:
-                return signal
-            if not fired_at:
-                fired_at.append(clock())
-            deadline = None if self.deadline_s is None else fired_at[0] + self.deadline_s
-            return Signal(deadline, self.ranks)
-
-        return poll
-
-
 class PreemptionGuard:
     """Call `after_step(step)` on every rank at every step boundary; True means save now.
 
@@ -128,7 +91,7 @@ class PreemptionGuard:
         self.is_main, self.world_size = is_main, world_size
         self.grace_s, self.poll_interval_s = grace_s, poll_interval_s
         self.source, self.clock, self.monotonic = source, clock, monotonic
-        self.agree = agree or (lambda values: _max_over_ranks(values, world_size, device))
+        self.agree = agree or (lambda values: max_over_ranks(values, device))
         self.log = log
         self.next_poll: Optional[int] = None  # first boundary seen: poll there
         self.checkpoint_s = 0.0
@@ -137,12 +100,9 @@ class PreemptionGuard:
         self._mark, self._steps, self._paused_s = monotonic(), 0, 0.0
 
     @classmethod
-    def for_worker(cls, cfg, rank, attempt: int) -> "PreemptionGuard":
-        """The loop's guard: Ray's signal, or the simulated one when the test env asks."""
-        simulated = SimulatedPreemption.from_env()
-        source, interval = ray_source, POLL_INTERVAL_S
-        if simulated is not None:
-            source, interval = simulated.source(attempt, ray_source, time.time), 0.0
+    def for_worker(cls, cfg, rank, hooks) -> "PreemptionGuard":
+        """The loop's guard: Ray's signal, unless the hooks object replaces it (tests)."""
+        source, interval = hooks.preemption_source(ray_source) or (ray_source, POLL_INTERVAL_S)
         return cls(is_main=rank.is_main, world_size=rank.world_size, grace_s=cfg.run.preemption_grace_s,
                    poll_interval_s=interval, source=source, device=rank.device)
 
@@ -191,11 +151,3 @@ class PreemptionGuard:
             self.log(f"[rank 0] preemption of ranks {list(signal.ranks)} signalled ({why}): "
                      f"checkpoint after step {step}")
         return True
-
-
-def _max_over_ranks(values: Sequence[float], world_size: int, device: Optional[torch.device]) -> list[float]:
-    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-        return [float(v) for v in values]
-    t = torch.tensor(list(values), dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [float(v) for v in t.cpu()]

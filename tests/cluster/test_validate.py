@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from raytrain_ddp.ops import cluster as cv
-from raytrain_ddp.cli import main as cli_main
+from raytrain_ddp.driver.cli import main as cli_main
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,10 +17,11 @@ import pytest
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import load_config
 from raytrain_ddp.errors import DataError
-from raytrain_ddp.launcher import ResumeError, run_training
-from raytrain_ddp.metrics import read_metrics
+from raytrain_ddp.driver.launcher import run_training
+from raytrain_ddp.driver.resume import ResumeError
+from raytrain_ddp.rundir import read_metrics
 from raytrain_ddp.ops.plot import plot_run
-from raytrain_ddp.metrics import read_jsonl
+from raytrain_ddp.rundir import read_jsonl
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
@@ -58,7 +59,8 @@ def test_tiny_run_directory_is_complete_and_metrics_make_sense(finished_run):
     assert len(checkpoints) == cfg.run.num_to_keep  # 10, 20, 22, 30, 40, 44 were written
     assert Path(summary["checkpoint"]) == checkpoints[0]
     state = ckpt.load_checkpoint(checkpoints[0])
-    assert (state["step"], state["epoch"], state["steps_into_epoch"], state["world_size"]) == (44, 2, 0, 2)
+    assert state["progress"] == {"step": 44, "epoch": 2, "steps_into_epoch": 0, "nonfinite_steps": 0}
+    assert state["run"]["world_size"] == 2
 
     records = read_metrics(run_dir / "metrics.jsonl")
     train = [r for r in records if "loss" in r]

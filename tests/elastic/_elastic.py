@@ -33,7 +33,7 @@ def elastic_cfg(storage: Path, name: str, *overrides: str) -> Config:
 
 
 def states_by_step(run_dir: Path) -> dict[int, dict]:
-    return {int(s["step"]): s for s in (ckpt.load_checkpoint(p) for p in ckpt.find_checkpoints(run_dir))}
+    return {int(s["progress"]["step"]): s for s in (ckpt.load_checkpoint(p) for p in ckpt.find_checkpoints(run_dir))}
 
 
 def max_difference(a: dict, b: dict) -> float:

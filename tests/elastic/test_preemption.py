@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 
 from _elastic import ATOL, STEPS, elastic_cfg, max_difference, states_by_step
-from raytrain_ddp.launcher import run_training
-from raytrain_ddp.metrics import read_metrics
-from raytrain_ddp.preemption import SIMULATE_ENV, PreemptionGuard, Signal, SimulatedPreemption
-from raytrain_ddp.metrics import read_jsonl
+from raytrain_ddp.driver.launcher import run_training
+from raytrain_ddp.rundir import read_metrics
+from raytrain_ddp.testing.hooks import PREEMPT_ENV as SIMULATE_ENV, SimulatedPreemption
+from raytrain_ddp.worker.preemption import PreemptionGuard, Signal
+from raytrain_ddp.rundir import read_jsonl
 
 
 class Script:
@@ -122,7 +123,7 @@ def test_simulated_preemption_checkpoints_and_the_run_continues_without_lost_ste
 
     states = states_by_step(run_dir)
     assert sorted(states) == [4, STEPS]  # no periodic checkpoints: step 4 is the just-in-time one
-    assert states[4]["world_size"] == 2
+    assert states[4]["run"]["world_size"] == 2
     assert max_difference(states[STEPS]["model"], reference.states[STEPS]["model"]) < ATOL
 
     train = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]

@@ -1,4 +1,4 @@
-"""What a resume may change (launcher.check_resume_config), without Ray: the worker
+"""What a resume may change (driver.resume.check_resume_config), without Ray: the worker
 count is free, the model never, the data order only at an epoch boundary, the rest warns."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from raytrain_ddp.config import load_config
-from raytrain_ddp.launcher import ResumeError, check_resume_config
+from raytrain_ddp.driver.resume import ResumeError, check_resume_config
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -17,8 +17,8 @@ BASE = ["model.name=mlp", "model.hidden_sizes=[16]", "train.global_batch_size=64
 
 
 def _state(steps_into_epoch: int, *overrides: str) -> dict:
-    return {"step": 10, "epoch": 0, "steps_into_epoch": steps_into_epoch,
-            "config": load_config(None, BASE + list(overrides)).to_yaml()}
+    return {"progress": {"step": 10, "epoch": 0, "steps_into_epoch": steps_into_epoch},
+            "run": {"config": load_config(None, BASE + list(overrides)).to_yaml()}}
 
 
 def _check(state: dict, *overrides: str) -> list[str]:

@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 
 from _elastic import ATOL, STEPS, elastic_cfg, max_difference, optimizer_difference, states_by_step
-from raytrain_ddp.launcher import run_training
-from raytrain_ddp.metrics import read_metrics
+from raytrain_ddp.driver.launcher import run_training
+from raytrain_ddp.rundir import read_metrics
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(480)]
 
 
 def _assert_same_state(state: dict, ref: dict) -> None:
-    assert (state["step"], state["epoch"], state["steps_into_epoch"]) == (ref["step"], ref["epoch"], ref["steps_into_epoch"])
-    assert state["scheduler"] == ref["scheduler"]
+    assert state["progress"] == ref["progress"]
+    assert state["schedule"] == ref["schedule"]
     assert max_difference(state["model"], ref["model"]) < ATOL
     assert optimizer_difference(state["optimizer"], ref["optimizer"]) < ATOL
 
@@ -35,7 +35,7 @@ def test_four_workers_follow_the_one_worker_trajectory(reference, tmp_path):
     states = states_by_step(Path(summary["run_dir"]))
     assert sorted(states) == sorted(reference.states) == [6, STEPS]
     for step in (6, STEPS):
-        assert states[step]["world_size"] == 4 and reference.states[step]["world_size"] == 1
+        assert states[step]["run"]["world_size"] == 4 and reference.states[step]["run"]["world_size"] == 1
         _assert_same_state(states[step], reference.states[step])
     # the parameters did move: equality is not the trivial kind
     first = reference.states[6]["model"]
@@ -48,7 +48,7 @@ def test_two_workers_then_one_after_a_restart_follow_the_same_trajectory(referen
     first = run_training(elastic_cfg(tmp_path, "resize", "scaling.num_workers=2", "run.max_failures=0"))
     assert first["status"] == "failed" and "injected fault" in first["error"]
     at_six = states_by_step(Path(first["run_dir"]))
-    assert sorted(at_six) == [6] and at_six[6]["world_size"] == 2
+    assert sorted(at_six) == [6] and at_six[6]["run"]["world_size"] == 2
     _assert_same_state(at_six[6], reference.states[6])
 
     # the same run on 1 worker: accumulation 2 -> 4, resumes 6 steps into the epoch
@@ -58,7 +58,7 @@ def test_two_workers_then_one_after_a_restart_follow_the_same_trajectory(referen
     assert second["resumed_from"] == first["checkpoint"]
     assert second["workers"] == 1 and second["steps"] == STEPS and second["attempts"] == 1
     final = states_by_step(Path(second["run_dir"]))[STEPS]
-    assert final["world_size"] == 1
+    assert final["run"]["world_size"] == 1
     _assert_same_state(final, reference.states[STEPS])
     # one history: steps 7 and 8 of the failed fit were truncated and redone, none twice
     train = [r for r in read_metrics(Path(second["run_dir"]) / "metrics.jsonl") if "loss" in r]

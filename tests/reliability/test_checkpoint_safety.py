@@ -1,7 +1,7 @@
 """Checkpoints that cannot hurt a run: crashes mid-save, damaged files, hostile pickles (issue #6, item 7).
 
 No Ray: the driver's resume path (`launcher.resolve_resume`) and the worker's
-(`worker.find_resume_state`, with Ray's offered checkpoint stubbed) are called directly
+(`worker.checkpointer.find_resume_state`, with Ray's offered checkpoint stubbed) are called directly
 on real checkpoint directories written by `checkpoint.save_checkpoint`.
 
 Crashes are real process deaths: a forked child saves a checkpoint and `os._exit`s at
@@ -26,8 +26,9 @@ import torch
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import load_config
 from raytrain_ddp.errors import CheckpointError
-from raytrain_ddp.launcher import ResumeError, resolve_resume
-from raytrain_ddp.worker import Job, find_resume_state
+from raytrain_ddp.driver.resume import ResumeError, resolve_resume
+from raytrain_ddp.job import Job
+from raytrain_ddp.worker.checkpointer import find_resume_state
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -37,8 +38,8 @@ FIT = "f" * 32
 def _state(step: int, fit_id: str = FIT) -> dict:
     model = torch.nn.Linear(4, 3)
     return {"model": model.state_dict(), "optimizer": torch.optim.SGD(model.parameters(), lr=0.1).state_dict(),
-            "scheduler": {}, "scaler": {}, "step": step, "epoch": 0, "steps_into_epoch": step,
-            "world_size": 2, "rng": ckpt.rng_state(), "fit_id": fit_id}
+            "schedule": {}, "progress": {"step": step, "epoch": 0, "steps_into_epoch": step},
+            "rng": ckpt.rng_state(), "run": {"world_size": 2, "fit_id": fit_id}}
 
 
 def _save(run_dir: Path, step: int, fit_id: str = FIT) -> Path:
@@ -84,7 +85,7 @@ def test_crash_between_write_and_rename_never_becomes_the_latest(tmp_path, crash
     found = ckpt.find_checkpoints(run_dir)
     assert found == [good, crashed]  # no manifest: ranked below every complete checkpoint
     state, path = ckpt.load_latest_valid(found)
-    assert path == good and state["step"] == 10
+    assert path == good and state["progress"]["step"] == 10
     with caplog.at_level(logging.WARNING, logger="raytrain_ddp.checkpoint"):
         assert ckpt.load_latest_valid([crashed]) is None  # and never loadable on its own
     assert "manifest.json: missing" in caplog.text and crashed.name in caplog.text
@@ -128,7 +129,7 @@ def test_damaged_latest_checkpoint_is_named_and_the_previous_one_is_used(tmp_pat
     monkeypatch.setattr(ray.train, "get_checkpoint", lambda: types.SimpleNamespace(path=str(latest)))
     job = Job(cfg=_cfg(run_dir), spec=None, run_dir=str(run_dir), fit_id=FIT)
     state, path = find_resume_state(job)
-    assert path == previous and state["step"] == 20
+    assert path == previous and state["progress"]["step"] == 20
 
 
 class _CreatesSentinel:
@@ -151,7 +152,8 @@ def _forge(directory: Path, payload: bytes, step: int) -> None:
 
 
 def _payload(kind: str, sentinel: Path) -> bytes:
-    evil = {"model": _CreatesSentinel(sentinel), "optimizer": {}, "step": 99, "epoch": 0, "steps_into_epoch": 0}
+    evil = {"model": _CreatesSentinel(sentinel), "optimizer": {},
+            "progress": {"step": 99, "epoch": 0, "steps_into_epoch": 0}, "run": {}}
     if kind == "raw-pickle":
         return pickle.dumps(evil)
     buffer = io.BytesIO()

@@ -20,7 +20,9 @@ import pytest
 
 from _harness import TINY, tiny, train_lines, wait_for
 from raytrain_ddp import checkpoint as ckpt
-from raytrain_ddp.launcher import ResumeError, resolve_resume, run_dir_of
+from raytrain_ddp.driver.resume import ResumeError, resolve_resume
+from raytrain_ddp.rundir import run_dir_of
+from raytrain_ddp.testing.hooks import ENABLE
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
 
@@ -29,7 +31,7 @@ CLI = Path(sys.executable).parent / "raytrain-ddp"
 
 def _env(ray_address: str, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAYTRAIN_DDP_")}
-    env.update(RAY_ADDRESS=ray_address, PYTHONUNBUFFERED="1", **extra)
+    env.update(RAY_ADDRESS=ray_address, PYTHONUNBUFFERED="1", **ENABLE, **extra)
     return env
 
 
@@ -72,7 +74,7 @@ def test_rerunning_the_same_command_after_the_driver_died_continues(ray_cluster,
     steps = [r["step"] for r in train_lines(run_dir)]
     assert steps == list(range(1, 23)), steps  # 11 and 12 were redone once, nothing before 10 was
     state = ckpt.load_checkpoint(ckpt.find_checkpoints(run_dir)[0])
-    assert state["step"] == 22
+    assert state["progress"]["step"] == 22
 
     # A new name starts fresh; asking the old name to start fresh is refused, not silently mixed.
     fresh = tiny(tmp_path, "another-name", "train.epochs=1")

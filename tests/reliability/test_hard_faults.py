@@ -1,6 +1,6 @@
 """Real faults in real runs on the session's local Ray (issue #6, items 1, 2, 4, 6).
 
-Faults are injected through the test-only `RAYTRAIN_DDP_FAULT` plan (`worker.FaultPlan`):
+Faults are injected through the test-only `RAYTRAIN_DDP_FAULT` plan (`raytrain_ddp.testing.hooks`, loaded through the hooks interface):
 `hang` makes one rank stop taking part in collectives (and write its pid, so this test
 can SIGKILL it from outside), `raise` fails a rank, `nan` poisons one rank's loss. Each
 run is a background thread joined with a deadline: a hang fails the test, never CI.
@@ -19,8 +19,8 @@ import torch
 
 from _harness import BackgroundRun, tiny, train_lines, wait_for
 from raytrain_ddp import checkpoint as ckpt
-from raytrain_ddp.metrics import read_metrics
-from raytrain_ddp.metrics import read_jsonl
+from raytrain_ddp.rundir import read_metrics
+from raytrain_ddp.rundir import read_jsonl
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -62,7 +62,7 @@ def test_worker_sigkilled_mid_epoch_restarts_from_checkpoint_and_loses_nothing(r
     # the worker and redone by attempt 2, which starts right after the checkpoint step
     assert [r["attempt"] for r in lines] == [1] * 10 + [2] * 12
     state = ckpt.load_checkpoint(summary["checkpoint"])
-    assert (state["step"], state["epoch"], state["steps_into_epoch"]) == (22, 1, 0)
+    assert (state["progress"]["step"], state["progress"]["epoch"], state["progress"]["steps_into_epoch"]) == (22, 1, 0)
 
 
 def test_worker_that_always_fails_stops_after_max_failures_plus_one_attempts(ray_cluster, tmp_path, monkeypatch):

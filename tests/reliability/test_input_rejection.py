@@ -21,7 +21,7 @@ import pytest
 
 from _harness import TINY, tiny
 from raytrain_ddp.errors import DataError
-from raytrain_ddp.launcher import run_training
+from raytrain_ddp.driver.launcher import run_training
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,7 +34,7 @@ def _rows(n: int, label=None) -> pa.Table:
 
 
 def test_bad_parquet_fails_fast_naming_file_and_column_before_ray(tmp_path, monkeypatch):
-    import raytrain_ddp.launcher as launcher
+    import raytrain_ddp.driver.launcher as launcher
 
     def tripwire(cfg):
         raise AssertionError("Ray was contacted before the data was checked")

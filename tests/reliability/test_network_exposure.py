@@ -40,7 +40,7 @@ _EMBEDDED = """
 import json, sys, ray
 import ray._private.worker as ray_worker
 from raytrain_ddp.config import load_config
-from raytrain_ddp.launcher import connect_ray
+from raytrain_ddp.driver.launcher import connect_ray
 assert connect_ray(load_config(sys.argv[1], []))
 print(json.dumps({"dashboard": ray_worker.get_dashboard_url(),
                   "gcs": ray.get_runtime_context().gcs_address}), flush=True)

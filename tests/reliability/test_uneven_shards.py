@@ -31,8 +31,8 @@ def _count_loop(loop_config: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from raytrain_ddp.data import TRAIN, WorkerData
-    from raytrain_ddp.worker import Rank
+    from raytrain_ddp.worker.shard import TRAIN, WorkerData
+    from raytrain_ddp.worker.context import Rank
 
     rank = Rank.current()
     spec, out = loop_config["spec"], Path(loop_config["out"])
@@ -65,7 +65,7 @@ def test_micro_step_counts_are_identical_on_every_rank(ray_cluster, tmp_path):
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from raytrain_ddp.data import prepare_datasets
+    from raytrain_ddp.driver.datasets import prepare_datasets
 
     files = tmp_path / "data"
     files.mkdir()

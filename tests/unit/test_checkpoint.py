@@ -21,9 +21,9 @@ def _state(step: int, fit_id: str = "fit-a") -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
-    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": {"last_step": step},
-            "scaler": {}, "step": step, "epoch": step // 10, "steps_into_epoch": step % 10,
-            "world_size": 2, "rng": ckpt.rng_state(), "fit_id": fit_id}
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "schedule": {"last_step": step},
+            "progress": {"step": step, "epoch": step // 10, "steps_into_epoch": step % 10},
+            "rng": ckpt.rng_state(), "run": {"world_size": 2, "fit_id": fit_id}}
 
 
 def test_round_trip_restores_tensors_optimizer_and_every_rng(tmp_path):
@@ -40,7 +40,8 @@ def test_round_trip_restores_tensors_optimizer_and_every_rng(tmp_path):
     loaded = ckpt.load_checkpoint(tmp_path / "checkpoint_a")
     ckpt.set_rng_state(loaded["rng"])
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
-    assert loaded["step"] == 7 and loaded["steps_into_epoch"] == 7 and loaded["fit_id"] == "fit-a"
+    assert loaded["progress"]["step"] == 7 and loaded["progress"]["steps_into_epoch"] == 7
+    assert loaded["run"]["fit_id"] == "fit-a"
     for key, value in state["model"].items():
         assert torch.equal(loaded["model"][key], value)
     assert loaded["optimizer"]["state"][0]["exp_avg"].shape == (3, 4)
@@ -80,7 +81,8 @@ class _Boom:
 def test_pickle_with_code_is_refused_even_with_a_matching_manifest(tmp_path, capsys):
     evil = tmp_path / "checkpoint_evil"
     ckpt.save_checkpoint(evil, _state(3))
-    payload = pickle.dumps({"model": _Boom(), "optimizer": {}, "step": 3, "epoch": 0, "steps_into_epoch": 3})
+    payload = pickle.dumps({"model": _Boom(), "optimizer": {}, "progress": {"step": 3, "epoch": 0, "steps_into_epoch": 3},
+                            "run": {}})
     (evil / "state.pt").write_bytes(payload)
     manifest = json.loads((evil / "manifest.json").read_text())
     import hashlib
@@ -103,7 +105,7 @@ def test_find_orders_by_recorded_step_and_load_latest_valid_falls_back(tmp_path)
     newest = tmp_path / "checkpoint_020" / "state.pt"
     newest.write_bytes(newest.read_bytes()[:-10])
     state, path = ckpt.load_latest_valid(found)
-    assert path.name == "checkpoint_010" and state["step"] == 10
+    assert path.name == "checkpoint_010" and state["progress"]["step"] == 10
     assert ckpt.load_latest_valid([tmp_path / "checkpoint_broken"]) is None
     assert ckpt.find_checkpoints(tmp_path / "missing") == []
 

@@ -1,5 +1,5 @@
 """The loop's pieces without Ray: one optimizer step, non-finite handling, validation,
-checkpoint state round trip, resume resolution and the test-only fault plan.
+checkpoint state round trip (components), resume resolution and the test hooks.
 
 A world-size-1 gloo group (file store, no ports) stands in for Ray Train's process group.
 """
@@ -14,12 +14,14 @@ import torch.distributed as dist
 
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import load_config
-from raytrain_ddp.data import DataSpec
-from raytrain_ddp.launcher import ResumeError, resolve_resume
-from raytrain_ddp.loop import NonFiniteAbort, train_step, validate
-from raytrain_ddp.worker import (
-    FaultPlan, Job, Progress, Rank, build_parts, record_attempt, restore, training_state,
-)
+from raytrain_ddp.driver.resume import ResumeError, resolve_resume
+from raytrain_ddp.job import DataSpec, Job
+from raytrain_ddp.testing.hooks import FaultPlan, TestHooks
+from raytrain_ddp.worker.context import Rank
+from raytrain_ddp.worker.hooks import HOOKS_ENV, Hooks, load_hooks
+from raytrain_ddp.worker.meter import RunLog
+from raytrain_ddp.worker.state import build_state
+from raytrain_ddp.worker.step import NonFiniteAbort, train_step, validate
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(60)]
 
@@ -41,43 +43,46 @@ def _cfg(*overrides):
                               *overrides])
 
 
-def _window(seed=0):
+def _window(seed=0, poison=1.0):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(2)]
+    return [(torch.randn(4, 8, generator=g) * poison, torch.randint(0, 3, (4,), generator=g)) for _ in range(2)]
+
+
+def _build(cfg, tmp="/nonexistent"):
+    return build_state(Job(cfg=cfg, spec=SPEC, run_dir=str(tmp), fit_id="f" * 32), RANK, total_steps=10)
 
 
 def test_train_step_returns_window_mean_loss_and_steps(group):
     cfg = _cfg()
-    parts = build_parts(cfg, SPEC, RANK, total_steps=10)
+    parts = _build(cfg)
     window = _window()
     with torch.no_grad():
         expected = sum(parts.loss_fn(parts.module(x), y).item() for x, y in window) / 2
     before = [p.detach().clone() for p in parts.params]
-    progress = Progress()
-    loss = train_step(parts, window, 2, progress, cfg, RANK)
-    assert loss == pytest.approx(expected, rel=1e-5)
+    result = train_step(parts, window, 2, cfg.train, RANK)
+    assert result.loss == pytest.approx(expected, rel=1e-5) and result.lr == pytest.approx(cfg.train.lr)
     assert any(not torch.equal(a, b) for a, b in zip(before, parts.params))
     assert all(p.grad is None for p in parts.params)  # zeroed for the next window
-    assert parts.scheduler.last_step == 1 and progress.nonfinite_steps == 0
+    assert parts.schedule.last_step == 1 and parts.progress.nonfinite_steps == 0
 
 
 def test_nonfinite_loss_skips_the_step_then_aborts_after_max_consecutive(group):
     cfg = _cfg("train.nonfinite.max_consecutive=2")
-    parts = build_parts(cfg, SPEC, RANK, total_steps=10)
+    parts = _build(cfg)
+    progress = parts.progress
     before = [p.detach().clone() for p in parts.params]
-    progress = Progress()
-    loss = train_step(parts, _window(), 2, progress, cfg, RANK, poison=math.nan)
-    assert math.isnan(loss) and progress.nonfinite_steps == 1
+    result = train_step(parts, _window(poison=math.nan), 2, cfg.train, RANK)
+    assert math.isnan(result.loss) and progress.nonfinite_steps == 1
     assert all(torch.equal(a, b) for a, b in zip(before, parts.params))  # skipped
-    train_step(parts, _window(1), 2, progress, cfg, RANK)  # a good step resets the streak
+    train_step(parts, _window(1), 2, cfg.train, RANK)  # a good step resets the streak
     assert progress.consecutive_nonfinite == 0 and progress.nonfinite_steps == 1
-    train_step(parts, _window(2), 2, progress, cfg, RANK, poison=math.nan)
+    train_step(parts, _window(2, poison=math.nan), 2, cfg.train, RANK)
     with pytest.raises(NonFiniteAbort, match="2 in a row.*train.lr"):
-        train_step(parts, _window(3), 2, progress, cfg, RANK, poison=math.inf)
+        train_step(parts, _window(3, poison=math.inf), 2, cfg.train, RANK)
 
     abort_cfg = _cfg("train.nonfinite.action=abort")
     with pytest.raises(NonFiniteAbort, match="action=abort"):
-        train_step(build_parts(abort_cfg, SPEC, RANK, 10), _window(), 2, Progress(), abort_cfg, RANK, poison=math.nan)
+        train_step(_build(abort_cfg), _window(poison=math.nan), 2, abort_cfg.train, RANK)
 
 
 class _ValData:
@@ -90,7 +95,7 @@ class _ValData:
 
 def test_validate_sums_loss_and_accuracy_over_all_batches(group):
     cfg = _cfg()
-    parts = build_parts(cfg, SPEC, RANK, total_steps=10)
+    parts = _build(cfg)
     batches = _window() + [(torch.randn(3, 8), torch.tensor([0, 1, 2]))]
     with torch.no_grad():
         outs = [(parts.module(x), y) for x, y in batches]
@@ -102,29 +107,38 @@ def test_validate_sums_loss_and_accuracy_over_all_batches(group):
     assert validate(parts, _ValData([]), RANK, SPEC) == {}
 
 
-def test_checkpoint_state_round_trip_restores_progress_and_optimizer(group, tmp_path):
+class _Data:
+    wait_seconds = 0.0
+
+
+def test_checkpoint_is_one_entry_per_component_and_round_trips(group, tmp_path):
     cfg = _cfg()
     job = Job(cfg=cfg, spec=SPEC, run_dir=str(tmp_path), fit_id="f" * 32)
-    parts = build_parts(cfg, SPEC, RANK, total_steps=10)
-    progress = Progress()
+    parts = build_state(job, RANK, total_steps=10)
     for i in range(3):
-        train_step(parts, _window(i), 2, progress, cfg, RANK)
-    progress.step, progress.epoch, progress.steps_into_epoch = 3, 1, 1
-    ckpt.save_checkpoint(tmp_path / "checkpoint_x", training_state(parts, progress, job, RANK))
+        train_step(parts, _window(i), 2, cfg.train, RANK)
+        parts.progress.step_done()
+    parts.progress.next_epoch(0)
+    parts.progress.steps_into_epoch = 1
+    ckpt.save_checkpoint(tmp_path / "checkpoint_x", parts.state_dict())
     state = ckpt.load_checkpoint(tmp_path / "checkpoint_x")
+    assert set(state) == {"model", "optimizer", "schedule", "progress", "rng", "run"}  # no scaler in fp32
+    assert state["progress"] == {"step": 3, "epoch": 1, "steps_into_epoch": 1, "nonfinite_steps": 0}
+    assert state["run"]["fit_id"] == job.fit_id and state["run"]["world_size"] == 1
 
-    fresh = build_parts(cfg, SPEC, RANK, total_steps=10, model_state=state["model"])
-    resumed = restore(fresh, state, RANK)
-    assert (resumed.step, resumed.epoch, resumed.steps_into_epoch) == (3, 1, 1)
-    assert fresh.scheduler.last_step == 3 and fresh.optimizer.param_groups[0]["lr"] == parts.optimizer.param_groups[0]["lr"]
+    fresh = build_state(job, RANK, total_steps=10)
+    fresh.load_state_dict(state)  # the model through `.module`, after wrapping
+    p = fresh.progress
+    assert (p.step, p.epoch, p.steps_into_epoch) == (3, 1, 1)
+    assert fresh.schedule.last_step == 3 and fresh.optimizer.param_groups[0]["lr"] == parts.optimizer.param_groups[0]["lr"]
     for a, b in zip(parts.params, fresh.params):
         assert torch.equal(a, b)
     # the same next step from both: optimizer moments were restored too
-    train_step(parts, _window(9), 2, Progress(), cfg, RANK)
-    train_step(fresh, _window(9), 2, Progress(), cfg, RANK)
+    train_step(parts, _window(9), 2, cfg.train, RANK)
+    train_step(fresh, _window(9), 2, cfg.train, RANK)
     for a, b in zip(parts.params, fresh.params):
         assert torch.allclose(a, b)
-    assert record_attempt(job, RANK) == 1 and record_attempt(job, RANK) == 2
+    assert RunLog(job, RANK, parts, _Data(), 10).attempt == 1 and RunLog(job, RANK, parts, _Data(), 10).attempt == 2
 
 
 def test_resolve_resume_modes(tmp_path):
@@ -132,9 +146,10 @@ def test_resolve_resume_modes(tmp_path):
     assert resolve_resume(_cfg(), run_dir) is None  # fresh
     with pytest.raises(ResumeError, match="run.resume=latest.*no valid checkpoint"):
         resolve_resume(_cfg("run.resume=latest"), run_dir)
-    state = {"model": {}, "optimizer": {}, "step": 4, "epoch": 0, "steps_into_epoch": 4, "fit_id": "a"}
+    state = {"model": {}, "optimizer": {}, "progress": {"step": 4, "epoch": 0, "steps_into_epoch": 4},
+             "run": {"fit_id": "a"}}
     ckpt.save_checkpoint(run_dir / "checkpoint_4", state)
-    ckpt.save_checkpoint(run_dir / "checkpoint_8", {**state, "step": 8})
+    ckpt.save_checkpoint(run_dir / "checkpoint_8", {**state, "progress": {**state["progress"], "step": 8}})
     (run_dir / "checkpoint_8" / "state.pt").write_bytes(b"garbage")  # damaged newest
     assert resolve_resume(_cfg(), run_dir) == run_dir / "checkpoint_4"
     assert resolve_resume(_cfg("run.resume=latest"), run_dir) == run_dir / "checkpoint_4"
@@ -145,18 +160,30 @@ def test_resolve_resume_modes(tmp_path):
         resolve_resume(_cfg("run.resume=never"), run_dir)
 
 
-def test_fault_plan_parses_and_fires_only_where_asked(monkeypatch):
+def test_hooks_are_a_no_op_unless_named_and_test_hooks_fire_only_where_asked(monkeypatch):
+    monkeypatch.delenv(HOOKS_ENV, raising=False)
+    assert type(load_hooks()) is Hooks
+    monkeypatch.setenv(HOOKS_ENV, "raytrain_ddp.testing.hooks:from_env")
     monkeypatch.delenv("RAYTRAIN_DDP_FAULT", raising=False)
-    assert FaultPlan.from_env() is None
+    assert isinstance(load_hooks(), TestHooks) and FaultPlan.from_env() is None
     monkeypatch.setenv("RAYTRAIN_DDP_FAULT", "rank=0,step=3,attempt=2,mode=raise")
     plan = FaultPlan.from_env()
     assert plan == FaultPlan(rank=0, step=3, attempt=2, mode="raise")
-    plan.after_step(RANK, 3, attempt=1)  # other attempt: nothing
-    plan.after_step(RANK, 2, attempt=2)  # other step: nothing
+    hooks = TestHooks(plan)
+    hooks.on_attempt(RANK, 1, torch.nn.Linear(2, 2))
+    hooks.after_step(3)  # other attempt: nothing
+    hooks.on_attempt(RANK, 2, torch.nn.Linear(2, 2))
+    hooks.after_step(2)  # other step: nothing
     with pytest.raises(RuntimeError, match="injected fault"):
-        plan.after_step(RANK, 3, attempt=2)
-    nan_plan = FaultPlan(rank=0, step=5, attempt=1, mode="nan")
-    assert math.isnan(nan_plan.loss_poison(RANK, 5, 1)) and nan_plan.loss_poison(RANK, 4, 1) == 1.0
+        hooks.after_step(3)
+    module = torch.nn.Linear(2, 2)
+    nan_hooks = TestHooks(FaultPlan(rank=0, step=5, attempt=1, mode="nan"))
+    nan_hooks.on_attempt(RANK, 1, module)
+    nan_hooks.after_step(3)
+    assert torch.isfinite(module(torch.ones(1, 2))).all()  # step 4 is clean
+    nan_hooks.after_step(4)
+    assert torch.isnan(module(torch.ones(1, 2))).all()  # step 5's forward is poisoned
+    assert torch.isfinite(module.eval()(torch.ones(1, 2))).all()  # validation is not
     monkeypatch.setenv("RAYTRAIN_DDP_FAULT", "step=1,mode=explode")
     with pytest.raises(ValueError, match="mode must be"):
         FaultPlan.from_env()
@@ -164,10 +191,10 @@ def test_fault_plan_parses_and_fires_only_where_asked(monkeypatch):
 
 def test_bf16_autocast_step_on_cpu_and_sgd_with_clipping(group):
     cfg = _cfg("train.precision=bf16", "train.optimizer=sgd", "train.clip_grad_norm=0.01")
-    parts = build_parts(cfg, SPEC, RANK, total_steps=10)
+    parts = _build(cfg)
     before = [p.detach().clone() for p in parts.params]
-    loss = train_step(parts, _window(), 2, Progress(), cfg, RANK)
-    assert math.isfinite(loss) and not parts.scaler.is_enabled()
+    result = train_step(parts, _window(), 2, cfg.train, RANK)
+    assert math.isfinite(result.loss) and not parts.scaler.is_enabled()
     moved = torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(before, parts.params)))
     # one SGD step from zero momentum with a clipped gradient moves at most lr * max_norm
     assert 0 < moved <= cfg.train.lr * 0.01 * (1 + 1e-3)

@@ -9,9 +9,9 @@ import time
 import pytest
 
 from raytrain_ddp.errors import UserError
-from raytrain_ddp.metrics import (
-    MetricsWriter, ProgressPrinter, StepMeter, final_metrics, format_record, read_metrics,
-)
+from raytrain_ddp.driver.console import ProgressPrinter, final_metrics, format_record
+from raytrain_ddp.rundir import read_metrics
+from raytrain_ddp.worker.meter import MetricsWriter, StepMeter
 from raytrain_ddp.ops.plot import plot_run
 
 pytestmark = pytest.mark.timeout(60)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.schedule import WarmupCosine, build_optimizer, lr_at
+from raytrain_ddp.worker.optim import WarmupCosine, build_optimizer, lr_at
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from raytrain_ddp.ops.bench.common import Sizes, ratio, stats
-from raytrain_ddp.data import stack_column
+from raytrain_ddp.worker.shard import stack_column
 
 FEATURES = 256
 CLASSES = 16
@@ -200,8 +200,8 @@ def training_wait(sizes: Sizes, tmp: Path, sharding: str, use_gpu: bool = False,
                   workers: int = 2, micro: int = 64, log=print) -> dict[str, Any]:
     """A short real run (`run_training`, MLP, synthetic data) and its logged data-wait fraction."""
     from raytrain_ddp.config import validate_config
-    from raytrain_ddp.launcher import run_training
-    from raytrain_ddp.metrics import METRICS_FILE
+    from raytrain_ddp.driver.launcher import run_training
+    from raytrain_ddp.rundir import METRICS_FILE
 
     steps = sizes.train_steps
     global_batch = micro * workers

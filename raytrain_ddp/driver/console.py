@@ -1,0 +1,156 @@
+"""What the driver prints: the plan before training, progress while it runs, the summary after.
+
+Owns: the console lines of `raytrain-ddp train` (derived numbers up front, nanoGPT-style;
+one line per metrics record; the outcome), and `final_metrics` for `summary.json`.
+Must not touch: Ray, training. Progress is read from `metrics.jsonl` by a thread that
+tails the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Iterator, Optional, TextIO
+
+from raytrain_ddp import checkpoint as ckpt
+from raytrain_ddp.config import Config
+
+
+def print_plan(cfg: Config, spec: Any, run_dir: Path, steps_per_epoch: int, total_steps: int,
+               resume_from: Optional[Path]) -> None:
+    """The derived numbers, up front (nanoGPT-style): what one step means and how many."""
+    from raytrain_ddp.models import build_model
+
+    workers = cfg.scaling.max_workers
+    k = cfg.accumulation_steps(workers)
+    params = sum(p.numel() for p in build_model(cfg, spec).parameters())
+    lines = [
+        f"raytrain-ddp: run {cfg.name!r} -> {run_dir}",
+        f"  data      {spec.source}: {spec.train_rows:,} train / {spec.val_rows:,} val rows, task {spec.task}",
+        f"  model     {cfg.model.name}, {params:,} parameters, strategy {cfg.parallel.strategy}, "
+        f"precision {cfg.train.precision}",
+        f"  batch     global {cfg.train.global_batch_size} = {workers} workers x micro {cfg.train.micro_batch_size}"
+        f" x {k} accumulation steps",
+        f"  schedule  {steps_per_epoch} steps/epoch, {total_steps} steps, lr {cfg.train.lr:g} "
+        f"(warmup {cfg.train.warmup_steps}, cosine to {cfg.train.min_lr_ratio:g}x)",
+        f"  resume    {_describe_resume(resume_from, total_steps)}",
+    ]
+    if cfg.scaling.elastic:
+        lines[3] += f" (elastic {cfg.scaling.min_workers}-{workers} workers; accumulation re-derived on resize)"
+    print("\n".join(lines), flush=True)
+
+
+def _describe_resume(resume_from: Optional[Path], total_steps: int) -> str:
+    if resume_from is None:
+        return "fresh start"
+    step = int(ckpt.read_manifest(resume_from).get("step", 0))
+    text = f"from {resume_from} (step {step})"
+    if step >= total_steps:
+        text += (f"; already at step {step} of {total_steps}: nothing to train "
+                 "(raise train.epochs or train.max_steps to continue, or pick a new name)")
+    return text
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    fm = summary["final_metrics"]
+    parts = [f"status {summary['status']}", f"{summary['steps']} steps", f"{summary['epochs']} epochs",
+             f"{summary['attempts']} attempt(s)", f"{summary['elapsed_s']:.1f}s"]
+    if "loss" in fm:
+        parts.append(f"loss {fm['loss']:.4f}")
+    if "val_loss" in fm:
+        parts.append(f"val_loss {fm['val_loss']:.4f}")
+    if "val_accuracy" in fm:
+        parts.append(f"val_accuracy {100 * fm['val_accuracy']:.2f}%")
+    out = sys.stdout if summary["status"] == "ok" else sys.stderr
+    print("raytrain-ddp: " + " | ".join(parts), file=out, flush=True)
+    if summary.get("error"):
+        print(f"raytrain-ddp: error: {summary['error']}", file=out, flush=True)
+    print(f"raytrain-ddp: run directory {summary['run_dir']}", flush=True)
+    if summary.get("checkpoint"):
+        print(f"raytrain-ddp: latest checkpoint {summary['checkpoint']}", flush=True)
+
+
+def final_metrics(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The last train line's values, overlaid with the last validation line's."""
+    out: dict[str, Any] = {}
+    train = [r for r in records if "loss" in r]
+    val = [r for r in records if "val_loss" in r]
+    if train:
+        out.update(train[-1])
+    if val:
+        out.update({k: v for k, v in val[-1].items() if k.startswith("val_")})
+    return out
+
+
+def format_record(record: dict[str, Any], total_steps: Optional[int] = None) -> str:
+    step = record.get("step", "?")
+    width = len(str(total_steps)) if total_steps else 0
+    where = f"step {step:>{width}}/{total_steps}" if total_steps else f"step {step}"
+    where += f" | epoch {record.get('epoch', '?')}"
+    if "val_loss" in record:
+        text = f"{where} | val_loss {record['val_loss']:.4f}"
+        if "val_accuracy" in record:
+            text += f" | val_accuracy {100 * record['val_accuracy']:.2f}%"
+        return text
+    text = (f"{where} | loss {record.get('loss', float('nan')):.4f} | lr {record.get('lr', 0.0):.2e}"
+            f" | {record.get('samples_per_s', 0.0):,.0f} samples/s"
+            f" | data wait {100 * record.get('data_wait_fraction', 0.0):.0f}%")
+    if record.get("nonfinite_steps"):
+        text += f" | non-finite steps {record['nonfinite_steps']}"
+    return text
+
+
+class ProgressPrinter:
+    """Driver side: tails `metrics.jsonl` in a thread and prints each new line.
+
+    Starts after the lines already in the file (a resumed run prints only its own).
+    """
+
+    def __init__(self, path: os.PathLike | str, total_steps: Optional[int] = None,
+                 out: TextIO = sys.stdout, poll_s: float = 0.5) -> None:
+        self.path = Path(path)
+        self.total_steps = total_steps
+        self.out = out
+        self.poll_s = poll_s
+        self._offset = self.path.stat().st_size if self.path.exists() else 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="raytrain-ddp-progress", daemon=True)
+
+    def __enter__(self) -> "ProgressPrinter":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._drain()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self._drain()
+
+    def _drain(self) -> None:
+        for record in self._new_records():
+            print(format_record(record, self.total_steps), file=self.out, flush=True)
+
+    def _new_records(self) -> Iterator[dict[str, Any]]:
+        if not self.path.exists():
+            return
+        size = self.path.stat().st_size
+        if size < self._offset:  # rewritten by truncate_after on resume
+            self._offset = 0
+        with open(self.path) as handle:
+            handle.seek(self._offset)
+            chunk = handle.read()
+        complete, _, _ = chunk.rpartition("\n")
+        if not complete:
+            return
+        self._offset += len(complete.encode()) + 1
+        for line in complete.splitlines():
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue

@@ -1,0 +1,128 @@
+"""Where a run starts from, and what a resume may change: decided on the driver, before Ray.
+
+Owns: `run.resume` (which checkpoint a fit starts from) and the rules comparing the
+config a checkpoint was trained with to the current one. Must not touch: Ray, workers.
+The worker side (`worker/checkpointer.py`) only prefers this fit's own newer
+checkpoints after a restart.
+
+`run.resume`, resolved on the driver before any worker starts:
+  null    -> continue the run directory's newest *valid* checkpoint, if there is one
+             (this is also how re-running after the driver died continues);
+  latest  -> the same, but an error when there is none;
+  PATH    -> exactly that checkpoint (verified first);
+  never   -> start fresh; an existing, non-empty run directory is an error.
+  Ray Train V2 on its own reloads the run's checkpoint snapshot whenever the same
+  name/storage_path is reused and offers its latest checkpoint to the workers; the
+  workers ignore offers from earlier fits (each fit has a `fit_id` recorded in every
+  checkpoint's manifest) and use the one chosen here, so the four modes above hold. A
+  restart after a worker failure inside this fit continues from this fit's latest
+  checkpoint.
+What a resume may change (`check_resume_config`; every checkpoint records its config):
+  how the run is executed is free (`scaling.*` -- the worker count above all --,
+  `run.*`, `parallel.*`, `train.micro_batch_size`, `data.prefetch_batches`): the loop
+  re-derives accumulation from the actual worker count and the optimisation is the
+  same. `train.epochs` / `train.max_steps` are free too (the LR schedule stretches to the
+  new total). `model.*` is refused (the weights would not fit). The keys that decide
+  which samples form step s of an epoch (`data.*`, `train.global_batch_size`,
+  `train.seed`) are refused mid-epoch -- the recorded position would point into another
+  order -- and allowed at an epoch boundary. Any other change (optimizer, lr, schedule
+  shape, precision, clipping) is allowed and printed as a warning: the run continues,
+  but not on the trajectory of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from raytrain_ddp import checkpoint as ckpt
+from raytrain_ddp.config import Config
+from raytrain_ddp.errors import CheckpointError, UserError
+
+
+class ResumeError(UserError):
+    """`run.resume` cannot be honoured (no checkpoint, a bad path, an existing run)."""
+
+
+def resolve_resume(cfg: Config, run_dir: Path) -> Optional[Path]:
+    """The checkpoint this run starts from, per `run.resume` (see the module docstring)."""
+    mode = cfg.run.resume
+    if mode == "never":
+        if run_dir.exists() and any(run_dir.iterdir()):
+            raise ResumeError(
+                f"run.resume=never but run directory {run_dir} already exists; "
+                "choose another name, delete it, or use run.resume=latest"
+            )
+        return None
+    if mode in (None, "latest"):
+        found = ckpt.load_latest_valid(ckpt.find_checkpoints(run_dir))
+        if found is None:
+            if mode == "latest":
+                raise ResumeError(
+                    f"run.resume=latest but {run_dir} holds no valid checkpoint; "
+                    "train without run.resume first, or pass run.resume=PATH"
+                )
+            return None
+        check_resume_config(cfg, found[0], found[1])
+        return found[1]
+    path = Path(mode).expanduser().resolve()
+    try:
+        state = ckpt.load_checkpoint(path)
+    except CheckpointError as exc:
+        raise ResumeError(f"run.resume={mode!r}: {exc}") from None
+    path = path.parent if path.is_file() else path
+    check_resume_config(cfg, state, path)
+    return path
+
+
+RESUME_FREE = ("name", "scaling.", "run.", "parallel.", "train.micro_batch_size", "train.epochs",
+               "train.max_steps", "train.nonfinite.", "data.prefetch_batches")
+RESUME_REFUSED = ("model.",)
+RESUME_EPOCH_BOUNDARY = ("data.", "train.global_batch_size", "train.seed")
+
+
+def check_resume_config(cfg: Config, state: dict[str, Any], path: Path) -> list[str]:
+    """Refuse resumes that cannot continue the run; warn about ones that change it.
+
+    Returns the warned keys (see the module docstring for the three classes).
+    """
+    import yaml
+
+    recorded = state.get("run", {}).get("config")
+    if not isinstance(recorded, str):
+        return []
+    progress = state.get("progress", {})
+    old, new = _flat(yaml.safe_load(recorded)), _flat(yaml.safe_load(cfg.to_yaml()))
+    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    mid_epoch = int(progress.get("steps_into_epoch", 0)) > 0
+
+    def shown(keys: list[str]) -> str:
+        return ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys)
+
+    refused = [k for k in changed if k.startswith(RESUME_REFUSED)]
+    if mid_epoch:
+        refused += [k for k in changed if k.startswith(RESUME_EPOCH_BOUNDARY)]
+    if refused:
+        raise ResumeError(
+            f"cannot resume from {path} (step {progress.get('step')}, "
+            f"{progress.get('steps_into_epoch')} steps into epoch {int(progress.get('epoch', 0)) + 1}): "
+            f"{shown(refused)}. Model keys must match the checkpoint; data order keys may change "
+            "only at an epoch boundary. Restore the old values, or start a new run "
+            "(another name, or run.resume=never)"
+        )
+    warned = [k for k in changed if not k.startswith(RESUME_FREE + RESUME_EPOCH_BOUNDARY)]
+    if warned:
+        print(f"raytrain-ddp: warning: resuming {path} with a different optimisation "
+              f"({shown(warned)}); the run will not follow the trajectory of an uninterrupted one",
+              file=sys.stderr, flush=True)
+    return warned
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix.rstrip("."): tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_flat(value, f"{prefix}{key}."))
+    return out

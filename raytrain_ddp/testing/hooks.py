@@ -1,0 +1,148 @@
+"""Test hooks: kill, poison or stall one rank at one step; fake Ray's preemption signal.
+
+Owns: the fault plan (`RAYTRAIN_DDP_FAULT`) and the simulated preemption signal
+(`RAYTRAIN_DDP_PREEMPT`), both read on the worker, and `from_env`, the factory a test
+names in `RAYTRAIN_DDP_HOOKS=raytrain_ddp.testing.hooks:from_env`. Must not touch:
+anything but the `Hooks` interface — the product never imports this module.
+
+    RAYTRAIN_DDP_FAULT="rank=1,step=3,attempt=1,mode=exit[,pidfile=PATH]"
+
+After optimizer step `step` on rank `rank` during attempt `attempt` (`attempt=any`:
+every attempt), `exit` kills the process (`os._exit`, as a crashed node would), `raise`
+raises; `hang` stops that rank taking part in collectives (it sleeps until killed),
+first writing its pid to `pidfile` if given, so a test can SIGKILL it from outside;
+`nan` instead makes that rank's forward output NaN during step `step` (a forward hook on
+the model, as Lightning's tests inject faults from the model), which exercises the
+non-finite path.
+
+    RAYTRAIN_DDP_PREEMPT="step=6,attempt=1,ranks=1,deadline_s=none"
+
+makes the preemption poll return a synthetic signal from optimizer step `step` of
+attempt `attempt` on (deadline `deadline_s` seconds after it first fires, or none), and
+polls every step so the checkpoint step is deterministic. Ray's real poll (a
+collective) stays in the path.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from raytrain_ddp.testing.envspec import read_env_spec
+from raytrain_ddp.worker.hooks import HOOKS_ENV, Hooks
+from raytrain_ddp.worker.preemption import Signal
+
+FAULT_ENV = "RAYTRAIN_DDP_FAULT"
+PREEMPT_ENV = "RAYTRAIN_DDP_PREEMPT"
+ENABLE = {HOOKS_ENV: "raytrain_ddp.testing.hooks:from_env"}  # what a test puts in the driver's env
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    rank: int = 0
+    step: int = -1
+    attempt: int = 1  # 0: every attempt
+    mode: str = "exit"
+    pidfile: Optional[str] = None
+
+    @classmethod
+    def from_env(cls) -> Optional["FaultPlan"]:
+        fields = read_env_spec(FAULT_ENV, required=("step",))
+        if fields is None:
+            return None
+        attempt = fields.get("attempt", "1")
+        plan = cls(rank=int(fields.get("rank", 0)), step=int(fields["step"]),
+                   attempt=0 if attempt == "any" else int(attempt), mode=fields.get("mode", "exit"),
+                   pidfile=fields.get("pidfile"))
+        if plan.mode not in ("exit", "raise", "nan", "hang"):
+            raise ValueError(f"{FAULT_ENV}: mode must be exit|raise|nan|hang, got {plan.mode!r}")
+        return plan
+
+    def hits(self, world_rank: int, step: int, attempt: int) -> bool:
+        return world_rank == self.rank and step == self.step and self.attempt in (0, attempt)
+
+    def strike(self, world_rank: int, step: int) -> None:
+        """Carry out an exit / raise / hang plan (never returns for exit and hang)."""
+        print(f"[fault injection] rank {world_rank} {self.mode} after step {step}", flush=True)
+        if self.mode == "exit":
+            os._exit(1)
+        if self.mode == "hang":
+            if self.pidfile:
+                tmp = f"{self.pidfile}.tmp"
+                Path(tmp).write_text(str(os.getpid()))
+                os.replace(tmp, self.pidfile)
+            while True:  # never returns: peers are left waiting in their next collective
+                time.sleep(1)
+        raise RuntimeError(f"injected fault on rank {world_rank} after step {step} ({FAULT_ENV})")
+
+
+@dataclass(frozen=True)
+class SimulatedPreemption:
+    step: int
+    attempt: int = 1
+    ranks: tuple[int, ...] = (1,)
+    deadline_s: Optional[float] = None  # relative to when the signal first fires
+
+    @classmethod
+    def from_env(cls) -> Optional["SimulatedPreemption"]:
+        fields = read_env_spec(PREEMPT_ENV, required=("step",))
+        if fields is None:
+            return None
+        deadline = fields.get("deadline_s", "none")
+        return cls(step=int(fields["step"]), attempt=int(fields.get("attempt", 1)),
+                   ranks=tuple(int(r) for r in fields.get("ranks", "1").split("+")),
+                   deadline_s=None if deadline.lower() == "none" else float(deadline))
+
+    def source(self, attempt: int, real: Callable[[int], Optional[Signal]],
+               clock: Callable[[], float]) -> Callable[[int], Optional[Signal]]:
+        fired_at: list[float] = []
+
+        def poll(step: int) -> Optional[Signal]:
+            signal = real(step)  # keep the real collective in the path
+            if signal is not None or attempt != self.attempt or step < self.step:
+                return signal
+            if not fired_at:
+                fired_at.append(clock())
+            deadline = None if self.deadline_s is None else fired_at[0] + self.deadline_s
+            return Signal(deadline, self.ranks)
+
+        return poll
+
+
+class TestHooks(Hooks):
+    """The hooks a test asks for through the environment (see the module docstring)."""
+
+    __test__ = False  # not a pytest class
+
+    def __init__(self, fault: Optional[FaultPlan] = None, preemption: Optional[SimulatedPreemption] = None) -> None:
+        self.fault, self.preemption = fault, preemption
+        self.world_rank, self.attempt, self.next_step = 0, 1, 1
+
+    def on_attempt(self, rank: Any, attempt: int, module: Any) -> None:
+        self.world_rank, self.attempt = rank.world_rank, attempt
+        if self.fault is not None and self.fault.mode == "nan":
+            module.register_forward_hook(self._poison)
+
+    def _poison(self, module: Any, inputs: Any, output: Any) -> Any:
+        if module.training and self.fault.hits(self.world_rank, self.next_step, self.attempt):
+            return output * math.nan
+        return output
+
+    def after_step(self, step: int) -> None:
+        self.next_step = step + 1
+        if self.fault is not None and self.fault.mode != "nan" and self.fault.hits(self.world_rank, step, self.attempt):
+            self.fault.strike(self.world_rank, step)
+
+    def preemption_source(self, real: Callable[[int], Any]) -> Optional[tuple[Callable[[int], Any], float]]:
+        if self.preemption is None:
+            return None
+        return self.preemption.source(self.attempt, real, time.time), 0.0
+
+
+def from_env() -> Hooks:
+    """`RAYTRAIN_DDP_HOOKS=raytrain_ddp.testing.hooks:from_env`: the plans set in the environment."""
+    return TestHooks(FaultPlan.from_env(), SimulatedPreemption.from_env())

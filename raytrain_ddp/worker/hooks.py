@@ -1,0 +1,44 @@
+"""The one seam for code that is not the product: a hooks object, a no-op by default.
+
+Owns: the `Hooks` interface the loop calls at fixed points, and loading an
+implementation named by an import path in `RAYTRAIN_DDP_HOOKS` ("package.module:factory",
+forwarded to workers with every other `RAYTRAIN_DDP_*` variable). Must not touch: any
+particular implementation. Tests supply theirs from `raytrain_ddp.testing.hooks`
+(fault plans, a simulated preemption signal); production runs leave the variable unset
+and get `Hooks()`, whose methods do nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any, Callable, Optional
+
+HOOKS_ENV = "RAYTRAIN_DDP_HOOKS"
+
+
+class Hooks:
+    """Called by every rank; each method is a no-op here."""
+
+    def on_attempt(self, rank: Any, attempt: int, module: Any) -> None:
+        """A worker group started (attempt 1, 2, ...); `module` is the bare model."""
+
+    def after_step(self, step: int) -> None:
+        """Optimizer step `step` finished on this rank."""
+
+    def preemption_source(self, real: Callable[[int], Any]) -> Optional[tuple[Callable[[int], Any], float]]:
+        """Replace Ray's preemption poll: (source, poll interval in s), or None to keep Ray's."""
+        return None
+
+
+def load_hooks() -> Hooks:
+    """`Hooks()` unless `RAYTRAIN_DDP_HOOKS` names a factory returning one."""
+    spec = os.environ.get(HOOKS_ENV)
+    if not spec:
+        return Hooks()
+    module_name, _, attr = spec.partition(":")
+    factory = getattr(importlib.import_module(module_name), attr or "from_env")
+    hooks = factory()
+    if not isinstance(hooks, Hooks):
+        raise TypeError(f"{HOOKS_ENV}={spec!r} returned {type(hooks).__name__}, not a raytrain_ddp Hooks")
+    return hooks

@@ -1,0 +1,186 @@
+"""One rank's data: optimizer-step windows of micro-batches on the device.
+
+Owns: turning this worker's Ray Data shard into windows of `accumulation_steps`
+micro-batches (each rank's slice of every global batch), and the validation share.
+Must not touch: models, optimisation, the driver's datasets (`driver/datasets.py`
+builds them and explains the two `data.sharding` modes).
+
+* ``exact``: every worker reads the full (unsplit) set once into memory, draws the same
+  seeded permutation each epoch and takes its disjoint slice of every global batch, so
+  the samples of optimizer step *s* are the same at any worker count.
+* ``streaming``: `iter_torch_batches` over this worker's `streaming_split` stream; before
+  every window the ranks agree that all still have a full one (`all_true`), so every
+  rank runs the same number of micro-steps and none can deadlock.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator, Optional
+
+import numpy as np
+
+from raytrain_ddp.config import Config
+from raytrain_ddp.job import DataSpec
+from raytrain_ddp.parallel.collectives import all_true
+
+TRAIN = "train"
+VAL = "val"
+_READ_BATCH_ROWS = 4096
+
+
+class WorkerData:
+    """One rank's view of the data: optimizer-step windows of micro-batches on `device`."""
+
+    def __init__(self, cfg: Config, spec: DataSpec, world_rank: int, world_size: int, device: Any,
+                 shards: Optional[dict[str, Any]] = None):
+        """`shards` defaults to `ray.train.get_dataset_shard(...)`; tests pass Ray Data iterators."""
+        if shards is None:
+            import ray.train
+
+            shards = {TRAIN: ray.train.get_dataset_shard(TRAIN)}
+            if spec.val_rows:
+                shards[VAL] = ray.train.get_dataset_shard(VAL)
+        self.cfg, self.spec = cfg, spec
+        self.world_rank, self.world_size = world_rank, world_size
+        self.device = device
+        self.micro_batch_size = cfg.train.micro_batch_size
+        self.accumulation_steps = cfg.accumulation_steps(world_size)
+        self.global_batch_size = cfg.train.global_batch_size
+        self.wait_seconds = 0.0
+        self._train_shard = shards[TRAIN]
+        self._val_shard = shards.get(VAL)
+        self._train_tensors: Optional[tuple[Any, Any]] = None
+        self._val_tensors: Optional[tuple[Any, Any]] = None
+        if cfg.data.sharding == "exact":
+            self._train_tensors = self._materialize(self._train_shard)
+            self.steps_per_epoch = len(self._train_tensors[0]) // self.global_batch_size
+        else:
+            rows_per_rank = spec.train_rows // world_size
+            self.steps_per_epoch = rows_per_rank // (self.micro_batch_size * self.accumulation_steps)
+
+    # -- training ---------------------------------------------------------------------
+
+    def train_windows(self, epoch: int, skip_steps: int = 0) -> Iterator[list[tuple[Any, Any]]]:
+        """Yield one list of `accumulation_steps` (x, y) micro-batches per optimizer step."""
+        if self.cfg.data.sharding == "exact":
+            yield from self._exact_windows(epoch, skip_steps)
+        else:
+            yield from self._streaming_windows(epoch, skip_steps)
+
+    def _exact_windows(self, epoch: int, skip_steps: int) -> Iterator[list[tuple[Any, Any]]]:
+        assert self._train_tensors is not None
+        features, labels = self._train_tensors
+        order = self.epoch_order(len(features), epoch)
+        b, k, w, r = self.micro_batch_size, self.accumulation_steps, self.world_size, self.world_rank
+        for step in range(skip_steps, self.steps_per_epoch):
+            start = time.perf_counter()
+            global_idx = order[step * self.global_batch_size:(step + 1) * self.global_batch_size]
+            window = []
+            for micro in range(k):
+                idx = global_idx[(micro * w + r) * b:(micro * w + r + 1) * b]
+                window.append((self._to_device(features[idx]), self._to_device(labels[idx])))
+            self.wait_seconds += time.perf_counter() - start
+            yield window
+
+    def epoch_order(self, rows: int, epoch: int) -> Any:
+        """The same permutation on every rank and at every world size: seeded by (seed, epoch)."""
+        import torch
+
+        if not self.cfg.data.shuffle:
+            return torch.arange(rows)
+        gen = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + epoch)
+        return torch.randperm(rows, generator=gen)
+
+    def _streaming_windows(self, epoch: int, skip_steps: int) -> Iterator[list[tuple[Any, Any]]]:
+        buffer = self.cfg.data.shuffle_buffer
+        if buffer is None and self.cfg.data.shuffle:
+            buffer = max(1024, 8 * self.micro_batch_size)
+        batches = iter(self._train_shard.iter_torch_batches(
+            batch_size=self.micro_batch_size,
+            prefetch_batches=self.cfg.data.prefetch_batches,
+            local_shuffle_buffer_size=buffer if self.cfg.data.shuffle else None,
+            local_shuffle_seed=(self.cfg.train.seed * 1_000_003 + epoch) * 1009 + self.world_rank
+            if self.cfg.data.shuffle else None,
+            drop_last=True,
+            collate_fn=self._collate,
+            device=str(self.device) if getattr(self.device, "type", "cpu") != "cpu" else "cpu",
+        ))
+        step = 0
+        while True:
+            start = time.perf_counter()
+            window = []
+            for _ in range(self.accumulation_steps):
+                batch = next(batches, None)
+                if batch is None:
+                    break
+                window.append(batch)
+            self.wait_seconds += time.perf_counter() - start
+            if not self._all_ranks_have(len(window) == self.accumulation_steps):
+                return
+            if step >= skip_steps:
+                yield window
+            step += 1
+
+    def _all_ranks_have(self, full: bool) -> bool:
+        """Agree across ranks that everyone still has a full window."""
+        return all_true(full, self.device)
+
+    # -- validation -------------------------------------------------------------------
+
+    def val_batches(self) -> Iterator[tuple[Any, Any]]:
+        """This rank's disjoint, strided share of the validation rows (each row once overall)."""
+        if self._val_shard is None:
+            return
+        if self._val_tensors is None:
+            self._val_tensors = self._materialize(self._val_shard)
+        features, labels = self._val_tensors
+        mine = slice(self.world_rank, None, self.world_size)
+        features, labels = features[mine], labels[mine]
+        size = max(self.micro_batch_size, 256)
+        for start in range(0, len(features), size):
+            yield self._to_device(features[start:start + size]), self._to_device(labels[start:start + size])
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _materialize(self, shard: Any) -> tuple[Any, Any]:
+        """Read a whole (unsplit) dataset once through Ray Data into CPU tensors."""
+        import torch
+
+        start = time.perf_counter()
+        parts_x, parts_y = [], []
+        for batch in shard.iter_batches(batch_size=_READ_BATCH_ROWS, batch_format="numpy"):
+            x, y = self._arrays(batch)
+            parts_x.append(x)
+            parts_y.append(y)
+        features = torch.from_numpy(np.concatenate(parts_x))
+        labels = torch.from_numpy(np.concatenate(parts_y))
+        self.wait_seconds += time.perf_counter() - start
+        return features, labels
+
+    def _arrays(self, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        x = stack_column(batch[self.cfg.data.features])
+        y = stack_column(batch[self.cfg.data.label])
+        if self.spec.task == "lm":
+            x = x.astype(np.int64)
+        else:
+            x = x.astype(np.float32).reshape((len(x),) + self.spec.feature_shape)
+        return x, y.astype(np.int64)
+
+    def _collate(self, batch: dict[str, np.ndarray]) -> tuple[Any, Any]:
+        import torch
+
+        x, y = self._arrays(batch)
+        return self._to_device(torch.from_numpy(x)), self._to_device(torch.from_numpy(y))
+
+    def _to_device(self, tensor: Any) -> Any:
+        if getattr(self.device, "type", "cpu") == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+
+def stack_column(column: np.ndarray) -> np.ndarray:
+    """Parquet list columns arrive as object arrays of arrays; make them one 2-D array."""
+    if column.dtype == object:
+        return np.stack(column)
+    return column

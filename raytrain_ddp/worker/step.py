@@ -1,0 +1,105 @@
+"""One optimizer step and one validation pass: the code that runs between checkpoints.
+
+Owns: accumulate micro-batches (the wrapper syncs on the last), unscale, clip, the
+all-ranks decision on non-finite values, step, schedule; validation over this rank's
+share of the held-out rows. Must not touch: cadence (log, checkpoint, epoch
+bookkeeping: the loop and its components), Ray.
+
+Invariants:
+- After the last backward of a window (outside `no_sync`) the wrapper has averaged the
+  gradients, so the gradient norm, and therefore clipping, is the same on every rank.
+- Non-finite losses differ per rank, so a finiteness flag is summed over ranks together
+  with the loss before `optimizer.step()`: all ranks skip (or abort) together.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from raytrain_ddp.parallel.accumulate import accumulation_window
+from raytrain_ddp.parallel.collectives import sum_over_ranks
+from raytrain_ddp.worker.context import Rank
+from raytrain_ddp.worker.state import TrainState
+
+
+class NonFiniteAbort(Exception):
+    """Raised inside the loop, caught at its top: every rank stops together, no restart."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float  # mean over ranks and micro-batches
+    lr: float  # the rate this step used
+
+
+def train_step(state: TrainState, window: list, accumulation_steps: int, train: Any, rank: Rank) -> StepResult:
+    """One optimizer step over a window of micro-batches."""
+    lr = state.schedule.lr
+    state.module.train()
+    local_loss = torch.zeros((), device=rank.device)
+    for (x, y), loss_scale in accumulation_window(state.wrapper, window, expected=accumulation_steps, partial="scale"):
+        with state.autocast():
+            loss = state.loss_fn(state.wrapper(x), y)
+        state.scaler.scale(loss * loss_scale).backward()  # the wrapper syncs on the last one
+        local_loss += loss.detach().float() * loss_scale
+
+    state.scaler.unscale_(state.optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(state.params, train.clip_grad_norm or math.inf)
+    # fp16: an overflowing gradient is the GradScaler's business (it skips and rescales).
+    bad = not torch.isfinite(local_loss) or (not state.scaler.is_enabled() and not torch.isfinite(grad_norm))
+    loss_sum, bad_ranks = sum_over_ranks(torch.stack([local_loss, torch.tensor(float(bad), device=rank.device)]))
+    if bad_ranks > 0:
+        _skip_step(state, train.nonfinite)
+    else:
+        state.progress.consecutive_nonfinite = 0
+        state.scaler.step(state.optimizer)
+        state.scaler.update()
+    state.optimizer.zero_grad(set_to_none=True)
+    state.schedule.step()
+    return StepResult(loss_sum / rank.world_size, lr)
+
+
+def _skip_step(state: TrainState, policy: Any) -> None:
+    progress = state.progress
+    progress.nonfinite_steps += 1
+    progress.consecutive_nonfinite += 1
+    if policy.action == "abort" or progress.consecutive_nonfinite >= policy.max_consecutive:
+        raise NonFiniteAbort(
+            f"non-finite loss or gradient at step {progress.step + 1} "
+            f"({progress.consecutive_nonfinite} in a row; train.nonfinite.action={policy.action}, "
+            f"max_consecutive={policy.max_consecutive}); lower train.lr, set train.clip_grad_norm "
+            "or use train.precision=fp32"
+        )
+    if state.scaler.is_enabled():
+        state.scaler.update()
+
+
+@torch.no_grad()
+def validate(state: TrainState, data: Any, rank: Rank, spec: Any) -> dict[str, float]:
+    """Loss (and accuracy) over the whole validation set, summed over ranks.
+
+    Runs the bare module: ranks may hold different numbers of validation batches, and
+    a wrapper's forward could take part in a collective.
+    """
+    state.module.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=rank.device)  # loss sum, correct, count
+    for x, y in data.val_batches():
+        with state.autocast():
+            output = state.module(x)
+        n = y.numel()
+        totals[0] += state.loss_fn(output.float(), y).double() * n
+        if spec.task == "classification":
+            totals[1] += (output.argmax(dim=-1) == y).sum()
+        totals[2] += n
+    loss_sum, correct, count = sum_over_ranks(totals)
+    state.module.train()
+    if count == 0:
+        return {}
+    out = {"val_loss": loss_sum / count}
+    if spec.task == "classification":
+        out["val_accuracy"] = correct / count
+    return out
