@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast bench bench-quick clean lint
+.PHONY: demo test test-fast bench bench-quick clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
