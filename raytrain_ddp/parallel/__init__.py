@@ -16,6 +16,7 @@ from __future__ import annotations
 import weakref
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -24,19 +25,22 @@ from raytrain_ddp.parallel.base import (
     STRATEGIES,
     CollectiveTimeoutError,
     ModelMismatchError,
+    RequiresGradChangeError,
+    UnusedParameterError,
     WrappedModel,
 )
-from raytrain_ddp.parallel.native import LocalModel, NativeDDP
 from raytrain_ddp.parallel.bucketed import BucketedDDP
 from raytrain_ddp.parallel.naive import NaiveDDP
+from raytrain_ddp.parallel.native import LocalModel, NativeDDP
 
 __all__ = [
-    "STRATEGIES", "wrap_model", "WrappedModel", "CollectiveTimeoutError", "ModelMismatchError",
-    "NaiveDDP", "BucketedDDP", "NativeDDP", "LocalModel",
+    "STRATEGIES", "wrap_model", "verify", "WrappedModel", "CollectiveTimeoutError", "ModelMismatchError",
+    "UnusedParameterError", "RequiresGradChangeError", "NaiveDDP", "BucketedDDP", "NativeDDP", "LocalModel",
     "accumulation_window", "AccumulationWindow", "chunked",
 ]
 
 COMPRESSIONS = (None, "bf16")
+_SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 # module -> its current wrapper (weak both ways; nothing stored on the module, so it still pickles)
 _LIVE_WRAPPERS: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
@@ -51,8 +55,14 @@ def wrap_model(
     process_group: Optional[dist.ProcessGroup] = None,
     device_ids: Optional[list] = None,
     collective_timeout_s: Optional[float] = None,
+    broadcast_buffers: bool = True,
+    find_unused_parameters: bool = False,
 ) -> WrappedModel:
     """Wrap `module` (already on its device) for data-parallel training.
+
+    Every strategy trains like torch DDP with the same options, rank by rank (see
+    `WrappedModel` for the rules, `raytrain-ddp verify` to check it on your model), or
+    raises an error naming the parameter; never a silent difference.
 
     Must be called on every rank of the group (it communicates): rank 0's parameters and
     buffers are broadcast to all ranks, or, with `verify_init=True`, compared, and every
@@ -60,16 +70,27 @@ def wrap_model(
 
     strategy             "naive" | "bucketed" | "native" (see `STRATEGIES`).
     bucket_cap_mb        bucketed/native: bucket size; smaller = earlier overlap, more calls.
-    compress             None | "bf16": all-reduce bf16 copies (half the bytes);
-                         bucketed and native only.
+    compress             None | "bf16": all-reduce bf16 copies of fp32 gradients (half the
+                         bytes); bucketed and native only; refused for 16-bit parameters.
     process_group        default: the global group; without one (or world size 1) the
                          scratch strategies send nothing, and native returns `LocalModel`.
     device_ids           native only, as in torch DDP (e.g. [local_rank] on GPU; None on CPU).
     collective_timeout_s a gradient all-reduce that does not finish in this time raises
                          `CollectiveTimeoutError` naming the bucket/parameter. The process
                          group's own timeout (init_process_group) still applies, and if it is
-                         shorter it fires first (reported the same way).
+                         shorter it fires first (reported the same way). On NCCL, without
+                         it, waits return at once and only NCCL's watchdog enforces the
+                         group's timeout, by aborting the process (see `base.wait_work`).
+    broadcast_buffers    as torch DDP: re-broadcast rank 0's buffers (BatchNorm running
+                         stats) before each forward that follows a synced one.
+    find_unused_parameters as torch DDP: parameters that get no gradient in a synced backward
+                         are allowed; they keep grad=None if no rank used them. Without it
+                         such a parameter raises `UnusedParameterError` naming it, at that
+                         step, on every rank at the first step (never a hang).
 
+    Changing `requires_grad` after wrapping: naive/bucketed follow it (frozen parameters
+    stop syncing and keep grad None, unfrozen ones start), as in one process; native raises
+    `RequiresGradChangeError` naming the parameter where torch DDP cannot follow it.
     Wrapping a module that is already wrapped closes the earlier wrapper first.
     """
     if strategy not in STRATEGIES:
@@ -81,6 +102,14 @@ def wrap_model(
             f"compress={compress!r} is supported by 'bucketed' and 'native', not 'naive' "
             "(naive sends each gradient as is)"
         )
+    if compress is not None:
+        sixteen = [n for n, p in module.named_parameters() if p.requires_grad and p.dtype in _SIXTEEN_BIT]
+        if sixteen:
+            raise ValueError(
+                f"compress={compress!r} would send the same bytes and lose precision: parameter "
+                f"'{sixteen[0]}' ({len(sixteen)} in all) is already 16-bit "
+                f"({dict(module.named_parameters())[sixteen[0]].dtype}); use compress=None"
+            )
     if not bucket_cap_mb > 0:
         raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be > 0")
     if collective_timeout_s is not None and not collective_timeout_s > 0:
@@ -91,22 +120,31 @@ def wrap_model(
     previous = _LIVE_WRAPPERS.get(module)
     if previous is not None and previous() is not None:
         previous().close()  # two live wrappers would both sync every backward
-    wrapper = _build(module, strategy, bucket_cap_mb, compress, verify_init, process_group,
-                     device_ids, collective_timeout_s)
+    options = dict(verify_init=verify_init, collective_timeout_s=collective_timeout_s,
+                   broadcast_buffers=broadcast_buffers, find_unused_parameters=find_unused_parameters)
+    wrapper = _build(module, strategy, bucket_cap_mb, compress, process_group, device_ids, options)
     _LIVE_WRAPPERS[module] = weakref.ref(wrapper)
     return wrapper
 
 
-def _build(module, strategy, bucket_cap_mb, compress, verify_init, process_group, device_ids,
-           collective_timeout_s) -> WrappedModel:
+def _build(module, strategy, bucket_cap_mb, compress, process_group, device_ids, options) -> WrappedModel:
     if strategy == "naive":
-        return NaiveDDP(module, process_group, verify_init=verify_init,
-                        collective_timeout_s=collective_timeout_s)
+        return NaiveDDP(module, process_group, **options)
     if strategy == "bucketed":
-        return BucketedDDP(module, process_group, bucket_cap_mb=bucket_cap_mb, compress=compress,
-                           verify_init=verify_init, collective_timeout_s=collective_timeout_s)
+        return BucketedDDP(module, process_group, bucket_cap_mb=bucket_cap_mb, compress=compress, **options)
     if process_group is None and not dist.is_initialized():
         return LocalModel(module)
     return NativeDDP(module, process_group, bucket_cap_mb=bucket_cap_mb, compress=compress,
-                     verify_init=verify_init, device_ids=device_ids,
-                     collective_timeout_s=collective_timeout_s)
+                     device_ids=device_ids, **options)
+
+
+def verify(config=None, overrides=None, **kwargs):
+    """Check every strategy against one process and torch DDP on 2 local gloo ranks, on the
+    model and data of a config; returns the report (see `raytrain_ddp.ops.verify.verify`).
+
+    A thin entry point: the implementation lives with the operator tools and is imported
+    only when called, so this package still imports nothing but torch.
+    """
+    from raytrain_ddp.ops.verify import verify as _verify
+
+    return _verify(config, overrides, **kwargs)

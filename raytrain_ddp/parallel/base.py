@@ -35,16 +35,38 @@ class ModelMismatchError(UserError, RuntimeError):
     """Ranks hold different models (structure, or weights with verify_init=True)."""
 
 
+class UnusedParameterError(UserError, RuntimeError):
+    """A trainable parameter got no gradient in a synced backward, without find_unused_parameters."""
+
+
+class RequiresGradChangeError(UserError, RuntimeError):
+    """`requires_grad` changed after wrapping in a way the strategy cannot follow (native only)."""
+
+
+_STAT_KEYS = ("allreduce_calls", "allreduce_bytes", "syncs", "broadcasts", "broadcast_bytes", "control_bytes")
+
+
 class WrappedModel(nn.Module):
-    """Interface shared by the three strategies.
+    """Interface shared by the three strategies; the reference semantics are torch DDP's.
 
     - call it like the module; `.module` is the bare model (save `.module` or use
       `state_dict()`, which returns the bare module's keys, so checkpoints load into an
-      unwrapped model and into every strategy alike);
-    - `.no_sync()` suppresses gradient sync: backward only accumulates locally;
+      unwrapped model and into every strategy alike; nested in a container, the keys are
+      the container's prefix + the bare keys, and they load back through the container);
+    - `.no_sync()`: torch DDP's rule, for every strategy: whether a backward synchronises is
+      decided by its FORWARD. A forward run (with grad enabled) outside `no_sync()` makes
+      the next backward sync, wherever that backward runs; a forward inside `no_sync()`
+      means its backward only accumulates locally. Run forward and backward in the same
+      context (as `accumulation_window` does) and the question never arises;
     - outside `no_sync()`, when `loss.backward()` returns every rank holds the same
       gradient, averaged over ranks, so `optimizer.step()` is safe right away;
-    - `.comm_stats` / `reset_comm_stats()` account for what was all-reduced.
+    - buffers (BatchNorm running stats) are re-broadcast from rank 0 before a forward that
+      follows a synced forward (`broadcast_buffers=True`, torch DDP's default and rule);
+    - `.comm_stats` / `reset_comm_stats()` account for what was sent: `allreduce_calls`,
+      `allreduce_bytes` (gradients only: per optimizer step exactly the trainable gradient
+      bytes, half with bf16 compression), `syncs`, `buckets`, `broadcasts` and
+      `broadcast_bytes` (the buffer broadcasts), `control_bytes` (the small agreement
+      all-reduces: the used-parameter map, requires_grad changes).
 
     Build optimizers from `wrapper.parameters()` or `wrapper.module.parameters()` (same
     tensors); use `wrapper.module.named_parameters()` when names matter (the wrapper adds a
@@ -52,17 +74,24 @@ class WrappedModel(nn.Module):
     """
 
     strategy: str = ""
+    _module_path = "wrapped."  # where the bare module sits in the wrapper's own module tree
 
-    def __init__(self, process_group: Optional[dist.ProcessGroup]) -> None:
+    def __init__(self, process_group: Optional[dist.ProcessGroup], *, broadcast_buffers: bool = True,
+                 find_unused_parameters: bool = False) -> None:
         super().__init__()
         self._pg = process_group
-        if process_group is None and not dist.is_initialized():
+        self._set_world()
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self._sync_enabled = True
+        self._stats: dict[str, Any] = {key: 0 for key in _STAT_KEYS}
+
+    def _set_world(self) -> None:
+        if self._pg is None and not dist.is_initialized():
             self.world_size, self.world_rank = 1, 0
         else:
-            self.world_size = dist.get_world_size(process_group)
-            self.world_rank = dist.get_rank(process_group)
-        self._sync_enabled = True
-        self._stats = {"allreduce_calls": 0, "allreduce_bytes": 0, "syncs": 0}
+            self.world_size = dist.get_world_size(self._pg)
+            self.world_rank = dist.get_rank(self._pg)
 
     # -- the module -------------------------------------------------------------------
     @property
@@ -82,10 +111,21 @@ class WrappedModel(nn.Module):
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):  # type: ignore[override]
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:
+        # Nested in a container, `container.load_state_dict` walks the module tree and
+        # reaches us with the container's prefix and our bare keys (what `state_dict()`
+        # wrote): point those keys at where the bare module really sits, so they load.
+        inner = prefix + self._module_path
+        for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+            state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
     # -- sync control -----------------------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients locally and send nothing."""
+        """Forward passes inside do not sync their backward (it accumulates locally, sends nothing)."""
         previous, self._sync_enabled = self._sync_enabled, False
         try:
             yield
@@ -94,14 +134,14 @@ class WrappedModel(nn.Module):
 
     @property
     def comm_stats(self) -> dict[str, Any]:
-        """Cumulative since wrap (or `reset_comm_stats`): all-reduce calls and bytes on the wire."""
+        """Cumulative since wrap (or `reset_comm_stats`); see the class docstring for the keys."""
         return dict(self._stats)
 
     def close(self) -> None:
         """Stop synchronising (remove hooks). Called automatically when the module is re-wrapped."""
 
     def reset_comm_stats(self) -> None:
-        for key in ("allreduce_calls", "allreduce_bytes", "syncs"):
+        for key in _STAT_KEYS:
             self._stats[key] = 0
 
 
@@ -109,19 +149,71 @@ _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 
 class ScratchBase(WrappedModel):
-    """What naive and bucketed share: the start-up sync, hook handles, waiting and counting."""
+    """What naive and bucketed share, torch DDP's rules written out once.
 
-    def __init__(self, module: nn.Module, process_group, verify_init: bool,
-                 collective_timeout_s: Optional[float]) -> None:
-        super().__init__(process_group)
+    - Start-up: rank 0's parameters and buffers broadcast (or compared, `verify_init`).
+    - Forward (torch's `_pre_forward`/`_post_forward`): re-broadcast rank 0's buffers when
+      the previous forward was a synced one (the first forward too); a forward with grad
+      enabled outside `no_sync` arms the next backward to sync. A change of `requires_grad`
+      since the last forward is agreed across ranks (one small all-reduce, only then) and
+      the hooks (and buckets) are rebuilt for the new trainable set: freezing or unfreezing
+      mid-training behaves as in one process.
+    - Backward: a hook per trainable parameter marks it used; the subclass syncs at the end
+      of an armed backward, then `_settle_unused` applies torch's rule for parameters no
+      gradient reached in the window: with find_unused_parameters they are all-reduced as
+      zeros, and keep `grad=None` if no rank used them (an optimizer then skips them);
+      without it, `UnusedParameterError` names them (every rank agrees on the first synced
+      backward; later, the rank that saw it raises after finishing its all-reduces, so no
+      peer is left waiting).
+    - Pickling (as torch DDP: only on the default process group): hooks and buckets are
+      dropped and rebuilt on load, without communication.
+    """
+
+    _transient: tuple[str, ...] = ("_handles",)  # rebuilt by `_attach`, never pickled
+
+    def __init__(self, module: nn.Module, process_group, *, verify_init: bool,
+                 collective_timeout_s: Optional[float], broadcast_buffers: bool,
+                 find_unused_parameters: bool) -> None:
+        super().__init__(process_group, broadcast_buffers=broadcast_buffers,
+                         find_unused_parameters=find_unused_parameters)
         self.wrapped = module
         self.collective_timeout_s = collective_timeout_s
         if self.world_size > 1:
             sync_initial_state(module, process_group, verify=verify_init,
                                world_size=self.world_size, world_rank=self.world_rank)
-        self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self._queued = False  # a sync callback is queued for the running backward
         self._handles: list = []
+        self._sync_armed = False  # torch's expect_autograd_hooks_: the next backward syncs
+        self._buffers_due = True  # torch's require_forward_param_sync: broadcast before next forward
+        self._unused_agreed = False  # the first synced backward checks unused params on every rank
+        self._attach()
+
+    @property
+    def module(self) -> nn.Module:
+        return self.wrapped
+
+    # -- what hangs off the trainable parameters ----------------------------------------
+    def _attach(self) -> None:
+        """(Re)build hooks and buckets for the current trainable parameters; no communication."""
+        self.close()
+        self._all_params = list(self.wrapped.parameters())
+        self._trainable = [p.requires_grad for p in self._all_params]
+        self._tracked = self._order([(n, p) for n, p in self.wrapped.named_parameters() if p.requires_grad])
+        self._used = bytearray(len(self._tracked))
+        self._queued = False  # a sync callback is queued for the running backward
+        self._build()
+
+    def _order(self, named: list[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
+        """The order parameters are synced in (naive: registration order)."""
+        return named
+
+    def _build(self) -> None:
+        """Subclass: register hooks (and buckets) for `self._tracked` when world_size > 1."""
+        raise NotImplementedError
+
+    def _abandon_backward(self) -> None:
+        """A backward that raised never ran its callback: forget its partial state."""
+        self._queued = False
+        self._used = bytearray(len(self._tracked))
 
     def close(self) -> None:
         """Remove our gradient hooks: the module trains unsynchronised again (or can be re-wrapped)."""
@@ -129,16 +221,142 @@ class ScratchBase(WrappedModel):
             handle.remove()
         self._handles.clear()
 
-    @property
-    def module(self) -> nn.Module:
-        return self.wrapped
+    # -- forward: torch DDP's pre/post-forward rules -----------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.world_size > 1:
+            if self._queued:
+                self._abandon_backward()
+            if torch.is_grad_enabled() and [p.requires_grad for p in self._all_params] != self._trainable:
+                self._follow_requires_grad()
+            if self.broadcast_buffers and self._buffers_due:
+                self._broadcast_buffers()
+        out = self.wrapped(*args, **kwargs)
+        synced = torch.is_grad_enabled() and self._sync_enabled
+        self._sync_armed = self._sync_armed or synced  # disarmed only when the sync has run
+        self._buffers_due = synced
+        return out
 
+    def _broadcast_buffers(self) -> None:
+        nbytes = broadcast_coalesced(list(self.wrapped.buffers()), self._pg)
+        if nbytes:
+            self._stats["broadcasts"] += 1
+            self._stats["broadcast_bytes"] += nbytes
+
+    def _follow_requires_grad(self) -> None:
+        flags = [p.requires_grad for p in self._all_params]
+        counts = torch.tensor(flags, dtype=torch.int32, device=self._all_params[0].device)
+        dist.all_reduce(counts, group=self._pg)
+        self._stats["control_bytes"] += counts.numel() * 4
+        names = [n for n, _ in self.wrapped.named_parameters()]
+        split = [names[i] for i, c in enumerate(counts.tolist()) if 0 < c < self.world_size]
+        if split:
+            raise ModelMismatchError(
+                f"requires_grad of parameter(s) {split} changed on some ranks only (rank "
+                f"{self.world_rank} has requires_grad={[flags[names.index(n)] for n in split]}); "
+                "freeze or unfreeze the same parameters on every rank"
+            )
+        self._attach()
+
+    # -- backward: the end of a synced backward ----------------------------------------
+    def _end_sync(self) -> None:
+        self._queued = False
+        self._sync_armed = False
+        self._used = bytearray(len(self._tracked))
+
+    def _start_unused_check(self):
+        """Launch (async, after every gradient all-reduce, so all ranks issue the same
+        sequence) what the unused-parameter rule needs; `_settle_unused` finishes it."""
+        used = self._used
+        device = self._tracked[0][1].device
+        if self.find_unused_parameters:  # torch's local_used_map, summed over ranks
+            counts = torch.tensor(list(used), dtype=torch.int32, device=device)
+        elif not self._unused_agreed:  # once: who left what unused, so every rank can say it
+            counts = torch.zeros(self.world_size, len(used), dtype=torch.int32, device=device)
+            counts[self.world_rank] = 1 - torch.tensor(list(used), dtype=torch.int32, device=device)
+        else:
+            return None, None
+        self._stats["control_bytes"] += counts.numel() * 4
+        return counts, dist.all_reduce(counts, group=self._pg, async_op=True)
+
+    def _settle_unused(self, counts, work) -> set[int]:
+        """Indices of `_tracked` no rank used in this window (they keep grad None); without
+        find_unused_parameters, raise `UnusedParameterError` naming any unused parameter."""
+        if work is not None:
+            self._wait(work, "all-reduce of the used-parameter map")
+        if self.find_unused_parameters:
+            return {i for i, c in enumerate(counts.tolist()) if c == 0}
+        if counts is not None:
+            self._unused_agreed = True
+            per_rank = counts.tolist()
+            bad = {i: [r for r in range(self.world_size) if per_rank[r][i]] for i in range(len(self._used))}
+            bad = {i: ranks for i, ranks in bad.items() if ranks}
+        else:  # later steps: this rank's own view, no extra collective
+            bad = {i: [self.world_rank] for i, u in enumerate(self._used) if not u}
+        if bad:
+            raise UnusedParameterError(unused_message(self.strategy, [self._tracked[i][0] for i in bad],
+                                                      list(bad.values())))
+        return set()
+
+    # -- helpers -------------------------------------------------------------------------
     def _wait(self, work, what: str) -> None:
         wait_work(work, what, self.collective_timeout_s, self.world_rank, self.world_size)
 
     def _count(self, tensor: torch.Tensor) -> None:
         self._stats["allreduce_calls"] += 1
         self._stats["allreduce_bytes"] += tensor.numel() * tensor.element_size()
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._pg is not None:
+            raise TypeError(
+                f"a {self.strategy!r} wrapper on an explicit process_group cannot be pickled (a "
+                "process group cannot); pickle wrapper.module or its state_dict() and wrap again"
+            )
+        state = dict(self.__dict__)
+        for key in self._transient:
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._handles = []
+        self._set_world()  # the default group of the process that loads it (world 1 without one)
+        self._attach()
+
+
+def unused_message(strategy: str, names: list[str], ranks: list[list[int]], limit: int = 6) -> str:
+    shown = ", ".join(f"'{n}' on rank(s) {r}" for n, r in list(zip(names, ranks))[:limit])
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return (
+        f"{len(names)} trainable parameter(s) got no gradient in a synchronised backward "
+        f"(strategy {strategy!r}, find_unused_parameters=False): {shown}{more}. Without "
+        "find_unused_parameters (the default, as in torch DDP) every trainable parameter must "
+        "take part in the loss on every rank. Pass find_unused_parameters=True (config: "
+        "parallel.find_unused_parameters: true) to let them be skipped (grad stays None where no "
+        "rank used them, as in torch DDP), or freeze them with requires_grad_(False)."
+    )
+
+
+def broadcast_coalesced(tensors: list[torch.Tensor], pg) -> int:
+    """Overwrite `tensors` with group rank 0's, one broadcast per (dtype, device); returns bytes.
+
+    torch DDP's buffer sync (`_sync_buffers`): in place, without bumping version counters
+    (a buffer saved for backward must not look modified).
+    """
+    if not tensors:
+        return 0
+    src = dist.get_global_rank(pg, 0) if pg is not None else 0
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    nbytes = 0
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(tensors)):
+        for group in groups.values():
+            flat = torch._utils._flatten_dense_tensors([t.detach() for t in group])
+            dist.broadcast(flat, src=src, group=pg)
+            nbytes += flat.numel() * flat.element_size()
+            for t, synced in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
+                t.copy_(synced)
+    return nbytes
 
 
 # -- start-up: same structure everywhere, then rank 0's weights everywhere --------------

@@ -1,49 +1,37 @@
 """Strategy `bucketed`: flat gradient buckets all-reduced during backward (written from scratch).
 
-Owns: gradient synchronisation for our own strategies, i.e. when it is triggered (a
-parameter hook queues a callback that runs when backward ends), how gradients are packed
-(bucketed: flat buffers that `param.grad` are views into), and what goes on the wire.
+Owns: how bucketed packs gradients (flat buffers that `param.grad` are views into), when
+each bucket goes on the wire, and what goes there. The rules it shares with naive (torch
+DDP's forward-time sync decision, buffer broadcasts, unused and frozen parameters,
+pickling) live in `base.ScratchBase`.
 Must not touch: Ray, optimizers, the training loop. torch and torch.distributed only.
 
-Both strategies keep the user's loop unchanged: call `loss.backward()` and, outside
-`no_sync()`, the averaged gradient is in `param.grad` when it returns.
-
-naive     After backward, one blocking all-reduce per parameter (registration order),
-          then divide by the world size (gloo has no AVG). The seed's first version.
-bucketed  torch-reducer style. Parameters, in REVERSE registration order (roughly the
-          order backward produces their gradients), are packed per (dtype, device) into
-          flat buckets of at most `bucket_cap_mb` (the first bucket of each kind is capped at
-          1 MiB, like torch DDP, so communication starts early; a single parameter larger
-          than the cap gets a bucket of its own). `param.grad` is a view into its bucket, so
-          autograd accumulates straight into the buffer that is sent: no packing copy.
-          A post-accumulate-grad hook marks a parameter ready; when every parameter of a
-          bucket is ready (and every earlier bucket has been launched; ranks must issue
-          collectives in the same order) an ASYNC all-reduce of the bucket starts at once,
-          overlapping the rest of backward. The callback at the end of backward launches
-          whatever is left and waits for everything.
-
-Parameters without a gradient in a step (unused branch): at the end of backward their
-slice of the bucket is sent as zeros (their accumulated gradient, if they received one
-earlier in a `no_sync` window), so no rank hangs and every rank ends with the same
-gradient; afterwards their `.grad` is the (averaged) bucket view, not None, so optimizers
-with weight decay or momentum will still update them (torch DDP behaves the same way).
+torch-reducer style. Parameters, in REVERSE registration order (roughly the order
+backward produces their gradients), are packed per (dtype, device) into flat buckets of at
+most `bucket_cap_mb` (the first bucket of each kind is capped at 1 MiB, like torch DDP, so
+communication starts early; a single parameter larger than the cap gets a bucket of its
+own). `param.grad` is a view into its bucket, so autograd accumulates straight into the
+buffer that is sent: no packing copy. A post-accumulate-grad hook marks a parameter ready;
+when every parameter of a bucket is ready (and every earlier bucket has been launched;
+ranks must issue collectives in the same order) an ASYNC all-reduce of the bucket starts at
+once, overlapping the rest of backward. The callback at the end of backward launches
+whatever is left (a parameter no gradient reached sends zeros, or its gradient from an
+earlier micro-step of the window) and waits for everything.
 
 `optimizer.zero_grad(set_to_none=True)` is supported and is the cheaper choice: autograd
-then hands over a fresh gradient, which the hook copies into the bucket once and re-points
-`param.grad` at its bucket view (one copy, as torch DDP does), instead of zeroing the
-bucket and accumulating into it (a memset plus a read-modify-write). Later micro-steps of
-a `no_sync` window accumulate straight into the bucket.
+then hands over a fresh gradient, which the hook copies into the bucket once, pre-divided by
+the world size, and re-points `param.grad` at its bucket view (one pass, as torch DDP's
+`mul_out`), instead of zeroing the bucket and accumulating into it. Later micro-steps of a
+`no_sync` window accumulate straight into the bucket.
 
-Wrapping the same module again closes the previous wrapper first (its hooks are removed;
-two live wrappers would both all-reduce). Move the module to its device before wrapping:
-the buckets are allocated where the parameters are at wrap time.
-
-Frozen parameters (requires_grad=False) are skipped entirely. World size 1 (or no
-process group) registers no hooks and sends nothing.
+Move the module to its device before wrapping: buckets are allocated where the parameters
+are (and rebuilt when the trainable set changes). World size 1 (or no process group)
+registers no hooks and sends nothing.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
@@ -93,22 +81,31 @@ class BucketedDDP(ScratchBase):
     """Flat gradient buckets, all-reduced asynchronously as soon as they are full."""
 
     strategy = "bucketed"
+    _transient = ("_handles", "_buckets", "_views", "_works")
 
     def __init__(self, module: nn.Module, process_group=None, *, bucket_cap_mb: float = 25.0,
                  compress: Optional[str] = None, verify_init: bool = False,
-                 collective_timeout_s: Optional[float] = None) -> None:
-        super().__init__(module, process_group, verify_init, collective_timeout_s)
+                 collective_timeout_s: Optional[float] = None, broadcast_buffers: bool = True,
+                 find_unused_parameters: bool = False) -> None:
         self.compress = compress
+        self.bucket_cap_mb = bucket_cap_mb
         self._wire_dtype = torch.bfloat16 if compress == "bf16" else None
-        named = list(reversed(self._named))
-        self._names = [n for n, _ in named]
-        self._params = [p for _, p in named]
+        super().__init__(module, process_group, verify_init=verify_init,
+                         collective_timeout_s=collective_timeout_s, broadcast_buffers=broadcast_buffers,
+                         find_unused_parameters=find_unused_parameters)
+
+    def _order(self, named: list[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
+        return list(reversed(named))  # roughly the order backward produces gradients
+
+    def _build(self) -> None:
+        self._names = [n for n, _ in self._tracked]
+        self._params = [p for _, p in self._tracked]
         self._views: list[torch.Tensor] = []
         self._buckets: list[_Bucket] = []
         self._bucket_of: list[int] = [0] * len(self._params)
         if self.world_size > 1:
-            self._build_buckets(int(bucket_cap_mb * 2**20))
-            self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+            self._build_buckets(int(self.bucket_cap_mb * 2**20))
+            self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
                              for i, p in enumerate(self._params)]
         self._stats["buckets"] = len(self._buckets)
         self._inv_world_size = 1.0 / self.world_size
@@ -125,55 +122,50 @@ class BucketedDDP(ScratchBase):
                 p = self._params[i]
                 view = flat[offset:offset + p.numel()].view_as(p)
                 offset += p.numel()
-                if p.grad is not None:
+                if p.grad is not None:  # gradients accumulated so far move into the new bucket
                     view.copy_(p.grad)
-                p.grad = view
+                    p.grad = view
                 self._views[i] = view
                 self._bucket_of[i] = b
             self._buckets.append(_Bucket(b, members, [self._names[i] for i in members], flat))
 
     def _reset_backward(self) -> None:
-        self._queued = False
         self._pending = [len(b.members) for b in self._buckets]
         self._ready = bytearray(len(self._params))
         self._scaled = bytearray(len(self._params))  # view already holds grad / world_size
         self._next = 0
         self._works: list[tuple[_Bucket, Any, torch.Tensor]] = []
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._queued:  # a backward that raised never ran its callback
-            self._reset_backward()
-        return self.wrapped(*args, **kwargs)
+    def _abandon_backward(self) -> None:
+        super()._abandon_backward()
+        self._reset_backward()
 
-    def _make_hook(self, i: int):
+    def _on_grad(self, i: int, p: torch.Tensor) -> None:
         view = self._views[i]
-
-        def hook(p: torch.Tensor) -> None:
-            fresh = p.grad is not view  # first gradient after zero_grad(set_to_none=True)
-            if not self._sync_enabled:
-                if fresh:  # accumulating under no_sync: adopt it unscaled
-                    view.copy_(p.grad)
-                    p.grad = view
-                return
-            if fresh:
-                # Adopt and pre-divide in one pass over memory, as torch DDP's reducer does
-                # (mul_out into the bucket view); a separate div_ of the bucket at launch
-                # would read and write every gradient byte a second time.
-                torch.mul(p.grad, self._inv_world_size, out=view)
+        self._used[i] = 1
+        fresh = p.grad is not view  # first gradient after zero_grad(set_to_none=True)
+        if not self._sync_armed:
+            if fresh:  # accumulating locally (no_sync): adopt it unscaled
+                view.copy_(p.grad)
                 p.grad = view
-                self._scaled[i] = 1
-            if not self._queued:
-                self._queued = True
-                _queue_callback(self._finish)
-            if self._ready[i]:
-                return
-            self._ready[i] = 1
-            b = self._bucket_of[i]
-            self._pending[b] -= 1
-            if self._pending[b] == 0 and b == self._next:
-                self._launch_ready()
-
-        return hook
+            return
+        if fresh:
+            # Adopt and pre-divide in one pass over memory, as torch DDP's reducer does
+            # (mul_out into the bucket view); a separate div_ of the bucket at launch
+            # would read and write every gradient byte a second time.
+            torch.mul(p.grad, self._inv_world_size, out=view)
+            p.grad = view
+            self._scaled[i] = 1
+        if not self._queued:
+            self._queued = True
+            _queue_callback(self._finish)
+        if self._ready[i]:
+            return
+        self._ready[i] = 1
+        b = self._bucket_of[i]
+        self._pending[b] -= 1
+        if self._pending[b] == 0 and b == self._next:
+            self._launch_ready()
 
     def _launch_ready(self) -> None:
         # Launch in bucket order only: every rank must issue the same collectives in the same order.
@@ -192,23 +184,31 @@ class BucketedDDP(ScratchBase):
 
     def _finish(self) -> None:
         try:
+            missing = self._fill_missing()
             if self._next < len(self._buckets):
-                self._fill_missing()
                 for b in range(self._next, len(self._buckets)):
                     self._pending[b] = 0
                 self._launch_ready()
+            pending = self._start_unused_check()
             n = len(self._buckets)
             for bucket, work, send in self._works:
                 self._wait(work, f"all-reduce of bucket {bucket.index + 1}/{n} "
                                  f"({describe_tensors(bucket.names, send.numel() * send.element_size())})")
                 if send is not bucket.buffer:
                     bucket.buffer.copy_(send)
+            unused = self._settle_unused(*pending)
+            for i in missing:  # no gradient here: takes the average, unless no rank used it
+                if i not in unused:
+                    self._params[i].grad = self._views[i]
             self._stats["syncs"] += 1
         finally:
             self._reset_backward()
+            self._end_sync()
 
-    def _fill_missing(self) -> None:
-        """Parameters that got no gradient in this backward still take part (as zeros if None)."""
+    def _fill_missing(self) -> list[int]:
+        """Parameters the hooks did not mark ready take part as they are: their gradient from
+        earlier in the window, or zeros. Returns those whose `.grad` is None."""
+        missing = []
         for b in range(self._next, len(self._buckets)):
             for i in self._buckets[b].members:
                 if self._ready[i]:
@@ -216,6 +216,8 @@ class BucketedDDP(ScratchBase):
                 p, view = self._params[i], self._views[i]
                 if p.grad is None:
                     view.zero_()
+                    missing.append(i)
                 elif p.grad is not view:
                     view.copy_(p.grad)
-                p.grad = view
+                    p.grad = view
+        return missing

@@ -1,14 +1,18 @@
 """Strategy `naive`: one blocking all-reduce per gradient after backward (written from scratch).
 
-Owns: when naive synchronises (a parameter hook queues a callback that runs when backward
-ends) and what it sends: each gradient, in registration order, all-reduced and divided by
+Owns: what naive sends and when: a hook per trainable parameter marks it used and, in a
+synced backward (decided by the forward, as in torch DDP), queues one callback that runs
+when backward ends and all-reduces each gradient in registration order, then divides by
 the world size (gloo has no AVG). The baseline the other strategies must beat.
 Must not touch: Ray, optimizers, the training loop. torch and torch.distributed only.
+The rules it shares with bucketed (buffers, unused and frozen parameters, pickling) live
+in `base.ScratchBase`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import functools
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -23,30 +27,39 @@ class NaiveDDP(ScratchBase):
     strategy = "naive"
 
     def __init__(self, module: nn.Module, process_group=None, *, verify_init: bool = False,
-                 collective_timeout_s: Optional[float] = None) -> None:
-        super().__init__(module, process_group, verify_init, collective_timeout_s)
-        self._stats["buckets"] = len(self._named) if self.world_size > 1 else 0
+                 collective_timeout_s: Optional[float] = None, broadcast_buffers: bool = True,
+                 find_unused_parameters: bool = False) -> None:
+        super().__init__(module, process_group, verify_init=verify_init,
+                         collective_timeout_s=collective_timeout_s, broadcast_buffers=broadcast_buffers,
+                         find_unused_parameters=find_unused_parameters)
+
+    def _build(self) -> None:
+        self._stats["buckets"] = len(self._tracked) if self.world_size > 1 else 0
         if self.world_size > 1:
-            self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in self._named]
+            self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+                             for i, (_, p) in enumerate(self._tracked)]
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._queued = False  # a backward that raised never ran its callback
-        return self.wrapped(*args, **kwargs)
-
-    def _on_grad(self, _param: torch.Tensor) -> None:
-        if self._sync_enabled and not self._queued:
+    def _on_grad(self, i: int, _param: torch.Tensor) -> None:
+        self._used[i] = 1
+        if self._sync_armed and not self._queued:
             self._queued = True
             _queue_callback(self._sync)
 
     def _sync(self) -> None:
-        self._queued = False
-        n = len(self._named)
-        for i, (name, p) in enumerate(self._named):
-            if p.grad is None:  # unused this step here, maybe not elsewhere: send zeros
-                p.grad = torch.zeros_like(p)
-            work = dist.all_reduce(p.grad, group=self._pg, async_op=True)
-            self._count(p.grad)
-            self._wait(work, f"all-reduce of gradient {i + 1}/{n} "
-                             f"({describe_tensors([name], p.grad.numel() * p.grad.element_size())})")
-            p.grad.div_(self.world_size)
-        self._stats["syncs"] += 1
+        try:
+            n = len(self._tracked)
+            reduced = []
+            for i, (name, p) in enumerate(self._tracked):
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)  # unused here: zeros
+                work = dist.all_reduce(grad, group=self._pg, async_op=True)
+                self._count(grad)
+                self._wait(work, f"all-reduce of gradient {i + 1}/{n} "
+                                 f"({describe_tensors([name], grad.numel() * grad.element_size())})")
+                reduced.append(grad.div_(self.world_size))
+            unused = self._settle_unused(*self._start_unused_check())
+            for i, (_, p) in enumerate(self._tracked):
+                if p.grad is None and i not in unused:  # used elsewhere: takes the average
+                    p.grad = reduced[i]
+            self._stats["syncs"] += 1
+        finally:
+            self._end_sync()

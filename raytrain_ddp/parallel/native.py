@@ -1,15 +1,29 @@
 """torch's DistributedDataParallel behind our `WrappedModel` interface (strategy `native`).
 
 Owns: building DDP with the options our config exposes (bucket_cap_mb,
-gradient_as_bucket_view=True, device_ids, bf16 compression) and a comm hook that counts
-what each bucket all-reduce sends, so `comm_stats` means the same for every strategy.
+gradient_as_bucket_view=True, device_ids, bf16 compression, broadcast_buffers,
+find_unused_parameters), a comm hook that counts what each bucket all-reduce sends (so
+`comm_stats` means the same for every strategy), and the checks that turn torch DDP's
+late errors and hangs into an error at the step that causes them.
 Must not touch: Ray, optimizers, the training loop.
 
 Behaviour without a process group: torch DDP cannot be built, and a single process has
 nothing to synchronise, so `wrap_model(m, "native")` returns a pass-through wrapper
 (`LocalModel`) with the same interface: `no_sync()` is a no-op and comm_stats stay 0.
-This is what a user running the same script on one CPU or GPU expects. With an
-initialised group of world size 1, real DDP is used.
+With an initialised group of world size 1, real DDP is used.
+
+Where torch DDP alone would go wrong, and what we do instead:
+- A trainable parameter with no gradient in a synced backward, without
+  `find_unused_parameters`: torch returns unsynchronised gradients and fails one step
+  later, or, if only some ranks left it unused, hangs the others until the process-group
+  timeout. We mark used parameters with our own hooks and, at the end of the backward,
+  raise `UnusedParameterError` naming them; on the first synced backward every rank agrees
+  first (one small all-reduce on a side group, since DDP's own group may hold a bucket
+  that a rank never launched), later the rank that saw it raises.
+- `requires_grad` changed after wrapping: DDP fixes its parameter set when it is built.
+  Freezing is fine with `find_unused_parameters` (DDP then leaves grad None); without it,
+  or when a parameter frozen at wrap time is unfrozen (DDP would never synchronise it),
+  the next forward raises `RequiresGradChangeError` naming the parameter.
 
 Timeouts: DDP waits for its buckets inside the autograd engine, where no per-wait
 timeout can be set, so with `collective_timeout_s` (and no explicit `process_group`) DDP
@@ -18,11 +32,13 @@ all-reduce that does not finish in time fails there, and the counting hook re-ra
 as a `CollectiveTimeoutError` naming the bucket. DDP's autograd engine re-wraps errors, so
 `loss.backward()` raises a RuntimeError whose message contains that text (the Python type
 is not preserved through DDP's reducer). With an explicit `process_group`, its own timeout
-applies.
+applies. On NCCL the group's timeout is enforced by NCCL's watchdog, which aborts the
+process (see `base.wait_work`).
 """
 
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -34,10 +50,15 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from raytrain_ddp.parallel.base import (
     CollectiveTimeoutError,
+    RequiresGradChangeError,
+    UnusedParameterError,
     WrappedModel,
+    _queue_callback,
     check_structure,
     describe_tensors,
     sync_initial_state,
+    unused_message,
+    wait_work,
 )
 
 
@@ -61,12 +82,16 @@ class NativeDDP(WrappedModel):
 
     strategy = "native"
 
+    _module_path = "ddp.module."
+
     def __init__(self, module: nn.Module, process_group=None, *, bucket_cap_mb: float = 25.0,
                  compress: Optional[str] = None, verify_init: bool = False,
-                 device_ids: Optional[list] = None, collective_timeout_s: Optional[float] = None) -> None:
+                 device_ids: Optional[list] = None, collective_timeout_s: Optional[float] = None,
+                 broadcast_buffers: bool = True, find_unused_parameters: bool = False) -> None:
         if process_group is None and collective_timeout_s is not None:
             process_group = dist.new_group(timeout=timedelta(seconds=collective_timeout_s))
-        super().__init__(process_group)
+        super().__init__(process_group, broadcast_buffers=broadcast_buffers,
+                         find_unused_parameters=find_unused_parameters)
         self.collective_timeout_s = collective_timeout_s
         if verify_init and self.world_size > 1:
             # DDP would silently broadcast; check first so differing ranks fail clearly.
@@ -77,22 +102,121 @@ class NativeDDP(WrappedModel):
         self.ddp = DistributedDataParallel(
             module, device_ids=device_ids, process_group=process_group,
             bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True,
+            broadcast_buffers=broadcast_buffers, find_unused_parameters=find_unused_parameters,
         )
         self._inner_hook = default_hooks.bf16_compress_hook if compress == "bf16" else default_hooks.allreduce_hook
         self._wire_bytes = 2 if compress == "bf16" else None
         self._stats["buckets"] = None  # known after the first sync (DDP may rebuild buckets)
         self._calls_this_sync = 0
         self.ddp.register_comm_hook(state=process_group, hook=self._counting_hook)
+        self._named = list(module.named_parameters())
+        self._at_wrap = [p.requires_grad for _, p in self._named]  # what DDP synchronises
+        self._trainable = list(self._at_wrap)
+        self._track_unused()
 
     @property
     def module(self) -> nn.Module:
         return self.ddp.module
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.ddp(*args, **kwargs)
+        if torch.is_grad_enabled():
+            self._check_requires_grad()
+        if self._queued:  # a backward that raised never ran our callback
+            self._end_backward()
+        if self.ddp.will_sync_module_buffers():  # DDP re-broadcasts buffers in its forward
+            self._stats["broadcasts"] += 1
+            self._stats["broadcast_bytes"] += sum(b.numel() * b.element_size() for b in self.ddp.modules_buffers)
+        out = self.ddp(*args, **kwargs)
+        if torch.is_grad_enabled() and self.ddp.require_backward_grad_sync:
+            self._armed = True  # DDP prepared its reducer: the next backward syncs
+        return out
 
     def no_sync(self):
         return self.ddp.no_sync()
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("a 'native' wrapper cannot be pickled (it holds process groups and torch DDP's "
+                        "reducer); pickle wrapper.module or its state_dict() and wrap again")
+
+    # -- requires_grad changes DDP cannot follow ---------------------------------------
+    def _check_requires_grad(self) -> None:
+        now = [p.requires_grad for _, p in self._named]
+        if now == self._trainable:
+            return
+        for (name, _), at_wrap, flag in zip(self._named, self._at_wrap, now):
+            if flag and not at_wrap:
+                raise RequiresGradChangeError(
+                    f"parameter '{name}' now has requires_grad=True but was frozen when the model "
+                    "was wrapped; strategy 'native' (torch DDP) fixes the synchronised parameters "
+                    "when it is built and would never synchronise it. Wrap the model again after "
+                    "unfreezing (wrap_model(wrapper.module, ...)), or use strategy 'bucketed' or "
+                    "'naive', which follow requires_grad changes"
+                )
+            if at_wrap and not flag and not self.find_unused_parameters:
+                raise RequiresGradChangeError(
+                    f"parameter '{name}' now has requires_grad=False (frozen after the model was "
+                    "wrapped); strategy 'native' (torch DDP) without find_unused_parameters expects "
+                    "a gradient for it in every step. Pass find_unused_parameters=True (config: "
+                    "parallel.find_unused_parameters: true), wrap the model again after freezing, "
+                    "or use strategy 'bucketed' or 'naive', which follow requires_grad changes"
+                )
+        self._trainable = now  # frozen with find_unused_parameters: DDP leaves its grad None
+
+    # -- unused parameters without find_unused_parameters --------------------------------
+    def _track_unused(self) -> None:
+        self._armed = False
+        self._queued = False
+        self._tracked = [(n, p) for (n, p), t in zip(self._named, self._at_wrap) if t]
+        self._used = bytearray(len(self._tracked))
+        self._agreed = False
+        self._handles = []
+        if self.find_unused_parameters or self.world_size == 1 or not self._tracked:
+            return
+        # DDP's group may hold a bucket all-reduce that one rank never launched: agree elsewhere.
+        ranks = dist.get_process_group_ranks(self._pg if self._pg is not None else dist.group.WORLD)
+        self._side_pg = dist.new_group(ranks=ranks, use_local_synchronization=True)
+        self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+                         for i, (_, p) in enumerate(self._tracked)]
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _on_grad(self, i: int, _param: torch.Tensor) -> None:
+        if not self._armed:  # DDP only counts gradients of the synced backward itself
+            return
+        self._used[i] = 1
+        if not self._queued:
+            self._queued = True  # queued before DDP's finalize, which waits for every bucket
+            _queue_callback(self._check_unused)
+
+    def _end_backward(self) -> None:
+        self._armed = self._queued = False
+        self._used = bytearray(len(self._tracked))
+
+    def _check_unused(self) -> None:
+        try:
+            unused = [i for i, u in enumerate(self._used) if not u]
+            if not self._agreed:
+                counts = torch.zeros(self.world_size, len(self._used), dtype=torch.int32,
+                                     device=self._tracked[0][1].device)
+                counts[self.world_rank, unused] = 1
+                work = dist.all_reduce(counts, group=self._side_pg, async_op=True)
+                self._stats["control_bytes"] += counts.numel() * 4
+                wait_work(work, "all-reduce of the used-parameter map", self.collective_timeout_s,
+                          self.world_rank, self.world_size)
+                self._agreed = True
+                per_rank = counts.tolist()
+                bad = {i: [r for r in range(self.world_size) if per_rank[r][i]] for i in range(len(self._used))}
+                bad = {i: ranks for i, ranks in bad.items() if ranks}
+            else:
+                bad = {i: [self.world_rank] for i in unused}
+            if bad:
+                raise UnusedParameterError(unused_message(
+                    self.strategy, [self._tracked[i][0] for i in bad], list(bad.values())))
+        finally:
+            self._end_backward()
 
     def _counting_hook(self, state, bucket):  # no annotations: DDP checks them literally
         buffer = bucket.buffer()

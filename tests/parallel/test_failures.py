@@ -100,7 +100,7 @@ def _unused(world_rank, world_size):
     for strategy, cap in [("bucketed", TINY_BUCKET_MB), ("bucketed", 25.0), ("naive", 25.0)]:
         for plan_name, plan in PLANS.items():
             torch.manual_seed(world_rank)
-            model = wrap_model(Branchy().double(), strategy, bucket_cap_mb=cap)
+            model = wrap_model(Branchy().double(), strategy, bucket_cap_mb=cap, find_unused_parameters=True)
             state = {k: v.clone() for k, v in model.state_dict().items()}
             n = len(plan[world_rank])
             for j, use_b in enumerate(plan[world_rank]):
@@ -134,11 +134,16 @@ def _timeouts(world_rank, world_size):
     models = {s: wrap_model(make_model(seed=1), s, process_group=g, collective_timeout_s=TIMEOUT_S,
                             bucket_cap_mb=TINY_BUCKET_MB) for s, g in groups.items()}
     models["native"] = wrap_model(make_model(seed=1), "native", collective_timeout_s=TIMEOUT_S)
+    x = torch.randn(2, 5, dtype=torch.float64)
+    # Two steps together: the first agrees on unused parameters, the second's forward is
+    # where torch DDP rebuilds its buckets (a collective); then rank 1 stops taking part.
+    for _ in range(2):
+        for model in models.values():
+            model(x).sum().backward()
     if world_rank == 1:  # skips the backward, stays alive until rank 0 has timed out everywhere
         store.wait(["rank0_done"], timedelta(seconds=100))
         return None
     out = {}
-    x = torch.randn(2, 5, dtype=torch.float64)
     for strategy, model in models.items():
         start = time.monotonic()
         try:
