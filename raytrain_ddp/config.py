@@ -146,6 +146,16 @@ class ParallelConfig(_Section):
         description="A collective (all-reduce, barrier) that does not finish in this time "
         "fails the run with an error naming the operation, instead of hanging.",
     )
+    broadcast_buffers: bool = Field(
+        True, description="As torch DDP: before each forward that follows a synced one, every "
+        "rank takes rank 0's buffers (BatchNorm running stats). false keeps per-rank buffers.",
+    )
+    find_unused_parameters: bool = Field(
+        False, description="As torch DDP: allow parameters that get no gradient in a step (a "
+        "branch not taken); they keep grad None where no rank used them. Off (the default), such "
+        "a parameter fails the step with an error naming it; turn on only when needed (it costs "
+        "one small all-reduce per step).",
+    )
 
 
 _MAX_WORKERS = 4096
