@@ -173,6 +173,12 @@ class ScalingConfig(_Section):
         "fit. Each resize restarts from the latest checkpoint, so keep it well above the "
         "checkpoint interval.",
     )
+    placement_timeout_s: float = Field(
+        600.0, ge=0.0,
+        description="Seconds to wait for the cluster to place the worker group (a status line "
+        "every 30 s says what is missing); then the run ends with status 'unschedulable'. "
+        "Long enough for an autoscaler to start a node; 0 waits forever (batch jobs).",
+    )
 
     @field_validator("num_workers", mode="before")
     @classmethod
@@ -205,6 +211,18 @@ class ScalingConfig(_Section):
         return self.num_workers[1] if isinstance(self.num_workers, tuple) else self.num_workers
 
 
+class ProfileConfig(_Section):
+    start_step: int = Field(
+        5, ge=1, description="First optimizer step (counted over the whole run) recorded by "
+        "run.profile; the step before it is the profiler's warm-up.",
+    )
+    steps: int = Field(
+        0, ge=0, description="Optimizer steps to record with torch.profiler on rank 0 "
+        "(0: off); the trace goes to <run dir>/profile/ (docs/profiling.md).",
+    )
+    record_shapes: bool = Field(False, description="Record operator input shapes (larger trace).")
+
+
 class RunConfig(_Section):
     storage_path: str = Field("./runs", description="Parent of the run directory (shared storage on clusters).")
     log_every_steps: int = Field(10, ge=1, description="Driver progress and metrics.jsonl interval.")
@@ -229,6 +247,7 @@ class RunConfig(_Section):
     address: Optional[str] = Field(
         None, description="Ray cluster to join; default: $RAY_ADDRESS, else an embedded local instance."
     )
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)
 
 
 class Config(_Section):

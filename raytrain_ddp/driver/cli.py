@@ -1,6 +1,8 @@
 """The `raytrain-ddp` command line: parse arguments, dispatch, print user errors cleanly.
 
-Owns: argument parsing and turning `UserError` into one readable line and exit code 2.
+Owns: argument parsing, the exit statuses (`EXIT_CODES`, printed by `train --help`) and
+turning `UserError` into one readable line and its exit code (2; `NothingToTrain` 3);
+SIGTERM unwinds like Ctrl-C.
 Must not touch: training logic. Each subcommand imports its module lazily, so
 `raytrain-ddp --help` and `cluster validate` stay fast and never start Ray.
 """
@@ -8,10 +10,24 @@ Must not touch: training logic. Each subcommand imports its module lazily, so
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
-from typing import Optional, Sequence
+import threading
+from typing import Any, Optional, Sequence
 
+from raytrain_ddp.driver.ray_console import VERBOSE_ENV
 from raytrain_ddp.errors import UserError
+
+EXIT_CODES = """\
+exit status:
+  0    trained (or the command succeeded)
+  1    the run ended without finishing: failed, aborted (non-finite policy) or unschedulable
+       (see summary.json)
+  2    bad input: config, data, checkpoint, or a machine that cannot run it (one line names it)
+  3    nothing to train: the run's checkpoint is already at train.epochs / train.max_steps
+  130  interrupted (Ctrl-C or SIGTERM); everything the run started is stopped
+"""
 
 
 def _config_and_overrides(args: argparse.Namespace) -> tuple[Optional[str], list[str]]:
@@ -80,7 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="train from a YAML config (embedded local Ray unless RAY_ADDRESS is set)")
+    train = sub.add_parser("train", help="train from a YAML config (embedded local Ray unless RAY_ADDRESS is set)",
+                           epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    train.add_argument("--verbose", action="store_true",
+                       help="also show Ray's own log lines (hidden by default: plan, progress, summary, warnings)")
     train.add_argument("config", nargs="?", default=None, help="YAML config file (omit for all defaults)")
     train.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.lr=0.01")
     train.set_defaults(func=_cmd_train)
@@ -118,14 +137,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "verbose", False):
+        os.environ[VERBOSE_ENV] = "1"  # read by the console filter (driver/console.py)
+    previous = _terminate_as_interrupt()
     try:
         return int(args.func(args) or 0)
     except UserError as exc:
         print(f"raytrain-ddp: error: {exc}", file=sys.stderr)
-        return 2
+        return getattr(exc, "exit_code", 2)
     except KeyboardInterrupt:
         print("raytrain-ddp: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate_as_interrupt() -> Any:
+    """SIGTERM (`timeout`, a scheduler) unwinds like Ctrl-C, so `finally` blocks stop what the run started."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, interrupt)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -108,8 +108,8 @@ def check_resume_config(cfg: Config, state: dict[str, Any], path: Path) -> list[
             f"cannot resume from {path} (step {progress.get('step')}, "
             f"{progress.get('steps_into_epoch')} steps into epoch {int(progress.get('epoch', 0)) + 1}): "
             f"{shown(refused)}. Model keys must match the checkpoint; data order keys may change "
-            "only at an epoch boundary. Restore the old values, or start a new run "
-            "(another name, or run.resume=never)"
+            f"only at an epoch boundary. Restore the old values, or start a new run under another "
+            f"name ({unused_name(cfg)})"
         )
     warned = [k for k in changed if not k.startswith(RESUME_FREE + RESUME_EPOCH_BOUNDARY)]
     if warned:
@@ -126,3 +126,129 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     for key, value in tree.items():
         out.update(_flat(value, f"{prefix}{key}."))
     return out
+
+
+# ------------------------------------------------------------------ before Ray: anything to do?
+
+
+class NothingToTrain(UserError):
+    """The chosen checkpoint already reached the configured end: exit code 3, before Ray starts."""
+
+    exit_code = 3
+
+
+def check_something_to_train(cfg: Config, resume_from: Any) -> None:
+    """Raise `NothingToTrain` when the checkpoint a run resumes from is already at its end.
+
+    Decided from the checkpoint's manifest (its step and completed epochs) and the
+    config alone, so a finished run re-run with new settings stops before Ray starts
+    and before its `config.yaml` could be rewritten. The worker loop stops at the same
+    point: `train.max_steps` reached, or (without it) `train.epochs` epochs completed.
+    """
+    if resume_from is None:
+        return
+    manifest = ckpt.read_manifest(resume_from)
+    step, epoch = int(manifest.get("step", 0)), int(manifest.get("epoch", 0))
+    max_steps, epochs = cfg.train.max_steps, cfg.train.epochs
+    if max_steps is not None and step < max_steps:
+        return
+    if max_steps is None and epoch < epochs:
+        return
+    reached = f"train.max_steps={max_steps}" if max_steps is not None else f"train.epochs={epochs}"
+    extend = f"train.max_steps={2 * max_steps}" if max_steps is not None else f"train.epochs={2 * epochs}"
+    raise NothingToTrain(
+        f"run {cfg.name!r} is already trained to {reached} (checkpoint {resume_from}: step {step}, "
+        f"epoch {epoch}): nothing to train. Extend it ({extend}) or start a new run ({unused_name(cfg)})"
+    )
+
+
+def unused_name(cfg: Config) -> str:
+    """`name=<name>-N` for the first N whose run directory does not exist yet (local storage)."""
+    base = cfg.name
+    storage = cfg.run.storage_path
+    for n in range(2, 1000):
+        candidate = f"{base}-{n}"
+        if "://" in storage or not (Path(storage).expanduser() / candidate).exists():
+            return f"name={candidate}"
+    return f"name={base}-new"
+
+
+# ------------------------------------------------------------------ the record of what trained
+
+
+CONFIG_HISTORY_FILE = "config-history.jsonl"
+
+
+def record_config(cfg: Config, run_dir: Any, resume_from: Any, fit_id: str) -> None:
+    """Before a fit trains: `config.yaml` becomes this fit's config, `config-history.jsonl` gains a line.
+
+    Each line: the fit, when, which checkpoint it continued (and at which step), the keys
+    it changed against the previous fit's config, and the whole config. So
+    `config.yaml` says what the newest checkpoints were trained with, and the history
+    says what each stretch of the run was trained with. `run_dir` is a `Path` or a
+    `rundir.Location` (only `/`, `exists`, `read_text` and `write_text` are used).
+    """
+    import json
+    import time
+
+    import yaml
+
+    from raytrain_ddp.rundir import CONFIG_FILE
+
+    text = cfg.to_yaml()
+    config_file, history = run_dir / CONFIG_FILE, run_dir / CONFIG_HISTORY_FILE
+    previous = config_file.read_text() if config_file.exists() else None
+    old = _flat(yaml.safe_load(previous)) if previous else {}
+    new = _flat(yaml.safe_load(text))
+    changed = {k: [old.get(k), new.get(k)] for k in sorted(old.keys() | new.keys())
+               if previous and old.get(k) != new.get(k)}
+    step = int(ckpt.read_manifest(resume_from).get("step", 0)) if resume_from else 0
+    line = json.dumps({"fit_id": fit_id, "time": time.time(), "resumed_from": str(resume_from) if resume_from else None,
+                       "from_step": step, "changed": changed, "config": text})
+    before = history.read_text() if history.exists() else ""
+    history.write_text(before + line + "\n")
+    config_file.write_text(text)
+
+
+def restore_config_if_untrained(run_dir: Any, fit_id: str) -> None:
+    """After a fit: if it wrote no checkpoint, `config.yaml` goes back to the newest checkpoint's config.
+
+    A fit that failed, was unschedulable or interrupted before its first checkpoint
+    trained nothing that is kept, so the run directory's description must not change.
+    """
+    from raytrain_ddp.rundir import CONFIG_FILE
+
+    found = ckpt.load_latest_valid(ckpt.find_checkpoints(run_dir))
+    if found is None:
+        return
+    state, _ = found
+    recorded = state.get("run", {}).get("config")
+    if state.get("run", {}).get("fit_id") != fit_id and isinstance(recorded, str):
+        (run_dir / CONFIG_FILE).write_text(recorded)
+
+
+def prune_checkpoints(run_dir: Any, keep: int) -> list[str]:
+    """Keep the newest `keep` valid checkpoints of the run directory, over all fits; returns the removed.
+
+    Ray Train's `CheckpointConfig(num_to_keep)` counts only the current fit's
+    checkpoints, so every resume would leave the previous fit's behind. Damaged
+    checkpoints newer than the kept ones stay (`load_latest_valid` reports them); every
+    checkpoint older than the `keep`-th valid one goes.
+    """
+    import shutil
+
+    removed, valid = [], 0
+    for candidate in ckpt.find_checkpoints(run_dir):
+        if valid >= keep:
+            if isinstance(candidate, Path):
+                shutil.rmtree(candidate, ignore_errors=True)
+            else:  # a rundir.Location in object storage
+                candidate.fs.delete_dir(candidate.path)
+            removed.append(str(candidate))
+            continue
+        try:
+            ckpt.load_checkpoint(candidate)
+            valid += 1
+        except CheckpointError:
+            continue
+    return removed

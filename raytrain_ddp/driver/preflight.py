@@ -1,0 +1,82 @@
+"""Checks of a run's surroundings, made before anything touches the run directory or Ray.
+
+Owns: refusing a relative `run.storage_path` inside a submitted Ray job
+(`check_storage_under_job`) and, for an embedded Ray, a machine that cannot hold the
+worker group (`placement.check_machine`). Must not touch: the config's own rules
+(`config.py`), data (`datasets.py`), resume decisions (`resume.py`).
+
+Why a relative storage path is refused under `ray job submit`: the job's entrypoint runs
+in Ray's unpacked copy of `--working-dir`
+(`.../runtime_resources/working_dir_files/_ray_pkg_<hash>/`), so `./runs` would land in a
+cache that is deleted with the cluster, and whether a resubmission resumes would depend
+on the upload's hash. There is no stable place to resolve it to that is right for every
+cluster (each node has its own disk), so the user names one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+from raytrain_ddp.config import Config
+from raytrain_ddp.errors import UserError
+
+JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for the entrypoint
+JOB_WORKING_DIR_MARK = "working_dir_files"  # .../runtime_resources/working_dir_files/_ray_pkg_<hash>
+
+
+class StorageError(UserError):
+    """`run.storage_path` would put the run somewhere the user cannot find it again."""
+
+
+def ray_job_id() -> Optional[str]:
+    """The submission id when this process is the entrypoint of a `ray job submit`, else None.
+
+    Ray's job supervisor hands the entrypoint its job config (with the submission id in
+    its metadata) in $RAY_JOB_CONFIG_JSON_ENV_VAR; a working directory inside Ray's
+    unpacked `working_dir_files` says the same when that variable is gone.
+    """
+    raw = os.environ.get(JOB_CONFIG_ENV)
+    if raw:
+        try:
+            metadata = json.loads(raw).get("metadata") or {}
+        except (ValueError, AttributeError):
+            metadata = {}
+        return str(metadata.get("job_submission_id") or metadata.get("job_name") or "unknown")
+    if JOB_WORKING_DIR_MARK in Path.cwd().parts:
+        return "unknown"
+    return None
+
+
+def check_storage_under_job(cfg: Config) -> None:
+    storage = cfg.run.storage_path
+    if "://" in storage or Path(storage).expanduser().is_absolute():
+        return
+    job = ray_job_id()
+    if job is None:
+        return
+    raise StorageError(
+        f"run.storage_path={storage!r} is relative, and this is Ray job {job}, running in a temporary "
+        f"copy of the working directory ({Path.cwd()}) that is deleted with the cluster; pass an "
+        "absolute path every node can reach, e.g. run.storage_path=/mnt/shared/runs, or s3://bucket/runs"
+    )
+
+
+def preflight(cfg: Config) -> None:
+    """Everything that can be refused from the config and this process alone, in one place."""
+    from raytrain_ddp.driver.placement import check_machine
+
+    check_storage_under_job(cfg)
+    if not _joins_a_cluster(cfg):
+        check_machine(cfg)
+
+
+def _joins_a_cluster(cfg: Config) -> bool:
+    """Whether `connect_ray` will join an existing Ray instead of starting one here."""
+    if cfg.run.address or os.environ.get("RAY_ADDRESS") or ray_job_id() is not None:
+        return True
+    ray = sys.modules.get("ray")  # not imported: certainly not initialised
+    return bool(ray is not None and getattr(ray, "is_initialized", lambda: False)())

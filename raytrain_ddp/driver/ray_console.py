@@ -1,0 +1,93 @@
+"""What Ray may print on the console of `raytrain-ddp train`: by default, only our own lines.
+
+Owns: the driver's share of Ray's output — its loggers' levels, the worker output Ray
+streams to the driver, colour. Must not touch: what our lines say (`console.py`),
+Ray's log files (everything stays in the session directory for `--verbose`-free
+debugging: `ray logs`, the dashboard).
+
+By default the console shows the plan, progress, the summary and real warnings:
+
+* Worker output streamed by Ray (`log_to_driver`) is filtered: only lines our workers
+  print for the user (`[rank 0] ...`, `raytrain-ddp...`) pass, once each (a two-node
+  cluster delivered them twice), without Ray's coloured `(RayTrainWorker pid=...)`
+  prefix. Everything else Ray's processes print — C++ `core_worker.cc` notices,
+  deprecation warnings of Ray's own internals, "Progress bars disabled", a cleaner
+  thread's traceback when several Ray instances share a machine — stays in Ray's logs.
+  A failing run still says why: `fit` raises and the summary line carries the cause.
+* Ray's informational warning that token authentication is on (it is, on purpose) is
+  dropped; the warning that it is *off* is kept.
+* Colour only on a terminal: with `--verbose` Ray's prefixes are left uncoloured when
+  stdout is piped (`RAY_COLOR_PREFIX=0`).
+
+`--verbose` (`RAYTRAIN_DDP_VERBOSE=1`) keeps Ray's own handler and INFO lines.
+
+The filter sits on Ray's worker-output dispatcher (`ray._private.ray_logging`), an
+internal interface: if it is not there, Ray's own handler stays (nothing is lost).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from typing import Any
+
+VERBOSE_ENV = "RAYTRAIN_DDP_VERBOSE"
+OUR_LINES = ("[rank ", "raytrain-ddp")
+_TOKEN_ON = "Token authentication is enabled for this Ray cluster"
+
+
+def verbose() -> bool:
+    return os.environ.get(VERBOSE_ENV, "").lower() in ("1", "true", "yes")
+
+
+class _DropTokenNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith(_TOKEN_ON)
+
+
+def before_init() -> str:
+    """Call before `ray.init`; returns the logging level to pass it."""
+    if not sys.stdout.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    if verbose():
+        return "INFO"
+    logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if not any(isinstance(f, _DropTokenNotice) for f in logger.filters):
+        logger.addFilter(_DropTokenNotice())
+    return "WARNING"
+
+
+class WorkerLines:
+    """Ray's worker-output handler, narrowed to our lines (printed once, no prefix)."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, data: dict[str, Any]) -> None:
+        for line in data.get("lines", []):
+            text = str(line).rstrip()
+            if not text.startswith(OUR_LINES):
+                continue
+            with self._lock:
+                if text in self._seen:
+                    continue
+                self._seen.add(text)
+            print(text, file=sys.stderr if data.get("is_err") else sys.stdout, flush=True)
+
+
+def after_init() -> None:
+    """Call after `ray.init(log_to_driver=True)`: swap Ray's worker-output handler for ours."""
+    if verbose():
+        return
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:  # pragma: no cover - Ray moved it: keep Ray's handler
+        return
+    if not hasattr(dispatcher, "remove_handler"):  # pragma: no cover
+        return
+    dispatcher.remove_handler("ray_print_logs")
+    dispatcher.remove_handler("raytrain_ddp")
+    dispatcher.add_handler("raytrain_ddp", WorkerLines())
