@@ -40,10 +40,20 @@ def _config_and_overrides(args: argparse.Namespace) -> tuple[Optional[str], list
 def _cmd_train(args: argparse.Namespace) -> int:
     from raytrain_ddp.config import load_config
     from raytrain_ddp.driver.launcher import run_training
+    from raytrain_ddp.user import resolve
 
-    cfg = load_config(*_config_and_overrides(args))
-    summary = run_training(cfg)
-    return 0 if summary.get("status", "ok") == "ok" else 1
+    path, overrides = _config_and_overrides(args)
+    cfg, code = resolve(load_config(path, overrides), config_path=path)  # import paths: next to the YAML too
+    summary = run_training(cfg, code=code)
+    return {"ok": 0, "interrupted": 130}.get(summary.get("status", "ok"), 1)  # see EXIT_CODES
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from raytrain_ddp.export import export_run
+
+    out = export_run(args.run_dir, args.out)
+    print(f"wrote {out}")
+    return 0
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -83,6 +93,12 @@ def _cmd_cluster_validate(args: argparse.Namespace) -> int:
     return validate_main(args.files)
 
 
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from raytrain_ddp.ops.verify import main as verify_main
+
+    return verify_main(*_config_and_overrides(args))
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from raytrain_ddp.ops.bench.suite import main as bench_main
 
@@ -115,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/curves.png)")
     plot.set_defaults(func=_cmd_plot)
 
+    export = sub.add_parser("export", help="write a run's trained model (bare state_dict + config) for use without Ray")
+    export.add_argument("run_dir", help="run directory (its newest valid checkpoint is exported)")
+    export.add_argument("out", help="output file, e.g. model.pt (load with torch.load(out, weights_only=True))")
+    export.set_defaults(func=_cmd_export)
+
     data = sub.add_parser("data", help="export a bundled data set to parquet")
     data_sub = data.add_subparsers(dest="dataset", required=True)
     digits = data_sub.add_parser("digits", help="scikit-learn's 8x8 handwritten digits (1,797 rows)")
@@ -126,6 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     validate = cluster_sub.add_parser("validate", help="check cluster YAMLs against Ray's schema and our rules")
     validate.add_argument("files", nargs="*", help="files or directories (default: cluster/)")
     validate.set_defaults(func=_cmd_cluster_validate)
+
+    verify = sub.add_parser(
+        "verify", help="check every strategy against torch DDP and one process on this config's model "
+        "and data (2 local gloo ranks, float64, no Ray); exit 1 naming any parameter that differs")
+    verify.add_argument("config", nargs="?", default=None, help="YAML config file (omit for defaults)")
+    verify.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    verify.set_defaults(func=_cmd_verify)
 
     bench = sub.add_parser("bench", help="benchmark strategies, accumulation, Ray overhead and ingest")
     bench.add_argument("--quick", action="store_true", help="small sizes, ~2 minutes")

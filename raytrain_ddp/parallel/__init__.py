@@ -32,11 +32,19 @@ from raytrain_ddp.parallel.base import (
 from raytrain_ddp.parallel.bucketed import BucketedDDP
 from raytrain_ddp.parallel.naive import NaiveDDP
 from raytrain_ddp.parallel.native import LocalModel, NativeDDP
+from raytrain_ddp.parallel.fsdp import FSDPOptimizer, FullyShardedDP
+from raytrain_ddp.parallel.zero1 import ZeroOptimizer, Zero1DDP
+
+# Strategies that shard the optimizer state (docs/parallel.md): every rank holds the same
+# *parameters* after a step, not the same gradients, so build the optimizer with
+# `wrapper.make_optimizer(factory)` and clip with `wrapper.clip_grad_norm_(max_norm)`.
+SHARDED_STRATEGIES = ("zero1", "fsdp")
 
 __all__ = [
     "STRATEGIES", "wrap_model", "verify", "WrappedModel", "CollectiveTimeoutError", "ModelMismatchError",
     "UnusedParameterError", "RequiresGradChangeError", "NaiveDDP", "BucketedDDP", "NativeDDP", "LocalModel",
     "accumulation_window", "AccumulationWindow", "chunked",
+    "SHARDED_STRATEGIES", "Zero1DDP", "ZeroOptimizer", "FullyShardedDP", "FSDPOptimizer",
 ]
 
 COMPRESSIONS = (None, "bf16")
@@ -57,6 +65,7 @@ def wrap_model(
     collective_timeout_s: Optional[float] = None,
     broadcast_buffers: bool = True,
     find_unused_parameters: bool = False,
+    param_dtype: Optional[torch.dtype] = None,
 ) -> WrappedModel:
     """Wrap `module` (already on its device) for data-parallel training.
 
@@ -88,13 +97,21 @@ def wrap_model(
                          such a parameter raises `UnusedParameterError` naming it, at that
                          step, on every rank at the first step (never a hang).
 
+    param_dtype          fsdp only: FSDP2's mixed-precision parameter dtype (e.g.
+                         torch.bfloat16); the other strategies leave precision to autocast.
+
+    Sharded strategies (`SHARDED_STRATEGIES`: "zero1" written from scratch, "fsdp" = torch
+    FSDP2) keep 1/W of the optimizer state per rank: build the optimizer with
+    `wrapper.make_optimizer(factory)` and clip with `wrapper.clip_grad_norm_`, which every
+    strategy offers (docs/parallel.md).
+
     Changing `requires_grad` after wrapping: naive/bucketed follow it (frozen parameters
     stop syncing and keep grad None, unfrozen ones start), as in one process; native raises
     `RequiresGradChangeError` naming the parameter where torch DDP cannot follow it.
     Wrapping a module that is already wrapped closes the earlier wrapper first.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy={strategy!r} is not one of {STRATEGIES}")
+    if strategy not in STRATEGIES + SHARDED_STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is not one of {STRATEGIES + SHARDED_STRATEGIES}")
     if compress not in COMPRESSIONS:
         raise ValueError(f"compress={compress!r} is not one of {COMPRESSIONS}")
     if compress is not None and strategy == "naive":
@@ -122,6 +139,8 @@ def wrap_model(
         previous().close()  # two live wrappers would both sync every backward
     options = dict(verify_init=verify_init, collective_timeout_s=collective_timeout_s,
                    broadcast_buffers=broadcast_buffers, find_unused_parameters=find_unused_parameters)
+    if strategy == "fsdp":
+        options["param_dtype"] = param_dtype
     wrapper = _build(module, strategy, bucket_cap_mb, compress, process_group, device_ids, options)
     _LIVE_WRAPPERS[module] = weakref.ref(wrapper)
     return wrapper
@@ -132,6 +151,9 @@ def _build(module, strategy, bucket_cap_mb, compress, process_group, device_ids,
         return NaiveDDP(module, process_group, **options)
     if strategy == "bucketed":
         return BucketedDDP(module, process_group, bucket_cap_mb=bucket_cap_mb, compress=compress, **options)
+    if strategy in SHARDED_STRATEGIES:
+        cls = Zero1DDP if strategy == "zero1" else FullyShardedDP
+        return cls(module, process_group, bucket_cap_mb=bucket_cap_mb, compress=compress, **options)
     if process_group is None and not dist.is_initialized():
         return LocalModel(module)
     return NativeDDP(module, process_group, bucket_cap_mb=bucket_cap_mb, compress=compress,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import zlib
 from datetime import timedelta
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -140,6 +140,18 @@ class WrappedModel(nn.Module):
     def close(self) -> None:
         """Stop synchronising (remove hooks). Called automatically when the module is re-wrapped."""
 
+    # -- the optimizer: replicas hold it whole; sharded strategies (zero1, fsdp) override --
+    def make_optimizer(self, factory: Callable[[list], torch.optim.Optimizer]) -> Any:
+        """`factory(trainable parameters)`; a sharded strategy returns an optimizer that steps
+        this rank's shard and whose `state_dict()` is consolidated (a collective)."""
+        return factory([p for p in self.module.parameters() if p.requires_grad])
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_` over the trainable gradients: the global norm,
+        the same on every rank (sharded strategies combine the ranks' shards)."""
+        return torch.nn.utils.clip_grad_norm_([p for p in self.module.parameters() if p.requires_grad],
+                                              max_norm, norm_type)
+
     def reset_comm_stats(self) -> None:
         for key in _STAT_KEYS:
             self._stats[key] = 0
@@ -179,7 +191,7 @@ class ScratchBase(WrappedModel):
         self.wrapped = module
         self.collective_timeout_s = collective_timeout_s
         if self.world_size > 1:
-            sync_initial_state(module, process_group, verify=verify_init,
+            sync_initial_state(module, process_group, verify=verify_init, buffers=broadcast_buffers,
                                world_size=self.world_size, world_rank=self.world_rank)
         self._handles: list = []
         self._sync_armed = False  # torch's expect_autograd_hooks_: the next backward syncs
@@ -361,10 +373,11 @@ def broadcast_coalesced(tensors: list[torch.Tensor], pg) -> int:
 
 # -- start-up: same structure everywhere, then rank 0's weights everywhere --------------
 
-def _named_state(module: nn.Module) -> list[tuple[str, str, torch.Tensor]]:
+def _named_state(module: nn.Module, buffers: bool = True) -> list[tuple[str, str, torch.Tensor]]:
     """Parameters then buffers, in registration order: the order every rank broadcasts in."""
     items = [("parameter", n, p) for n, p in module.named_parameters()]
-    items += [("buffer", n, b) for n, b in module.named_buffers()]
+    if buffers:
+        items += [("buffer", n, b) for n, b in module.named_buffers()]
     return items
 
 
@@ -384,14 +397,17 @@ def check_structure(module: nn.Module, pg, world_size: int, world_rank: int) -> 
         )
 
 
-def sync_initial_state(module: nn.Module, pg, *, verify: bool, world_size: int, world_rank: int) -> None:
+def sync_initial_state(module: nn.Module, pg, *, verify: bool, world_size: int, world_rank: int,
+                       buffers: bool = True) -> None:
     """Broadcast rank 0's parameters and buffers (verify=False), or check they already agree.
+
+    `buffers=False` (torch DDP's broadcast_buffers=False) leaves each rank's buffers its own.
 
     With verify=True nothing is overwritten: every rank compares its tensors with rank 0's
     and a flag matrix is all-reduced, so every rank (not only the odd one out) raises the
     same `ModelMismatchError` naming the first differing tensor; no rank is left waiting.
     """
-    items = _named_state(module)
+    items = _named_state(module, buffers)
     if not items:
         return
     device = items[0][2].device

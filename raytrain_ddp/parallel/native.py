@@ -39,6 +39,8 @@ process (see `base.wait_work`).
 from __future__ import annotations
 
 import functools
+import inspect
+import warnings
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -60,6 +62,26 @@ from raytrain_ddp.parallel.base import (
     unused_message,
     wait_work,
 )
+
+
+def make_ddp(module: nn.Module, *, broadcast_buffers: bool = True, **options: Any) -> DistributedDataParallel:
+    """torch DDP with our `broadcast_buffers`, meaning what torch's original option means.
+
+    torch 2.13 renamed it `forward_sync_buffers` and deprecated `broadcast_buffers` (with a
+    FutureWarning), but only the old `broadcast_buffers=False` also skips the buffer sync at
+    construction, which is what ours means (and what the from-scratch strategies do).
+    `verify` builds its torch DDP reference through here too, so both mean the same.
+    """
+    if broadcast_buffers:
+        if _HAS_FORWARD_SYNC:
+            options["forward_sync_buffers"] = True
+        return DistributedDataParallel(module, **options)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+        return DistributedDataParallel(module, broadcast_buffers=False, **options)
+
+
+_HAS_FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
 
 
 class LocalModel(WrappedModel):
@@ -95,14 +117,14 @@ class NativeDDP(WrappedModel):
         self.collective_timeout_s = collective_timeout_s
         if verify_init and self.world_size > 1:
             # DDP would silently broadcast; check first so differing ranks fail clearly.
-            sync_initial_state(module, process_group, verify=True,
+            sync_initial_state(module, process_group, verify=True, buffers=broadcast_buffers,
                                world_size=self.world_size, world_rank=self.world_rank)
         elif self.world_size > 1:  # same clear error as the other strategies, on every rank
             check_structure(module, process_group, self.world_size, self.world_rank)
-        self.ddp = DistributedDataParallel(
-            module, device_ids=device_ids, process_group=process_group,
-            bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True,
-            broadcast_buffers=broadcast_buffers, find_unused_parameters=find_unused_parameters,
+        self.ddp = make_ddp(
+            module, device_ids=device_ids, process_group=process_group, bucket_cap_mb=bucket_cap_mb,
+            gradient_as_bucket_view=True, broadcast_buffers=broadcast_buffers,
+            find_unused_parameters=find_unused_parameters,
         )
         self._inner_hook = default_hooks.bf16_compress_hook if compress == "bf16" else default_hooks.allreduce_hook
         self._wire_bytes = 2 if compress == "bf16" else None

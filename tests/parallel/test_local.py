@@ -86,6 +86,10 @@ def test_wrap_model_rejects_bad_options():
         wrap_model(nn.Linear(2, 2), "bucketed", compress="fp8")
     with pytest.raises(ValueError, match="already wrapped"):
         wrap_model(wrap_model(nn.Linear(2, 2), "bucketed"), "naive")
+    for strategy in ("bucketed", "native"):  # bf16 on 16-bit parameters: same bytes, less precision
+        for dtype in (torch.float16, torch.bfloat16):
+            with pytest.raises(ValueError, match="parameter 'weight' .* is already 16-bit"):
+                wrap_model(nn.Linear(2, 2).to(dtype), strategy, compress="bf16")
 
 
 def _single(world_rank=0, world_size=1):

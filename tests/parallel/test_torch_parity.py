@@ -48,6 +48,8 @@ def _train(kind, name, world_rank, *, opts=None, steps=3, k=2, solo=False, froze
     module = build(name, seed=world_rank + 1)  # different on every rank: the wrap must fix it
     for layer in frozen:
         getattr(module, layer).requires_grad_(False)
+    if name == "bn":  # buffers differ at wrap time too: synced there unless broadcast_buffers=False
+        module.bn.running_mean.add_(world_rank)
     model = _wrap(kind, module, pg, **(opts or {}))
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
     none_grads = []

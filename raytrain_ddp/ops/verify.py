@@ -1,0 +1,457 @@
+"""`raytrain-ddp verify`: can I trust the from-scratch wrappers with MY model? Measured, not claimed.
+
+Owns: taking the model and a few real rows of a config's data, training a few steps on 2
+local gloo ranks in float64 with every strategy and with torch's
+`DistributedDataParallel` (same options), plus one process on all the rows, and printing
+per strategy how far it is from torch DDP (gradients every step, parameters and buffers at
+the end, on every rank), from one process, what it sent, and how long a step took; exit 1
+on any difference above 1e-9, naming the parameter.
+Must not touch: Ray (ranks come from `ops.ranks`, no cluster), the run directory, the
+wrappers themselves (it only calls `wrap_model`).
+
+    raytrain-ddp verify examples/configs/quickstart.yaml [key=value ...]
+    raytrain_ddp.parallel.verify("examples/configs/quickstart.yaml")   # the same, from Python
+
+Why this shape: float64 leaves rounding near 1e-16, so 1e-9 separates "same arithmetic in
+another order" from a real difference; gradients are compared at every step because
+Adam-type optimizers hide a gradient that is off by a constant factor; each run gets a
+fresh process group so one failing strategy cannot derail the next; dropout draws are
+seeded per (step, micro-step, rank) so every run sees the same masks. One process is the
+reference only where it can be: BatchNorm's statistics are per rank under DDP, and
+dropout masks depend on the batch layout, so with either the one-process column is "n/a".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from raytrain_ddp.errors import UserError
+
+STEPS, MICRO_STEPS, ROWS_PER_MICRO, WORLD = 3, 2, 4, 2
+TOLERANCE = 1e-9
+REFERENCE = "torch"  # torch.nn.parallel.DistributedDataParallel, same options
+
+
+@dataclass
+class Finding:
+    """One strategy's numbers (worst over ranks and steps)."""
+
+    strategy: str
+    error: Optional[str] = None
+    grad: tuple[float, str] = (0.0, "")  # max |grad - torch DDP's| over steps and ranks, where
+    param: tuple[float, str] = (0.0, "")
+    buffer: tuple[float, str] = (0.0, "")
+    single: Optional[tuple[float, str]] = None  # max |param - one process's|; None: not comparable
+    allreduce_bytes_per_step: float = 0.0
+    broadcast_bytes_per_step: float = 0.0
+    ms_per_step: float = 0.0
+
+    def problems(self) -> list[str]:
+        if self.error:
+            return [f"{self.strategy}: {self.error}"]
+        out = []
+        for what, (diff, where) in (("gradient", self.grad), ("parameter", self.param), ("buffer", self.buffer)):
+            if not diff <= TOLERANCE:
+                out.append(f"{self.strategy}: {what} '{where}' differs from torch DDP by {diff:.3g}")
+        if self.single is not None and not self.single[0] <= TOLERANCE:
+            out.append(f"{self.strategy}: parameter '{self.single[1]}' differs from one process by "
+                       f"{self.single[0]:.3g}")
+        return out
+
+
+@dataclass
+class Report:
+    """What `verify` found; `ok` is the exit status's source."""
+
+    findings: list[Finding]
+    grad_bytes: int
+    frozen: list[str]
+    tied: list[list[str]]
+    unused: dict[str, list[int]]  # parameter -> ranks where it got no gradient in step 1
+    find_unused: bool = False  # parallel.find_unused_parameters as configured
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def problems(self) -> list[str]:
+        out = [p for f in self.findings for p in f.problems()]
+        if self.unused and not self.find_unused:
+            out.insert(0, "parameters that get no gradient in a step: " + _fmt_unused(self.unused) +
+                       "; with parallel.find_unused_parameters=false every strategy stops the run at "
+                       "step 1 naming them (torch DDP alone would fail a step later, or hang): set "
+                       "parallel.find_unused_parameters=true (verified here with it on)")
+        return out
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+# -- driver side ---------------------------------------------------------------------------
+
+def verify(config: Any = None, overrides: Optional[Sequence[str]] = None, *, strategies: Sequence[str] = (),
+           out: Callable[[str], None] = print, timeout_s: float = 120.0) -> Report:
+    """Verify every strategy (or `strategies`) on the model and data of `config` (a path, a
+    loaded `Config`, or None for the defaults, plus `key=value` overrides); print the table
+    through `out` and return the `Report` (`report.ok`, `report.problems`)."""
+    from raytrain_ddp.config import Config, load_config
+    from raytrain_ddp.ops.ranks import RankError, run_ranks
+    from raytrain_ddp.parallel import STRATEGIES
+
+    start = time.monotonic()
+    path = None
+    if isinstance(config, Config):
+        cfg = config
+    else:
+        path = None if config is None else str(config)
+        cfg = load_config(path, list(overrides or []))
+    kinds = tuple(strategies) or STRATEGIES
+    unknown = sorted(set(kinds) - set(STRATEGIES))
+    if unknown:
+        raise UserError(f"verify: unknown strategies {unknown}; choose from {STRATEGIES}")
+    x, y, spec, source = _rows(cfg)
+    job = dict(cfg=cfg, config_path=path, spec=spec, x=x, y=y, kinds=kinds)
+    try:
+        per_rank = run_ranks(_rank_main, WORLD, job, timeout_s=timeout_s, pg_timeout_s=30, threads=1)
+    except RankError as exc:
+        raise UserError(f"verify: the ranks did not finish: {exc}") from None
+    report = _merge(cfg, per_rank, kinds)
+    report.seconds = time.monotonic() - start
+    for line in _render(cfg, path, report, per_rank[0], source):
+        out(line)
+    return report
+
+
+def main(config: Optional[str], overrides: Sequence[str]) -> int:
+    """The CLI: print the table; exit 0 when every strategy matches, 1 otherwise."""
+    # The rank launcher's exit handshake can make torch's C++ layer log a harmless
+    # "Connection reset by peer" warning; keep the table readable.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    return 0 if verify(config, overrides).ok else 1
+
+
+def _rows(cfg: Any) -> tuple[np.ndarray, np.ndarray, Any, str]:
+    """A few real rows of the configured data (seeded choice) and the spec the model is built from."""
+    from raytrain_ddp.driver import datasets
+    from raytrain_ddp.job import DataSpec
+
+    if getattr(cfg.data, "preprocess", None) or cfg.data.source not in ("digits", "synthetic", "parquet"):
+        raise UserError("verify takes rows from data.source digits, synthetic or parquet (the "
+                        f"features/label columns), not data.source={cfg.data.source!r} with a "
+                        "preprocess; verify a built-in source with the same model instead")
+    need = WORLD * MICRO_STEPS * ROWS_PER_MICRO * STEPS
+    if cfg.data.source == "parquet":
+        import pyarrow.parquet as pq
+
+        from raytrain_ddp.worker.shard import stack_column
+
+        info = datasets.check_parquet(cfg.data.path, cfg.data.features, cfg.data.label,
+                                      lm=cfg.model.name == "gpt")
+        table = pq.read_table(info.files[0], columns=[cfg.data.features, cfg.data.label]).slice(0, need)
+        features = stack_column(table.column(cfg.data.features).to_numpy(zero_copy_only=False))
+        labels = stack_column(table.column(cfg.data.label).to_numpy(zero_copy_only=False))
+        shape = datasets._model_shape(cfg, info.feature_shape)
+        spec = DataSpec(info.task, tuple(shape), info.num_classes, info.rows, 0, str(cfg.data.path))
+        source = f"parquet {cfg.data.path}"
+    else:
+        features, labels = (datasets.load_digits_arrays() if cfg.data.source == "digits"
+                            else datasets.synthetic_arrays(cfg))
+        shape, classes, task = datasets._spec_from_arrays(cfg, features, labels)
+        spec = DataSpec(task, tuple(shape), classes, len(features), 0, cfg.data.source)
+        source = cfg.data.source
+    if len(features) < need:
+        raise UserError(f"verify needs {need} rows of {source}, found {len(features)}")
+    order = np.random.default_rng(cfg.train.seed).permutation(len(features))[:need]
+    return features[order], labels[order], spec, source
+
+
+def _merge(cfg: Any, per_rank: list[dict], kinds: Sequence[str]) -> Report:
+    findings = []
+    for kind in (REFERENCE, *kinds):
+        f = Finding(kind)
+        runs = [r["runs"][kind] for r in per_rank]
+        errors = [f"rank {i}: {run['error']}" for i, run in enumerate(runs) if run.get("error")]
+        if errors:
+            f.error = "; ".join(errors)
+        else:
+            for key in ("grad", "param", "buffer"):
+                f.__dict__[key] = max((run[key] for run in runs), key=lambda d: d[0])
+            singles = [run["single"] for run in runs]
+            f.single = None if any(s is None for s in singles) else max(singles, key=lambda d: d[0])
+            f.allreduce_bytes_per_step = runs[0]["allreduce_bytes"] / STEPS
+            f.broadcast_bytes_per_step = runs[0]["broadcast_bytes"] / STEPS
+            f.ms_per_step = max(run["ms"] for run in runs)
+        findings.append(f)
+    facts = per_rank[0]["facts"]
+    unused: dict[str, list[int]] = {}
+    for rank, r in enumerate(per_rank):
+        for name in r["facts"]["unused"]:
+            unused.setdefault(name, []).append(rank)
+    report = Report(findings, facts["grad_bytes"], facts["frozen"], facts["tied"], unused,
+                    notes=list(facts["notes"]))
+    report.find_unused = cfg.parallel.find_unused_parameters
+    return report
+
+
+def _fmt_unused(unused: dict[str, list[int]], limit: int = 4) -> str:
+    shown = ", ".join(f"{n} (rank {', '.join(map(str, r))})" for n, r in list(unused.items())[:limit])
+    return shown + (f" and {len(unused) - limit} more" if len(unused) > limit else "")
+
+
+def _fmt_names(names: list[str], limit: int = 4) -> str:
+    if not names:
+        return "none"
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _render(cfg: Any, path: Optional[str], report: Report, rank0: dict, source: str) -> list[str]:
+    facts = rank0["facts"]
+    p = cfg.parallel
+    lines = [
+        f"raytrain-ddp verify: {path or '(defaults)'}: every strategy against torch DDP and one process",
+        f"  model     {cfg.model.name}, {facts['n_params']:,} parameters in {facts['n_tensors']} tensors, "
+        f"{facts['n_buffers']} buffers ({facts['buffer_bytes']:,} B); float64 here",
+        f"  data      {source}: {WORLD} gloo ranks x {MICRO_STEPS} micro-batches x {ROWS_PER_MICRO} rows "
+        f"x {STEPS} steps, {cfg.train.optimizer} lr {cfg.train.lr:g}",
+        f"  options   bucket_cap_mb {p.bucket_cap_mb:g}, broadcast_buffers {str(p.broadcast_buffers).lower()}, "
+        f"find_unused_parameters {str(report.find_unused or bool(report.unused)).lower()}"
+        + (", compress off (bf16 is lossy by design)" if p.compress else ""),
+        f"  found     unused: {_fmt_unused(report.unused) if report.unused else 'none'} | "
+        f"frozen: {_fmt_names(report.frozen)} | tied: "
+        + ("; ".join(" = ".join(group) for group in report.tied) if report.tied else "none"),
+        "",
+        f"{'strategy':<9} {'grad diff':>9} {'param diff':>10} {'buffer diff':>11} {'vs 1 proc':>9}  "
+        f"{'all-reduce B/step':>17} {'= grad B':>8}  {'bcast B/step':>12} {'ms/step':>7}",
+    ]
+    for f in report.findings:
+        name = "torch DDP" if f.strategy == REFERENCE else f.strategy
+        if f.error:
+            lines.append(f"{name:<9} ERROR {f.error}")
+            continue
+        ref = f.strategy == REFERENCE
+        single = "n/a" if f.single is None else f"{f.single[0]:.1e}"
+        ratio = f.allreduce_bytes_per_step / report.grad_bytes if report.grad_bytes else 0.0
+        lines.append(
+            f"{name:<9} {'(ref)' if ref else f'{f.grad[0]:.1e}':>9} {'(ref)' if ref else f'{f.param[0]:.1e}':>10} "
+            f"{'(ref)' if ref else f'{f.buffer[0]:.1e}':>11} {single:>9}  "
+            f"{f.allreduce_bytes_per_step:>17,.0f} {ratio:>7.2f}x  {f.broadcast_bytes_per_step:>12,.0f} "
+            f"{f.ms_per_step:>7.1f}"
+        )
+    lines.append(f"(gradient bytes per step: {report.grad_bytes:,}; diffs are max |a - b| over "
+                 f"{WORLD} ranks, gradients every step; tolerance {TOLERANCE:g})")
+    lines += [f"note: {n}" for n in report.notes]
+    if report.ok:
+        lines.append(f"verdict: OK, every strategy trains like torch DDP on this model ({report.seconds:.0f} s)")
+    else:
+        lines += [f"MISMATCH {problem}" for problem in report.problems]
+        lines.append(f"verdict: FAILED ({len(report.problems)} problem(s); {report.seconds:.0f} s)")
+    return lines
+
+
+# -- rank side -----------------------------------------------------------------------------
+
+def _rank_main(world_rank: int, world_size: int, job: dict) -> dict:
+    import torch
+
+    cfg, spec = job["cfg"], job["spec"]
+    x = torch.from_numpy(np.ascontiguousarray(job["x"]))
+    x = x.double() if x.is_floating_point() else x
+    x = x.reshape(len(x), *spec.feature_shape) if spec.feature_shape and x.dim() == 2 else x
+    y = torch.from_numpy(np.ascontiguousarray(job["y"]))
+
+    def build():
+        torch.manual_seed(cfg.train.seed)
+        return _build_model(cfg, spec, job["config_path"]).double()
+
+    def micro(step: int, j: int, rank: int):
+        lo = ((step * MICRO_STEPS + j) * world_size + rank) * ROWS_PER_MICRO
+        return x[lo:lo + ROWS_PER_MICRO], y[lo:lo + ROWS_PER_MICRO]
+
+    probe = build()
+    facts = _facts(probe, [micro(0, j, world_rank) for j in range(MICRO_STEPS)])
+    find_unused = cfg.parallel.find_unused_parameters
+    unused_anywhere = _any_rank(bool(facts["unused"]))
+    single = _single(cfg, build, micro, world_size) if facts["single_ok"] else None
+    runs = {}
+    for kind in (REFERENCE, *job["kinds"]):
+        runs[kind] = _run(kind, build, micro, world_rank, cfg, find_unused or unused_anywhere)
+    ref = runs[REFERENCE]
+    results = {}
+    for kind, run in runs.items():
+        if "error" in run or "error" in ref:
+            results[kind] = {"error": run.get("error") or f"torch DDP failed: {ref['error']}"}
+            continue
+        results[kind] = {
+            "grad": max((_max_diff(g, rg) for g, rg in zip(run["grads"], ref["grads"])), key=lambda d: d[0]),
+            "param": _max_diff(run["params"], ref["params"]),
+            "buffer": _max_diff(run["buffers"], ref["buffers"]),
+            "single": None if single is None else _max_diff(run["params"], single),
+            "allreduce_bytes": run["stats"].get("allreduce_bytes", 0),
+            "broadcast_bytes": run["stats"].get("broadcast_bytes", 0),
+            "ms": run["ms"],
+        }
+    if not facts["single_ok"]:
+        facts["notes"].append(facts.pop("single_why"))
+    return {"runs": results, "facts": facts}
+
+
+def _build_model(cfg: Any, spec: Any, config_path: Optional[str]):
+    from raytrain_ddp import models
+
+    if cfg.model.name in ("mlp", "cnn", "gpt"):
+        return models.build_model(cfg, spec)
+    from raytrain_ddp import user  # a user's model factory (model.name 'package.module:factory')
+
+    return user.build_model(cfg, spec, config_path=config_path)
+
+
+def _loss(logits, y):
+    """Mean cross-entropy in float64 (the training loss upcasts to fp32; here nothing rounds)."""
+    import torch.nn.functional as F
+
+    if logits.dim() == 3:
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+    return F.cross_entropy(logits, y)
+
+
+def _optimizer(cfg: Any, params):
+    import torch
+
+    if cfg.train.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.train.lr, momentum=cfg.train.momentum,
+                               weight_decay=cfg.train.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+
+
+def _seed_forward(step: int, j: int, rank: int) -> None:
+    import torch
+
+    torch.manual_seed(1_000_003 * step + 1009 * j + rank)  # same dropout masks in every run
+
+
+def _facts(model, batches) -> dict:
+    """Frozen, tied and (on this rank, step 1) unused parameters; whether one process compares."""
+    from torch import nn
+
+    names_of: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    for xb, yb in batches:
+        _loss(model(xb), yb).backward()
+    named = list(model.named_parameters())
+    batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+                    for m in model.modules())
+    dropout = any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
+    buffers = list(model.buffers())
+    why = ("one process is not a reference for this model (" +
+           ("BatchNorm statistics are per rank under DDP" if batchnorm else
+            "dropout masks depend on how rows are batched") + "); torch DDP is") if batchnorm or dropout else ""
+    return {
+        "n_params": sum(p.numel() for _, p in named), "n_tensors": len(named),
+        "grad_bytes": sum(p.numel() * p.element_size() for _, p in named if p.requires_grad),
+        "n_buffers": len(buffers), "buffer_bytes": sum(b.numel() * b.element_size() for b in buffers),
+        "frozen": [n for n, p in named if not p.requires_grad],
+        "tied": [group for group in names_of.values() if len(group) > 1],
+        "unused": [n for n, p in named if p.requires_grad and p.grad is None],
+        "single_ok": not (batchnorm or dropout), "single_why": why, "notes": [],
+    }
+
+
+def _any_rank(flag: bool) -> bool:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t)
+    return bool(t.item())
+
+
+def _single(cfg: Any, build, micro, world_size: int) -> dict:
+    """One process: every rank's micro-batches of a step in one mean-loss batch."""
+    import torch
+
+    model = build()
+    opt = _optimizer(cfg, model.parameters())
+    for step in range(STEPS):
+        parts = [micro(step, j, r) for r in range(world_size) for j in range(MICRO_STEPS)]
+        _loss(model(torch.cat([p[0] for p in parts])), torch.cat([p[1] for p in parts])).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return _state(model)["params"]
+
+
+def _run(kind: str, build, micro, world_rank: int, cfg: Any, find_unused: bool) -> dict:
+    """Train STEPS steps with one strategy (or torch DDP) on a fresh group; its end state."""
+    import torch
+    import torch.distributed as dist
+    from raytrain_ddp.parallel import wrap_model
+    from raytrain_ddp.parallel.native import make_ddp
+
+    p = cfg.parallel
+    pg = dist.new_group()  # a run that fails cannot derail the next one's collectives
+    try:
+        module = build()
+        if kind == REFERENCE:
+            model = make_ddp(module, process_group=pg, bucket_cap_mb=p.bucket_cap_mb,
+                             broadcast_buffers=p.broadcast_buffers, find_unused_parameters=find_unused)
+        else:
+            model = wrap_model(module, kind, process_group=pg, bucket_cap_mb=p.bucket_cap_mb,
+                               broadcast_buffers=p.broadcast_buffers, find_unused_parameters=find_unused,
+                               collective_timeout_s=20)
+        opt = _optimizer(cfg, model.parameters())
+        grads, times, broadcast_bytes = [], [], 0
+        buffer_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
+        for step in range(STEPS):
+            start = time.perf_counter()
+            for j in range(MICRO_STEPS):
+                xb, yb = micro(step, j, world_rank)
+                _seed_forward(step, j, world_rank)
+                if kind == REFERENCE and model.will_sync_module_buffers():
+                    broadcast_bytes += buffer_bytes
+                with model.no_sync() if j < MICRO_STEPS - 1 else contextlib.nullcontext():
+                    (_loss(model(xb), yb) / MICRO_STEPS).backward()
+            grads.append({n: (q.grad.detach().clone() if q.grad is not None else None)
+                          for n, q in module.named_parameters()})
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - start)
+        out = _state(module)
+        out["grads"] = grads
+        out["ms"] = statistics.median(times) * 1e3
+        out["stats"] = {} if kind == REFERENCE else model.comm_stats
+        if kind == REFERENCE:  # torch DDP all-reduces every trainable gradient once per sync
+            out["stats"] = {"allreduce_bytes": _torch_bytes(module) * STEPS, "broadcast_bytes": broadcast_bytes}
+        return out
+    except Exception as exc:  # noqa: BLE001 - reported in the table, named
+        return {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"}
+
+
+def _torch_bytes(module) -> int:
+    return sum(q.numel() * q.element_size() for q in module.parameters() if q.requires_grad)
+
+
+def _state(module) -> dict:
+    return {"params": {n: q.detach().clone() for n, q in module.named_parameters()},
+            "buffers": {n: b.detach().clone() for n, b in module.named_buffers()}}
+
+
+def _max_diff(a: dict, b: dict) -> tuple[float, str]:
+    """Largest |a - b| over same-named tensors (None vs a tensor: infinite), and where."""
+    worst: tuple[float, str] = (0.0, "")
+    for name, t in a.items():
+        u = b.get(name)
+        if t is None and u is None:
+            continue
+        if t is None or u is None:
+            return float("inf"), f"{name} (grad None in one, not the other)"
+        d = (t.double() - u.double()).abs().max().item() if t.numel() else 0.0
+        if d != d or d > worst[0]:
+            worst = (float("inf") if d != d else d, name)
+    return worst

@@ -1,0 +1,50 @@
+"""`raytrain-ddp verify`: the real command on the quickstart config, and on a deliberately
+broken wrapper (tests/parallel/_inject/sitecustomize.py) it must fail naming the parameter."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = "examples/configs/quickstart.yaml"
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
+
+
+def _verify(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, **(env or {}))
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.run([sys.executable, "-m", "raytrain_ddp", "verify", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_quickstart_verifies_and_prints_the_table():
+    proc = _verify(QUICKSTART)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-3000:]}"
+    out = proc.stdout
+    assert "model     cnn, 151,306 parameters" in out
+    assert "grad diff param diff buffer diff vs 1 proc" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()
+            if line.split() and line.split()[0] in ("naive", "bucketed", "native")}
+    assert set(rows) == {"naive", "bucketed", "native"}, out
+    for name, cols in rows.items():
+        grad, param, buffer, single = map(float, cols[1:5])
+        assert max(grad, param, buffer, single) <= 1e-9, (name, cols)
+        assert cols[6] == "1.00x", (name, cols)  # all-reduce bytes per step == gradient bytes
+    assert "verdict: OK" in out
+
+
+def test_a_broken_wrapper_fails_verify_naming_the_parameter():
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "parallel" / "_inject"),
+                                          os.environ.get("PYTHONPATH", "")]),
+           "RAYTRAIN_DDP_TEST_BREAK": "bucketed:head.4.weight"}
+    proc = _verify(QUICKSTART, "train.seed=1", env=env)
+    assert proc.returncode == 1, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-3000:]}"
+    assert "MISMATCH bucketed: gradient 'head.4.weight' differs from torch DDP by" in proc.stdout, proc.stdout
+    assert "MISMATCH naive" not in proc.stdout and "MISMATCH native" not in proc.stdout, proc.stdout
+    assert "verdict: FAILED" in proc.stdout
