@@ -449,8 +449,16 @@ def sync_initial_state(module: nn.Module, pg, *, verify: bool, world_size: int, 
 def wait_work(work, what: str, timeout_s: Optional[float], world_rank: int, world_size: int) -> None:
     """Wait for an async collective; a timeout or failure becomes a `CollectiveTimeoutError`.
 
-    `timeout_s=None` waits as long as the process group's own timeout (set at
+    gloo: `timeout_s=None` waits as long as the process group's own timeout (set at
     `init_process_group`) allows; a failure then is still reported with `what` in it.
+
+    NCCL is different. `work.wait()` without a timeout only makes the current CUDA stream
+    wait for the collective and returns at once, so no error can come from here: a stuck
+    collective is caught by NCCL's watchdog after the process group's timeout, which
+    aborts the process with NCCL's own message (not this named error). With `timeout_s`,
+    `work.wait(timeout)` blocks the CPU thread until the collective completes or the
+    timeout passes and then raises (torch's documented behaviour), so the named
+    `CollectiveTimeoutError` does fire on NCCL, at the cost of a host sync per wait.
     """
     try:
         if timeout_s is None:
