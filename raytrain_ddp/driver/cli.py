@@ -176,6 +176,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print("raytrain-ddp: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `raytrain-ddp config ... | head`: the reader left; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
