@@ -48,3 +48,52 @@ def test_a_broken_wrapper_fails_verify_naming_the_parameter():
     assert "MISMATCH bucketed: gradient 'head.4.weight' differs from torch DDP by" in proc.stdout, proc.stdout
     assert "MISMATCH naive" not in proc.stdout and "MISMATCH native" not in proc.stdout, proc.stdout
     assert "verdict: FAILED" in proc.stdout
+
+
+FACTORY = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    """BatchNorm, two layers sharing one weight, and a layer no forward uses."""
+
+    def __init__(self, spec):
+        super().__init__()
+        width = 1
+        for size in spec.feature_shape:
+            width *= size
+        self.inp, self.bn = nn.Linear(width, 16), nn.BatchNorm1d(16)
+        self.a, self.b, self.dead = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.b.weight = self.a.weight
+        self.out = nn.Linear(16, spec.num_classes)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.inp(x.flatten(1))))
+        return self.out(torch.tanh(self.b(torch.tanh(self.a(h)))))
+
+
+def factory(spec):
+    return Net(spec)
+'''
+
+
+def test_verify_finds_unused_tied_and_buffers_on_a_users_model(tmp_path):
+    """A model factory with BatchNorm, tied and unused parameters: every strategy still matches
+    torch DDP (buffers included); verify names the unused layer and says which option to set."""
+    pytest.importorskip("raytrain_ddp.user")
+    from raytrain_ddp.parallel import verify
+
+    (tmp_path / "verify_models.py").write_text(FACTORY)
+    config = tmp_path / "byo.yaml"
+    config.write_text("model:\n  name: verify_models:factory\ndata:\n  source: digits\n")
+    lines: list[str] = []
+    report = verify(config, [], out=lines.append)
+    text = "\n".join(lines)
+    assert report.unused == {"dead.weight": [0, 1], "dead.bias": [0, 1]}, text
+    assert report.tied == [["a.weight", "b.weight"]], text
+    for finding in report.findings:
+        assert not finding.problems() and finding.single is None, (finding, text)  # BatchNorm: 1 process n/a
+        assert finding.broadcast_bytes_per_step > 0, text  # BatchNorm buffers went out from rank 0
+    assert len(report.problems) == 1 and "parallel.find_unused_parameters=true" in report.problems[0], text
+    assert not report.ok and "verdict: FAILED" in text
