@@ -13,6 +13,7 @@ value given and what is allowed, so the CLI can print it without a traceback.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -33,10 +34,30 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
 
+BUILTIN_MODELS = ("mlp", "cnn", "gpt")
+BUILTIN_LOSSES = ("cross_entropy", "model")
+# "package.module:attribute": what `raytrain_ddp.user` imports (the callables of
+# `raytrain_ddp.train(...)` are recorded the same way, so `<lambda>` and `<locals>` pass).
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[\w.<>]+$")
+
+
+def _import_path_or(value: str, builtins: tuple[str, ...], what: str) -> str:
+    if value in builtins or _IMPORT_PATH.match(value):
+        return value
+    allowed = f"one of {', '.join(builtins)} or an import path" if builtins else "an import path"
+    raise ValueError(f"must be {allowed} 'package.module:{what}' (got {value!r})")
+
+
 class ModelConfig(_Section):
-    name: Literal["mlp", "cnn", "gpt"] = Field(
+    name: str = Field(
         "cnn", description="mlp: the articles' 1024-1024-1024-256 MLP; cnn: small conv net for "
-        "8x8 images; gpt: tiny decoder-only transformer over token ids."
+        "8x8 images; gpt: tiny decoder-only transformer over token ids; or your own model as "
+        "an import path 'package.module:factory', called as factory(spec, **model.kwargs) "
+        "and returning a torch.nn.Module (docs/byo.md)."
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments for your model factory (model.name an import path).",
     )
     hidden_sizes: list[int] = Field(
         [1024, 1024, 256],
@@ -48,8 +69,18 @@ class ModelConfig(_Section):
     n_heads: int = Field(4, ge=1, description="gpt only: attention heads; must divide d_model.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability (all models).")
 
+    @field_validator("name")
+    @classmethod
+    def _builtin_or_import_path(cls, value: str) -> str:
+        return _import_path_or(value, BUILTIN_MODELS, "factory")
+
     @model_validator(mode="after")
     def _heads_divide_width(self) -> "ModelConfig":
+        if self.kwargs and self.name in BUILTIN_MODELS:
+            raise ValueError(
+                f"model.kwargs is for a model factory (model.name 'package.module:factory'); "
+                f"the built-in {self.name!r} is configured by its own model.* keys"
+            )
         if self.name == "gpt" and self.d_model % self.n_heads:
             raise ValueError(
                 f"model.n_heads={self.n_heads} must divide model.d_model={self.d_model}"
@@ -65,13 +96,29 @@ class SyntheticConfig(_Section):
 
 
 class DataConfig(_Section):
-    source: Literal["digits", "parquet", "synthetic"] = Field(
+    source: Literal["digits", "parquet", "synthetic", "datasets"] = Field(
         "digits", description="digits: scikit-learn's 1,797 real 8x8 images (no download); "
-        "parquet: files at data.path; synthetic: generated rows (benchmarks)."
+        "parquet: files at data.path; synthetic: generated rows (benchmarks); datasets: the "
+        "Ray Datasets given to raytrain_ddp.train(datasets=...) (Python only)."
     )
     path: Optional[str] = Field(None, description="Parquet file or directory (source: parquet).")
+    val_path: Optional[str] = Field(
+        None, description="source: parquet: a fixed validation set (file or directory) instead "
+        "of holding out data.val_fraction of data.path.",
+    )
     features: str = Field("x", min_length=1, description="Column holding the inputs (list / tensor).")
-    label: str = Field("y", min_length=1, description="Column holding the integer target.")
+    label: str = Field("y", min_length=1, description="Column holding the target (integer for cross_entropy).")
+    inputs: Optional[list[str]] = Field(
+        None, description="null: batches are (x, y) = (data.features, data.label) and the model "
+        "is called as model(x); a list of columns: batches are dicts of named tensors (every "
+        "column) and the model is called with these columns as keyword arguments, Hugging "
+        "Face style (e.g. [input_ids, attention_mask]).",
+    )
+    preprocess: Optional[str] = Field(
+        None, description="Import path 'package.module:function' of a batch function (dict of "
+        "numpy arrays in, dict of numpy arrays out; may change the row count) that Ray Data "
+        "runs with map_batches on its CPU tasks before training.",
+    )
     val_fraction: float = Field(0.2, ge=0.0, lt=1.0, description="Share of rows held out for validation.")
     shuffle: bool = Field(True, description="Seeded shuffle every epoch (same on all ranks).")
     shuffle_buffer: Optional[int] = Field(
@@ -89,10 +136,19 @@ class DataConfig(_Section):
     prefetch_batches: int = Field(2, ge=0, description="Batches prefetched onto the device.")
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)
 
+    @field_validator("preprocess")
+    @classmethod
+    def _import_path(cls, value: Optional[str]) -> Optional[str]:
+        return None if value is None else _import_path_or(value, (), "function")
+
     @model_validator(mode="after")
     def _path_matches_source(self) -> "DataConfig":
         if self.source == "parquet" and not self.path:
             raise ValueError("data.path is required when data.source is 'parquet'")
+        if self.val_path and self.source != "parquet":
+            raise ValueError(f"data.val_path needs data.source='parquet' (got {self.source!r})")
+        if self.inputs is not None and (not self.inputs or not all(self.inputs)):
+            raise ValueError("data.inputs must list at least one column name (or be null)")
         if self.shuffle_buffer is not None and self.sharding != "streaming":
             raise ValueError(
                 "data.shuffle_buffer only applies to data.sharding='streaming' "
@@ -116,6 +172,12 @@ class TrainConfig(_Section):
     max_steps: Optional[int] = Field(None, ge=1, description="Optimizer steps; overrides epochs when set.")
     global_batch_size: int = Field(64, ge=1, le=2**24, description="Samples per optimizer step, over all workers.")
     micro_batch_size: int = Field(16, ge=1, le=2**20, description="Samples per worker per micro-step (forward+backward).")
+    loss: str = Field(
+        "cross_entropy", description="cross_entropy: over data.label (per token for (B, T, V) "
+        "outputs); model: the model returns its own loss (a scalar, or output.loss / "
+        "output['loss'], Hugging Face style); or an import path 'package.module:function' "
+        "called as loss(output, batch) -> scalar.",
+    )
     optimizer: Literal["adamw", "sgd"] = Field("adamw", description="adamw, or sgd with train.momentum.")
     lr: float = Field(0.003, gt=0.0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, description="Decoupled (adamw) or L2 (sgd) weight decay.")
@@ -128,6 +190,11 @@ class TrainConfig(_Section):
     clip_grad_norm: Optional[float] = Field(None, gt=0.0, description="Global gradient-norm clip.")
     seed: int = Field(0, ge=0, description="Seeds model init, data order and the validation split.")
     nonfinite: NonFiniteConfig = Field(default_factory=NonFiniteConfig)
+
+    @field_validator("loss")
+    @classmethod
+    def _builtin_or_import_path(cls, value: str) -> str:
+        return _import_path_or(value, BUILTIN_LOSSES, "function")
 
 
 class ParallelConfig(_Section):

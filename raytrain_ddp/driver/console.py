@@ -20,13 +20,17 @@ from raytrain_ddp.config import Config
 
 
 def print_plan(cfg: Config, spec: Any, run_dir: Path, steps_per_epoch: int, total_steps: int,
-               resume_from: Optional[Path]) -> None:
-    """The derived numbers, up front (nanoGPT-style): what one step means and how many."""
+               resume_from: Optional[Path], params: Optional[int] = None) -> None:
+    """The derived numbers, up front (nanoGPT-style): what one step means and how many.
+
+    `params`: the model's parameter count when the driver already built it (a user model).
+    """
     from raytrain_ddp.models import build_model
 
     workers = cfg.scaling.max_workers
     k = cfg.accumulation_steps(workers)
-    params = sum(p.numel() for p in build_model(cfg, spec).parameters())
+    if params is None:
+        params = sum(p.numel() for p in build_model(cfg, spec).parameters())
     lines = [
         f"raytrain-ddp: run {cfg.name!r} -> {run_dir}",
         f"  data      {spec.source}: {spec.train_rows:,} train / {spec.val_rows:,} val rows, task {spec.task}",

@@ -23,19 +23,31 @@ Two sharding modes (`data.sharding`):
 Only full global batches are trained on: the remainder of an epoch (fewer than
 `global_batch_size` rows) is dropped, so every optimizer step averages over exactly the
 configured global batch at any worker count.
+
+A user pipeline (`data.preprocess`, dict batches via `data.inputs`, or Ray Datasets given
+from Python; see `raytrain_ddp.user`): the raw rows are split first (a file-level row
+never lands in both splits), then `data.preprocess` runs through Ray Data's
+`map_batches` on its CPU tasks, before training; with exact sharding the result is
+materialized once on the driver, which also counts its rows (a preprocess may change
+them). Before Ray starts, a few raw rows go through the whole pipeline on the driver
+(`precheck` -> `user.check_pipeline`), so a broken one costs nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Iterator, Literal, Optional
 
 import numpy as np
 import pyarrow as pa
 
 from raytrain_ddp.config import Config
-from raytrain_ddp.errors import DataError
+from raytrain_ddp.errors import DataError, UserError
 from raytrain_ddp.job import DataSpec
 from raytrain_ddp.worker.shard import TRAIN, VAL, stack_column
 
@@ -51,24 +63,95 @@ class PreparedData:
 # --------------------------------------------------------------------------- driver side
 
 
-def precheck(cfg: Config) -> Optional["ParquetInfo"]:
+@dataclass(frozen=True)
+class Prechecked:
+    """What the driver's checks found, so `prepare_datasets` scans nothing twice."""
+
+    parquet: Optional["ParquetInfo"] = None  # data.path's files (source: parquet)
+    pipeline: Any = None  # `user.Checked` (spec without row counts, parameters) when user code runs
+
+
+def precheck(cfg: Config, code: Any = None, given: Optional[dict[str, Any]] = None) -> Prechecked:
     """The data checks that need no Ray, run before Ray starts: bad parquet costs nothing.
 
-    Returns the parquet facts so `prepare_datasets` does not scan the files twice.
+    With user code (`code.custom`) or a user pipeline, a few raw rows also go through
+    preprocess, the model factory, the forward and the loss (`user.check_pipeline`).
+    `given`: the Ray Datasets of `raytrain_ddp.train(datasets=...)`, sampled through Ray.
     """
-    if cfg.data.source != "parquet":
-        return None
-    info = check_parquet(cfg.data.path, cfg.data.features, cfg.data.label, lm=cfg.model.name == "gpt")
-    val_rows = int(round(info.rows * cfg.data.val_fraction))
-    _check_row_counts(cfg, info.rows - val_rows, val_rows, str(cfg.data.path))
-    return info
+    from raytrain_ddp.user import check_pipeline, uses_own_data
+
+    own = uses_own_data(cfg)
+    if (given is None) != (cfg.data.source != "datasets"):
+        raise UserError("data.source='datasets' means Ray Datasets given from Python: "
+                        "raytrain_ddp.train(config, datasets={'train': ..., 'val': ...})")
+    info = None
+    if cfg.data.source == "parquet":
+        if own:
+            info = scan_parquet(cfg.data.path, cfg.data.label)
+        else:
+            info = check_parquet(cfg.data.path, cfg.data.features, cfg.data.label, lm=cfg.model.name == "gpt")
+        if cfg.data.val_path:
+            val = (scan_parquet(cfg.data.val_path, cfg.data.label, key="data.val_path") if own else
+                   check_parquet(cfg.data.val_path, cfg.data.features, cfg.data.label,
+                                 lm=cfg.model.name == "gpt", key="data.val_path"))
+            info = dataclasses.replace(info, val=val)
+        if not own:  # a preprocess may change the row counts: checked once it has run
+            val_rows = info.val.rows if info.val else int(round(info.rows * cfg.data.val_fraction))
+            _check_row_counts(cfg, info.rows - (0 if info.val else val_rows), val_rows, str(cfg.data.path))
+    if code is None or not (code.custom or own):
+        return Prechecked(info)
+    sample, spec = _sample_and_spec(cfg, info, given)
+    return Prechecked(info, check_pipeline(cfg, code, sample, spec))
 
 
-def prepare_datasets(cfg: Config, checked: Optional["ParquetInfo"] = None) -> PreparedData:
+def _sample_and_spec(cfg: Config, info: Optional["ParquetInfo"], given: Optional[dict[str, Any]]
+                     ) -> tuple[dict[str, np.ndarray], DataSpec]:
+    """A few raw rows (as Ray Data hands them to map_batches) and what is known of the spec."""
+    from ray.data.block import BlockAccessor  # a converter only: Ray is not contacted
+
+    from raytrain_ddp.user import SAMPLE_ROWS, uses_own_data
+
+    own = uses_own_data(cfg)
+    if given is not None:
+        _check_given(given)
+        sample = given[TRAIN].take_batch(SAMPLE_ROWS, batch_format="numpy")
+        label = sample.get(cfg.data.label)
+        classes = (int(given[TRAIN].max(cfg.data.label)) + 1
+                   if label is not None and label.ndim == 1 and label.dtype.kind in "iu" else 0)
+        return sample, DataSpec("other", (), classes, 0, 0, "Ray Datasets given from Python")
+    if info is not None:
+        first = next(f for f in info.files if _rows_in(f))
+        table = pa.Table.from_batches([next(_parquet(first).iter_batches(batch_size=SAMPLE_ROWS))])
+        shape = () if own else _model_shape(cfg, info.feature_shape)
+        spec = DataSpec(info.task, shape, info.num_classes, 0, 0, str(cfg.data.path))
+    else:
+        features, labels = load_digits_arrays() if cfg.data.source == "digits" else synthetic_arrays(cfg)
+        table = _table(features, labels, cfg.data).slice(0, SAMPLE_ROWS)
+        shape, classes, task = _spec_from_arrays(cfg, features, labels)
+        spec = DataSpec(task, () if own else tuple(shape), classes, 0, 0, cfg.data.source)
+    return BlockAccessor.for_block(table).to_batch_format("numpy"), spec
+
+
+def _check_given(given: dict[str, Any]) -> None:
+    if not isinstance(given, dict) or TRAIN not in given or set(given) - {TRAIN, VAL}:
+        found = sorted(given) if isinstance(given, dict) else type(given).__name__
+        raise UserError(f"datasets: expected {{'train': Dataset}} and optionally 'val', got {found}")
+    for name, ds in given.items():
+        if not hasattr(ds, "map_batches"):
+            raise UserError(f"datasets[{name!r}] is a {type(ds).__name__}, not a ray.data.Dataset")
+
+
+def prepare_datasets(cfg: Config, checked: Optional[Prechecked] = None, code: Any = None,
+                     given: Optional[dict[str, Any]] = None) -> PreparedData:
     """Build and check the datasets on the driver; every problem raises `DataError` early."""
     import ray.data
     import ray.train
 
+    from raytrain_ddp.user import uses_own_data
+
+    checked = checked or precheck(cfg, code, given)
+    if uses_own_data(cfg):
+        return _prepare_user_data(cfg, checked, code, given)
     if cfg.data.source == "digits":
         features, labels = load_digits_arrays()
         table = _table(features, labels, cfg.data)
@@ -89,12 +172,17 @@ def prepare_datasets(cfg: Config, checked: Optional["ParquetInfo"] = None) -> Pr
         if val_table is not None:
             datasets[VAL] = ray.data.from_arrow(val_table)
     else:
-        info = checked or precheck(cfg)
+        info = checked.parquet
         assert info is not None
         total_rows, spec_shape, num_classes, task = info.rows, info.feature_shape, info.num_classes, info.task
         spec_shape = _model_shape(cfg, spec_shape)
         full = ray.data.read_parquet(info.files).select_columns([cfg.data.features, cfg.data.label])
-        if cfg.data.val_fraction > 0:
+        if info.val is not None:
+            total_rows += info.val.rows
+            num_classes = max(num_classes, info.val.num_classes)
+            val_ds = ray.data.read_parquet(info.val.files).select_columns([cfg.data.features, cfg.data.label])
+            datasets = {TRAIN: full, VAL: val_ds}
+        elif cfg.data.val_fraction > 0:
             train_ds, val_ds = full.train_test_split(
                 test_size=cfg.data.val_fraction, shuffle=True, seed=cfg.train.seed
             )
@@ -111,6 +199,62 @@ def prepare_datasets(cfg: Config, checked: Optional["ParquetInfo"] = None) -> Pr
     split = [TRAIN] if cfg.data.sharding == "streaming" else []
     spec = DataSpec(task, tuple(spec_shape), int(num_classes), int(train_rows), int(val_rows), source)
     return PreparedData(datasets, spec, ray.train.DataConfig(datasets_to_split=split))
+
+
+def _prepare_user_data(cfg: Config, checked: Prechecked, code: Any, given: Optional[dict[str, Any]]) -> PreparedData:
+    """A user pipeline's datasets: split the raw rows, `map_batches(preprocess)`, count."""
+    import ray.data
+    import ray.train
+
+    from raytrain_ddp.user import Preprocess
+
+    info = checked.parquet
+    split = cfg.data.val_fraction > 0
+    if given is not None:
+        train, val = given[TRAIN], given.get(VAL)
+    elif info is not None:
+        train = ray.data.read_parquet(info.files)
+        val = ray.data.read_parquet(info.val.files) if info.val else None
+    else:  # bundled arrays: the same seeded split as the built-in data path
+        features, labels = load_digits_arrays() if cfg.data.source == "digits" else synthetic_arrays(cfg)
+        train_table, val_table = _split_table(_table(features, labels, cfg.data), cfg)
+        train = ray.data.from_arrow(train_table)
+        val = ray.data.from_arrow(val_table) if val_table is not None else None
+        split = False
+    if val is None and split:
+        train, val = train.train_test_split(test_size=cfg.data.val_fraction, shuffle=True, seed=cfg.train.seed)
+    datasets = {TRAIN: train, **({VAL: val} if val is not None else {})}
+    for name, ds in datasets.items():
+        if code is not None and code.preprocess is not None:
+            # On Ray Data's CPU tasks, not in the training loop (its module is in the job's runtime_env).
+            ds = ds.map_batches(Preprocess(code.preprocess), batch_format="numpy")
+        if not cfg.data.inputs:
+            ds = ds.select_columns([cfg.data.features, cfg.data.label])
+        datasets[name] = ds
+    with _ray_data_quiet():  # Ray Data logs every execution at INFO on the driver
+        if cfg.data.sharding == "exact":
+            datasets = {name: ds.materialize() for name, ds in datasets.items()}
+        train_rows = datasets[TRAIN].count()
+        val_rows = datasets[VAL].count() if VAL in datasets else 0
+    source = checked.pipeline.spec.source
+    _check_row_counts(cfg, train_rows, val_rows, source)
+    if cfg.data.sharding == "streaming" and cfg.data.shuffle:
+        datasets[TRAIN] = datasets[TRAIN].randomize_block_order(seed=cfg.train.seed)
+    spec = dataclasses.replace(checked.pipeline.spec, train_rows=int(train_rows), val_rows=int(val_rows))
+    split = [TRAIN] if cfg.data.sharding == "streaming" else []
+    return PreparedData(datasets, spec, ray.train.DataConfig(datasets_to_split=split))
+
+
+@contextlib.contextmanager
+def _ray_data_quiet() -> Iterator[None]:
+    logger = logging.getLogger("ray.data")
+    level = logger.level
+    if os.environ.get("RAYTRAIN_DDP_VERBOSE", "").lower() not in ("1", "true", "yes"):
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _check_row_counts(cfg: Config, train_rows: int, val_rows: int, source: str) -> None:
@@ -140,10 +284,51 @@ class ParquetInfo:
     rows: int
     feature_shape: tuple[int, ...]
     num_classes: int
-    task: Literal["classification", "lm"]
+    task: Literal["classification", "lm", "other"]
+    val: Optional["ParquetInfo"] = None  # data.val_path's files
 
 
-def check_parquet(path: Optional[str], features: str, label: str, *, lm: bool = False) -> ParquetInfo:
+def scan_parquet(path: Optional[str], label: str, key: str = "data.path") -> ParquetInfo:
+    """A user pipeline's raw parquet (what `data.preprocess` will read): readable files, one
+    schema, at least one row; and the classes of `data.label` if it is already an integer
+    (or integer list) column. The columns the model sees are checked after preprocess."""
+    import pyarrow.compute as pc
+
+    files = _parquet_files(path, key)
+    schema, rows, max_label = None, 0, -1
+    for file in files:
+        pf = _parquet(file)
+        if schema is None:
+            schema = pf.schema_arrow
+        elif not pf.schema_arrow.equals(schema):
+            raise DataError(f"{file}: its schema {pf.schema_arrow.names} differs from {files[0]}'s "
+                            f"{schema.names}; all files must share one schema")
+        rows += pf.metadata.num_rows
+        kind = schema.field(label).type if label in schema.names else None
+        if kind is not None and (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)):
+            kind = kind.value_type
+        if kind is not None and pa.types.is_integer(kind) and pf.metadata.num_rows:
+            max_label = max(max_label, _check_label_column(file, label, pf.read(columns=[label]).column(label), True, pc))
+    if rows == 0:
+        raise DataError(f"{key}={path!r}: parquet input has zero rows")
+    return ParquetInfo(files, rows, (), max_label + 1, "other")
+
+
+def _parquet(file: str) -> Any:
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(file)
+    except Exception as exc:  # pyarrow raises several types for unreadable files
+        raise DataError(f"{file}: not a readable parquet file ({exc})") from None
+
+
+def _rows_in(file: str) -> int:
+    return _parquet(file).metadata.num_rows
+
+
+def check_parquet(path: Optional[str], features: str, label: str, *, lm: bool = False,
+                  key: str = "data.path") -> ParquetInfo:
     """Validate parquet input with pyarrow metadata and two column scans, before Ray reads it.
 
     Catches what would otherwise surface as a worker traceback minutes later: missing
@@ -153,7 +338,7 @@ def check_parquet(path: Optional[str], features: str, label: str, *, lm: bool = 
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    files = _parquet_files(path)
+    files = _parquet_files(path, key)
     first_schema = None
     rows = 0
     width: Optional[int] = None
@@ -192,18 +377,18 @@ def check_parquet(path: Optional[str], features: str, label: str, *, lm: bool = 
     return ParquetInfo(files, rows, (int(width or 1),), max_label + 1, task)
 
 
-def _parquet_files(path: Optional[str]) -> list[str]:
+def _parquet_files(path: Optional[str], key: str = "data.path") -> list[str]:
     if not path:
-        raise DataError("data.path is required for data.source='parquet'")
+        raise DataError(f"{key} is required for data.source='parquet'")
     p = Path(path).expanduser()
     if p.is_dir():
         files = sorted(str(f) for f in p.rglob("*.parquet"))
         if not files:
-            raise DataError(f"data.path={path!r}: directory holds no *.parquet files")
+            raise DataError(f"{key}={path!r}: directory holds no *.parquet files")
         return files
     if p.is_file():
         return [str(p)]
-    raise DataError(f"data.path={path!r}: no such file or directory")
+    raise DataError(f"{key}={path!r}: no such file or directory")
 
 
 def _check_feature_column(file: str, name: str, column: pa.ChunkedArray, width: Optional[int], lm: bool) -> int:

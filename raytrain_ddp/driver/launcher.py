@@ -23,6 +23,10 @@ Decisions, and why:
   to `attempts.jsonl` at every start), so a run that survived one worker failure has 2.
 * `RAYTRAIN_DDP_*` environment variables of the driver are forwarded to the workers
   (tests name their hooks there: `RAYTRAIN_DDP_HOOKS`, see `worker/hooks.py`).
+* The user's model factory, loss and preprocess (`raytrain_ddp.user`) are imported and
+  run once on a few rows before Ray starts; their modules travel in the job's
+  `runtime_env` (`py_modules`, merged with a submitted job's `working_dir`): Ray accepts
+  local paths only at the job level, and every process of the job inherits them.
 """
 
 from __future__ import annotations
@@ -48,16 +52,25 @@ DATA_HEADROOM_CPUS = 2
 ENV_PREFIX = "RAYTRAIN_DDP_"
 
 
-def run_training(cfg: Config) -> dict[str, Any]:
-    """Train `cfg` to the end; returns the summary (also written to summary.json)."""
-    from raytrain_ddp.driver.datasets import precheck
+def run_training(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Train `cfg` to the end; returns the summary (also written to summary.json).
 
+    `code`: the user's model, loss and preprocess (`user.resolve`; by default resolved
+    from the config's import paths); `datasets`: Ray Datasets given from Python.
+    """
+    from raytrain_ddp.driver.datasets import precheck
+    from raytrain_ddp.user import resolve
+
+    if code is None:
+        cfg, code = resolve(cfg)  # an import path that does not import fails here
     run_dir = run_dir_of(cfg)
     resume_from = resolve_resume(cfg, run_dir)
-    checked = precheck(cfg)  # bad parquet fails here, before Ray or any worker starts
-    started_here = connect_ray(cfg)
+    # Bad parquet or user code fails here, before Ray or any worker starts (Ray Datasets
+    # given from Python are sampled through Ray, once connected).
+    checked = precheck(cfg, code) if datasets is None else None
+    started_here = connect_user_code(cfg, code)
     try:
-        return _fit(cfg, run_dir, resume_from, checked)
+        return _fit(cfg, run_dir, resume_from, checked or precheck(cfg, code, datasets), code, datasets)
     finally:
         if started_here:
             import ray
@@ -65,7 +78,30 @@ def run_training(cfg: Config) -> dict[str, Any]:
             ray.shutdown()
 
 
-def connect_ray(cfg: Config) -> bool:
+def connect_user_code(cfg: Config, code: Any) -> bool:
+    """`connect_ray` with the user's modules in the job's runtime_env (`py_modules`): Ray
+    accepts local paths only there, and every worker, data task and actor inherits it.
+    Ray already initialised by the caller: the modules travel inside the pickles instead."""
+    import ray
+
+    from raytrain_ddp.user import pickle_by_value, runtime_env
+
+    env = runtime_env(code)
+    if ray.is_initialized() or (env and _job_has_py_modules()):
+        pickle_by_value(code)  # the job's runtime_env is fixed, or Ray cannot merge two py_modules
+        env = {}
+    return connect_ray(cfg, runtime_env=env or None)
+
+
+def _job_has_py_modules() -> bool:
+    """Inside `ray job submit`, whether the job's own runtime_env already names py_modules."""
+    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+
+    injected = json.loads(os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR) or "{}")
+    return bool((injected.get("runtime_env") or {}).get("py_modules"))
+
+
+def connect_ray(cfg: Config, runtime_env: Optional[dict[str, Any]] = None) -> bool:
     """Join `run.address` / $RAY_ADDRESS, or start an embedded instance; True if started here."""
     import ray
 
@@ -73,28 +109,47 @@ def connect_ray(cfg: Config) -> bool:
         return False
     address = cfg.run.address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
         return False
     cores = os.cpu_count() or 1
     needed = math.ceil(cfg.scaling.max_workers * cfg.scaling.cpus_per_worker) + DATA_HEADROOM_CPUS
     # The dashboard stays on (bound to 127.0.0.1): Ray Train's placement-group cleaner
     # polls the state API it serves, and warns every few seconds without it.
     ray.init(num_cpus=max(cores, needed), include_dashboard=True, dashboard_host="127.0.0.1",
-             _node_ip_address="127.0.0.1", log_to_driver=True, logging_level="WARNING")
+             _node_ip_address="127.0.0.1", log_to_driver=True, logging_level="WARNING", runtime_env=runtime_env)
     return True
 
 
-def _fit(cfg: Config, run_dir: Path, resume_from: Optional[Path], checked: Any = None) -> dict[str, Any]:
+def prepare_job(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """What your own `TorchTrainer` needs to run our per-worker loop on `cfg` (docs/byo.md):
+    its `train_loop_config`, `datasets` and `dataset_config`. Connects to Ray like a run
+    (your modules go into the job's runtime_env), unless Ray is already initialised.
+
+    Give the trainer `RunConfig(name=cfg.name, storage_path=cfg.run.storage_path)`, so that
+    checkpoints land where resume looks, and a worker count that `cfg` accepts.
+    """
+    from raytrain_ddp.driver.datasets import precheck
+    from raytrain_ddp.user import resolve
+
+    if code is None:
+        cfg, code = resolve(cfg)
+    run_dir = run_dir_of(cfg)
+    resume_from = resolve_resume(cfg, run_dir)
+    checked = precheck(cfg, code) if datasets is None else None
+    connect_user_code(cfg, code)
+    job, prepared, _ = _prepare(cfg, run_dir, resume_from, checked or precheck(cfg, code, datasets), code, datasets)
+    return {"train_loop_config": {"job": job}, "datasets": prepared.datasets, "dataset_config": prepared.data_config}
+
+
+def _prepare(cfg: Config, run_dir: Path, resume_from: Optional[Path], checked: Any, code: Any,
+             given: Optional[dict[str, Any]]) -> tuple[Job, Any, int]:
+    """Datasets, the run directory's config.yaml, the `Job` and the plan printed: (job, prepared, total steps)."""
     import ray.data
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig
-    from ray.train.v2.api.config import LoggingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
 
     from raytrain_ddp.driver.datasets import prepare_datasets
-    from raytrain_ddp.worker.loop import train_loop_per_worker
 
     ray.data.DataContext.get_current().enable_progress_bars = False
-    prepared = prepare_datasets(cfg, checked)
+    prepared = prepare_datasets(cfg, checked, code, given)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / CONFIG_FILE).write_text(cfg.to_yaml())
     for stale in (SUMMARY_FILE, ABORT_FILE):
@@ -103,9 +158,23 @@ def _fit(cfg: Config, run_dir: Path, resume_from: Optional[Path], checked: Any =
     steps_per_epoch = prepared.spec.train_rows // cfg.train.global_batch_size
     total_steps = cfg.train.max_steps or cfg.train.epochs * steps_per_epoch
     job = Job(cfg=cfg, spec=prepared.spec, run_dir=str(run_dir), fit_id=uuid.uuid4().hex,
-              resume_from=str(resume_from) if resume_from else None)
-    print_plan(cfg, prepared.spec, run_dir, steps_per_epoch, total_steps, resume_from)
+              resume_from=str(resume_from) if resume_from else None,
+              user_code=code.dumps() if code.custom else None)
+    params = checked.pipeline.params if checked.pipeline else None
+    print_plan(cfg, prepared.spec, run_dir, steps_per_epoch, total_steps, resume_from, params)
+    return job, prepared, total_steps
 
+
+def _fit(cfg: Config, run_dir: Path, resume_from: Optional[Path], checked: Any, code: Any,
+         given: Optional[dict[str, Any]]) -> dict[str, Any]:
+    import ray.data
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig
+    from ray.train.v2.api.config import LoggingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from raytrain_ddp.worker.loop import train_loop_per_worker
+
+    job, prepared, total_steps = _prepare(cfg, run_dir, resume_from, checked, code, given)
     env_vars = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}
     trainer = TorchTrainer(
         train_loop_per_worker,

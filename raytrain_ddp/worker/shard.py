@@ -1,7 +1,9 @@
 """One rank's data: optimizer-step windows of micro-batches on the device.
 
 Owns: turning this worker's Ray Data shard into windows of `accumulation_steps`
-micro-batches (each rank's slice of every global batch), and the validation share.
+micro-batches (each rank's slice of every global batch), and the validation share; the
+columns' conversion to tensors. A micro-batch is whatever `raytrain_ddp.batch` builds from
+the columns of its rows: an `(x, y)` tuple or a dict of named tensors.
 Must not touch: models, optimisation, the driver's datasets (`driver/datasets.py`
 builds them and explains the two `data.sharding` modes).
 
@@ -20,7 +22,9 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
+from raytrain_ddp.batch import BatchFormat, to_device
 from raytrain_ddp.config import Config
+from raytrain_ddp.errors import DataError
 from raytrain_ddp.job import DataSpec
 from raytrain_ddp.parallel.collectives import all_true
 
@@ -48,30 +52,31 @@ class WorkerData:
         self.accumulation_steps = cfg.accumulation_steps(world_size)
         self.global_batch_size = cfg.train.global_batch_size
         self.wait_seconds = 0.0
+        self.format = BatchFormat.of(cfg)
         self._train_shard = shards[TRAIN]
         self._val_shard = shards.get(VAL)
-        self._train_tensors: Optional[tuple[Any, Any]] = None
-        self._val_tensors: Optional[tuple[Any, Any]] = None
+        self._train_columns: Optional[dict[str, Any]] = None
+        self._val_columns: Optional[dict[str, Any]] = None
         if cfg.data.sharding == "exact":
-            self._train_tensors = self._materialize(self._train_shard)
-            self.steps_per_epoch = len(self._train_tensors[0]) // self.global_batch_size
+            self._train_columns = self._materialize(self._train_shard)
+            self.steps_per_epoch = _num_rows(self._train_columns) // self.global_batch_size
         else:
             rows_per_rank = spec.train_rows // world_size
             self.steps_per_epoch = rows_per_rank // (self.micro_batch_size * self.accumulation_steps)
 
     # -- training ---------------------------------------------------------------------
 
-    def train_windows(self, epoch: int, skip_steps: int = 0) -> Iterator[list[tuple[Any, Any]]]:
-        """Yield one list of `accumulation_steps` (x, y) micro-batches per optimizer step."""
+    def train_windows(self, epoch: int, skip_steps: int = 0) -> Iterator[list[Any]]:
+        """Yield one list of `accumulation_steps` micro-batches per optimizer step."""
         if self.cfg.data.sharding == "exact":
             yield from self._exact_windows(epoch, skip_steps)
         else:
             yield from self._streaming_windows(epoch, skip_steps)
 
-    def _exact_windows(self, epoch: int, skip_steps: int) -> Iterator[list[tuple[Any, Any]]]:
-        assert self._train_tensors is not None
-        features, labels = self._train_tensors
-        order = self.epoch_order(len(features), epoch)
+    def _exact_windows(self, epoch: int, skip_steps: int) -> Iterator[list[Any]]:
+        assert self._train_columns is not None
+        columns = self._train_columns
+        order = self.epoch_order(_num_rows(columns), epoch)
         b, k, w, r = self.micro_batch_size, self.accumulation_steps, self.world_size, self.world_rank
         for step in range(skip_steps, self.steps_per_epoch):
             start = time.perf_counter()
@@ -79,7 +84,7 @@ class WorkerData:
             window = []
             for micro in range(k):
                 idx = global_idx[(micro * w + r) * b:(micro * w + r + 1) * b]
-                window.append((self._to_device(features[idx]), self._to_device(labels[idx])))
+                window.append(self._batch({name: column[idx] for name, column in columns.items()}))
             self.wait_seconds += time.perf_counter() - start
             yield window
 
@@ -92,7 +97,7 @@ class WorkerData:
         gen = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + epoch)
         return torch.randperm(rows, generator=gen)
 
-    def _streaming_windows(self, epoch: int, skip_steps: int) -> Iterator[list[tuple[Any, Any]]]:
+    def _streaming_windows(self, epoch: int, skip_steps: int) -> Iterator[list[Any]]:
         buffer = self.cfg.data.shuffle_buffer
         if buffer is None and self.cfg.data.shuffle:
             buffer = max(1024, 8 * self.micro_batch_size)
@@ -128,59 +133,84 @@ class WorkerData:
 
     # -- validation -------------------------------------------------------------------
 
-    def val_batches(self) -> Iterator[tuple[Any, Any]]:
+    def val_batches(self) -> Iterator[Any]:
         """This rank's disjoint, strided share of the validation rows (each row once overall)."""
         if self._val_shard is None:
             return
-        if self._val_tensors is None:
-            self._val_tensors = self._materialize(self._val_shard)
-        features, labels = self._val_tensors
-        mine = slice(self.world_rank, None, self.world_size)
-        features, labels = features[mine], labels[mine]
+        if self._val_columns is None:
+            self._val_columns = self._materialize(self._val_shard)
+        mine = {name: column[self.world_rank::self.world_size] for name, column in self._val_columns.items()}
         size = max(self.micro_batch_size, 256)
-        for start in range(0, len(features), size):
-            yield self._to_device(features[start:start + size]), self._to_device(labels[start:start + size])
+        for start in range(0, _num_rows(mine), size):
+            yield self._batch({name: column[start:start + size] for name, column in mine.items()})
 
     # -- helpers ----------------------------------------------------------------------
 
-    def _materialize(self, shard: Any) -> tuple[Any, Any]:
-        """Read a whole (unsplit) dataset once through Ray Data into CPU tensors."""
+    def _materialize(self, shard: Any) -> dict[str, Any]:
+        """Read a whole (unsplit) dataset once through Ray Data into CPU tensors, one per column."""
         import torch
 
         start = time.perf_counter()
-        parts_x, parts_y = [], []
+        parts: dict[str, list[np.ndarray]] = {}
         for batch in shard.iter_batches(batch_size=_READ_BATCH_ROWS, batch_format="numpy"):
-            x, y = self._arrays(batch)
-            parts_x.append(x)
-            parts_y.append(y)
-        features = torch.from_numpy(np.concatenate(parts_x))
-        labels = torch.from_numpy(np.concatenate(parts_y))
+            for name, array in column_arrays(batch, self.cfg, self.spec).items():
+                parts.setdefault(name, []).append(array)
+        columns = {name: torch.from_numpy(np.concatenate(arrays)) for name, arrays in parts.items()}
         self.wait_seconds += time.perf_counter() - start
-        return features, labels
+        return columns
 
-    def _arrays(self, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        x = stack_column(batch[self.cfg.data.features])
-        y = stack_column(batch[self.cfg.data.label])
-        if self.spec.task == "lm":
-            x = x.astype(np.int64)
-        else:
-            x = x.astype(np.float32).reshape((len(x),) + self.spec.feature_shape)
-        return x, y.astype(np.int64)
-
-    def _collate(self, batch: dict[str, np.ndarray]) -> tuple[Any, Any]:
+    def _collate(self, batch: dict[str, np.ndarray]) -> Any:
         import torch
 
-        x, y = self._arrays(batch)
-        return self._to_device(torch.from_numpy(x)), self._to_device(torch.from_numpy(y))
+        return self._batch({name: torch.from_numpy(a) for name, a in column_arrays(batch, self.cfg, self.spec).items()})
 
-    def _to_device(self, tensor: Any) -> Any:
-        if getattr(self.device, "type", "cpu") == "cpu":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+    def _batch(self, columns: dict[str, Any]) -> Any:
+        return to_device(self.format.assemble(columns), self.device)
+
+
+def _num_rows(columns: dict[str, Any]) -> int:
+    return len(next(iter(columns.values()))) if columns else 0
+
+
+def column_arrays(batch: dict[str, np.ndarray], cfg: Config, spec: DataSpec) -> dict[str, np.ndarray]:
+    """The columns a micro-batch is built from, as arrays the model takes.
+
+    Built-in data (`spec.columns` empty): `data.features` as float32 in `spec.feature_shape`
+    (int64 token ids for "lm") and `data.label` as int64. A user pipeline: see
+    `user_column_arrays`.
+    """
+    if spec.columns:
+        return user_column_arrays(batch, cfg)
+    features, label = cfg.data.features, cfg.data.label
+    x = stack_column(batch[features])
+    if spec.task == "lm":
+        x = x.astype(np.int64)
+    else:
+        x = x.astype(np.float32).reshape((len(x),) + spec.feature_shape)
+    return {features: x, label: stack_column(batch[label]).astype(np.int64)}
+
+
+def user_column_arrays(batch: dict[str, np.ndarray], cfg: Config) -> dict[str, np.ndarray]:
+    """A user pipeline's columns (after `data.preprocess`): `data.features` and `data.label`
+    for (x, y) batches, every column for dict batches; each keeps its dtype, except float64,
+    which becomes float32 (the dtype of the model's parameters)."""
+    names = list(batch) if cfg.data.inputs else [cfg.data.features, cfg.data.label]
+    out = {}
+    for name in names:
+        array = stack_column(np.asarray(batch[name]))
+        if array.dtype == np.float64:
+            array = array.astype(np.float32)
+        if array.dtype.kind not in "biuf":
+            raise DataError(
+                f"column {name!r} holds {array.dtype} values; every column of a batch must be numeric "
+                "(turn it into numbers, or drop it, in data.preprocess)"
+            )
+        out[name] = array
+    return out
 
 
 def stack_column(column: np.ndarray) -> np.ndarray:
     """Parquet list columns arrive as object arrays of arrays; make them one 2-D array."""
     if column.dtype == object:
-        return np.stack(column)
+        return np.stack(column) if len(column) else column
     return column

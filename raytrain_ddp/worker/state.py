@@ -1,7 +1,8 @@
 """Everything a checkpoint holds, as components that each own `state_dict` / `load_state_dict`.
 
-Owns: building the model (wrapped by `raytrain_ddp.parallel`), optimizer, LR schedule,
-grad scaler and autocast for one rank; `Progress` (the step and the data position in
+Owns: building the model (the user's factory or a built-in, wrapped by
+`raytrain_ddp.parallel`), the batch format with its loss, optimizer, LR schedule, grad
+scaler and autocast for one rank; `Progress` (the step and the data position in
 the epoch); the RNG streams; and the checkpoint's shape, `{name: component.state_dict()}`
 plus a `run` record (world size, config, fit id).
 Must not touch: when to save (`checkpointer.py`), files (`checkpoint.py`), Ray.
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from raytrain_ddp import checkpoint as ckpt
+from raytrain_ddp.batch import BatchFormat
 from raytrain_ddp.job import Job
 from raytrain_ddp.worker.context import Rank
 from raytrain_ddp.worker.optim import WarmupCosine, build_optimizer
@@ -81,7 +83,7 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     schedule: WarmupCosine
     scaler: torch.amp.GradScaler
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    batch: BatchFormat  # how a batch reaches the model and the loss (`raytrain_ddp.batch`)
     autocast: Callable[[], ContextManager]
     params: list = field(default_factory=list)
     progress: Progress = field(default_factory=Progress)
@@ -116,14 +118,14 @@ def seed_everything(seed: int) -> None:
 
 
 def build_state(job: Job, rank: Rank, total_steps: int) -> TrainState:
-    from raytrain_ddp.models import build_model, loss_fn
     from raytrain_ddp.parallel import wrap_model
+    from raytrain_ddp.user import UserCode
 
-    cfg = job.cfg
+    cfg, code = job.cfg, UserCode.for_job(job)
     # Same seed on every rank: identical initial weights even before the wrapper's
     # broadcast (and `parallel.verify_init` checks exactly that).
     seed_everything(cfg.train.seed)
-    module = build_model(cfg, job.spec).to(rank.device)
+    module = code.build_model(cfg, job.spec).to(rank.device)
     wrapper = wrap_model(
         module, cfg.parallel.strategy,
         bucket_cap_mb=cfg.parallel.bucket_cap_mb,
@@ -145,9 +147,10 @@ def build_state(job: Job, rank: Rank, total_steps: int) -> TrainState:
         return torch.autocast(device_type=rank.device.type, dtype=dtype)
 
     progress = Progress()
-    return TrainState(wrapper, optimizer, schedule, scaler, loss_fn(job.spec), autocast, params,
+    return TrainState(wrapper, optimizer, schedule, scaler, code.batch_format(cfg), autocast, params,
                       progress=progress, rng=RngStreams(rank, progress),
-                      run={"world_size": rank.world_size, "config": cfg.to_yaml(), "fit_id": job.fit_id})
+                      run={"world_size": rank.world_size, "config": cfg.to_yaml(), "fit_id": job.fit_id,
+                           "spec": job.spec.state_dict()})
 
 
 def _parity_options(cfg: Any) -> dict[str, Any]:

@@ -41,9 +41,9 @@ def train_step(state: TrainState, window: list, accumulation_steps: int, train: 
     lr = state.schedule.lr
     state.module.train()
     local_loss = torch.zeros((), device=rank.device)
-    for (x, y), loss_scale in accumulation_window(state.wrapper, window, expected=accumulation_steps, partial="scale"):
+    for batch, loss_scale in accumulation_window(state.wrapper, window, expected=accumulation_steps, partial="scale"):
         with state.autocast():
-            loss = state.loss_fn(state.wrapper(x), y)
+            _, loss = state.batch.run(state.wrapper, batch)
         state.scaler.scale(loss * loss_scale).backward()  # the wrapper syncs on the last one
         local_loss += loss.detach().float() * loss_scale
 
@@ -82,24 +82,26 @@ def _skip_step(state: TrainState, policy: Any) -> None:
 def validate(state: TrainState, data: Any, rank: Rank, spec: Any) -> dict[str, float]:
     """Loss (and accuracy) over the whole validation set, summed over ranks.
 
-    Runs the bare module: ranks may hold different numbers of validation batches, and
-    a wrapper's forward could take part in a collective.
+    The loss is each batch's mean weighted by its rows. Runs the bare module: ranks may
+    hold different numbers of validation batches, and a wrapper's forward could take part
+    in a collective.
     """
     state.module.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=rank.device)  # loss sum, correct, count
-    for x, y in data.val_batches():
+    totals = torch.zeros(4, dtype=torch.float64, device=rank.device)  # loss sum, rows, correct, rows scored
+    for batch in data.val_batches():
         with state.autocast():
-            output = state.module(x)
-        n = y.numel()
-        totals[0] += state.loss_fn(output.float(), y).double() * n
-        if spec.task == "classification":
-            totals[1] += (output.argmax(dim=-1) == y).sum()
-        totals[2] += n
-    loss_sum, correct, count = sum_over_ranks(totals)
+            output, loss = state.batch.run(state.module, batch)
+        n = state.batch.rows(batch)
+        totals[0] += loss.detach().double() * n
+        totals[1] += n
+        if spec.task == "classification" and isinstance(output, torch.Tensor):  # logits over classes
+            totals[2] += (output.argmax(dim=-1) == state.batch.target(batch)).sum()
+            totals[3] += n
+    loss_sum, count, correct, scored = sum_over_ranks(totals)
     state.module.train()
     if count == 0:
         return {}
     out = {"val_loss": loss_sum / count}
-    if spec.task == "classification":
-        out["val_accuracy"] = correct / count
+    if scored:
+        out["val_accuracy"] = correct / scored
     return out

@@ -4,13 +4,16 @@ Starts `ray start --head --block` in its own session (127.0.0.1, free ports, a s
 private --temp-dir, its own token file via RAY_AUTH_TOKEN_PATH so ~/.ray/auth_token is
 never touched), checks that a submission without the token is refused, submits the tiny
 config through examples/submit_quickstart.sh (the real `ray job submit` CLI, uploading
-the repo with .venv present), checks the run directory, and stops the head by killing
-its process group. Every wait is bounded.
+the repo with .venv present), checks the run directory, then submits both
+bring-your-own-model examples the same way (issue #11: their modules travel in the job's
+runtime_env as py_modules, next to the working_dir), and stops the head by killing its
+process group. Every wait is bounded.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import signal
@@ -23,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -145,7 +148,7 @@ def test_job_submit_with_token_trains_and_without_token_is_refused(ray_head, tmp
                 if p.is_dir()]
     assert len(unpacked) == 1, unpacked
     shipped = unpacked[0]
-    assert (shipped / "raytrain_ddp" / "launcher.py").is_file()
+    assert (shipped / "raytrain_ddp" / "driver" / "launcher.py").is_file()
     assert not any((shipped / name).exists() for name in (".venv", ".git", "runs"))
     size = sum(f.stat().st_size for f in shipped.rglob("*") if f.is_file())
     assert size < 5 * 2**20, f"upload unpacked to {size / 2**20:.1f} MiB"
@@ -156,3 +159,27 @@ def test_job_submit_with_token_trains_and_without_token_is_refused(ray_head, tmp
     assert (run_dir / "config.yaml").is_file() and (run_dir / "metrics.jsonl").stat().st_size > 0
     assert Path(summary["checkpoint"]).parent == run_dir and (Path(summary["checkpoint"]) / "manifest.json").is_file()
     assert "val_accuracy" in summary["final_metrics"]
+
+    # Bring your own model: both examples, tiny overrides, their data on shared storage.
+    data = tmp_path / "data"
+    subprocess.run([sys.executable, "examples/images/digits_png.py", str(data / "png")], cwd=REPO, check=True,
+                   timeout=60, capture_output=True)
+    subprocess.run([sys.executable, "examples/text/stdlib_corpus.py", "build", str(data / "text"), "--max-files", "24"],
+                   cwd=REPO, check=True, timeout=60, capture_output=True)
+    examples = {
+        "images": ["parallel.strategy=naive", "train.max_steps=4", f"data.path={data / 'png' / 'train.parquet'}",
+                   f"data.val_path={data / 'png' / 'val.parquet'}"],
+        "text": ["scaling.num_workers=1", "train.max_steps=3", "model.kwargs={width: 32, layers: 1, heads: 2}",
+                 f"data.path={data / 'text' / 'train.parquet'}", f"data.val_path={data / 'text' / 'val.parquet'}"],
+    }
+    for name, overrides in examples.items():
+        done = _submit(_clean_env(**ray_head["auth"], **{**base, "CONFIG": f"examples/{name}/config.yaml"}),
+                       ray_head["address"], *overrides, timeout_s=240)
+        out = done.stdout + done.stderr
+        assert done.returncode == 0 and "succeeded" in out, f"{name}:\n{out[-4000:]}"
+        summary = json.loads((storage / name / "summary.json").read_text())
+        assert summary["status"] == "ok" and summary["steps"] == int(overrides[1].split("=")[1]), summary
+        assert math.isfinite(summary["final_metrics"]["val_loss"]), summary
+    modules = ray_head["temp_dir"] / "session_latest" / "runtime_resources" / "py_modules_files"
+    shipped_files = {p.name for p in modules.rglob("*.py")}
+    assert {"resnet.py", "digits_png.py", "bytegpt.py", "stdlib_corpus.py"} <= shipped_files, shipped_files

@@ -11,6 +11,8 @@ One spawn of 2 ranks for all three strategies and both models.
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -64,25 +66,27 @@ def _raw(example: str) -> dict[str, np.ndarray]:
             "text": np.array([f.read_bytes()[:3000] for f in files], dtype=object)}
 
 
-def _setup(example: str, strategy: str, world_size: int):
+def _config(example: str, strategy: str, world_size: int):
     config = EXAMPLES / example / "config.yaml"
     extra = ["model.kwargs={width: 32, layers: 1, heads: 2}"] if example == "text" else []
     cfg = load_config(config, [*SETTINGS, *extra, f"parallel.strategy={strategy}", f"scaling.num_workers={world_size}"])
-    cfg, code = resolve(cfg, config_path=config)
+    return resolve(cfg, config_path=config)
+
+
+def _data(example: str) -> tuple[DataSpec, dict[str, np.ndarray]]:
+    """The spec the driver would compute, and the rows after data.preprocess."""
+    cfg, code = _config(example, "naive", 1)
     raw = _raw(example)
     spec = DataSpec("other", (), 10 if example == "images" else 0, 0, 0, example)
     spec = check_pipeline(cfg, code, {k: v[:8] for k, v in raw.items()}, spec).spec
     rows = code.preprocess(raw)
-    spec = DataSpec(spec.task, spec.feature_shape, spec.num_classes, len(rows["label" if example == "images" else "labels"]),
-                    0, example, spec.columns)
-    return cfg, code, spec, rows
+    return dataclasses.replace(spec, train_rows=len(rows[cfg.data.label])), rows
 
 
-def _train(world_rank: int, world_size: int, example: str, strategy: str) -> list[torch.Tensor]:
-    import sys
-
+def _train(world_rank: int, world_size: int, example: str, strategy: str, data_and_spec) -> list[torch.Tensor]:
     sys.path[:0] = [str(EXAMPLES / "images"), str(EXAMPLES / "text")]
-    cfg, code, spec, rows = _setup(example, strategy, world_size)
+    cfg, code = _config(example, strategy, world_size)
+    spec, rows = data_and_spec
     rank = Rank(world_rank, world_size, 0, torch.device("cpu"))
     data = WorkerData(cfg, spec, world_rank, world_size, rank.device, shards={TRAIN: _Shard(rows)})
     job = Job(cfg=cfg, spec=spec, run_dir="/nonexistent", fit_id="f" * 32, user_code=code.dumps())
@@ -95,8 +99,8 @@ def _train(world_rank: int, world_size: int, example: str, strategy: str) -> lis
     return [p.detach().clone() for p in state.module.parameters()]
 
 
-def _all_strategies(world_rank: int, world_size: int) -> dict[tuple[str, str], list[torch.Tensor]]:
-    return {(example, strategy): _train(world_rank, world_size, example, strategy)
+def _all_strategies(world_rank: int, world_size: int, data: dict) -> dict[tuple[str, str], list[torch.Tensor]]:
+    return {(example, strategy): _train(world_rank, world_size, example, strategy, data[example])
             for example in ("images", "text") for strategy in STRATEGIES}
 
 
@@ -111,8 +115,9 @@ def one_rank_group(tmp_path):
 def test_every_strategy_trains_user_models_like_one_process(one_rank_group, monkeypatch):
     for example in ("images", "text"):
         monkeypatch.syspath_prepend(str(EXAMPLES / example))
-    reference = {example: _train(0, 1, example, "naive") for example in ("images", "text")}
-    ranks = run_ranks(_all_strategies, 2, timeout_s=150, threads=1)
+    data = {example: _data(example) for example in ("images", "text")}
+    reference = {example: _train(0, 1, example, "naive", data[example]) for example in ("images", "text")}
+    ranks = run_ranks(_all_strategies, 2, data, timeout_s=150, threads=1)
     for (example, strategy), params in ranks[0].items():
         assert len(params) == len(reference[example])
         for got, want, other in zip(params, reference[example], ranks[1][(example, strategy)]):

@@ -57,7 +57,7 @@ def test_train_step_returns_window_mean_loss_and_steps(group):
     parts = _build(cfg)
     window = _window()
     with torch.no_grad():
-        expected = sum(parts.loss_fn(parts.module(x), y).item() for x, y in window) / 2
+        expected = sum(parts.batch.run(parts.module, (x, y))[1].item() for x, y in window) / 2
     before = [p.detach().clone() for p in parts.params]
     result = train_step(parts, window, 2, cfg.train, RANK)
     assert result.loss == pytest.approx(expected, rel=1e-5) and result.lr == pytest.approx(cfg.train.lr)
@@ -100,7 +100,7 @@ def test_validate_sums_loss_and_accuracy_over_all_batches(group):
     with torch.no_grad():
         outs = [(parts.module(x), y) for x, y in batches]
     n = sum(len(y) for _, y in outs)
-    loss = sum(parts.loss_fn(o, y).item() * len(y) for o, y in outs) / n
+    loss = sum(parts.batch.loss(o, (None, y)).item() * len(y) for o, y in outs) / n
     acc = sum((o.argmax(-1) == y).sum().item() for o, y in outs) / n
     out = validate(parts, _ValData(batches), RANK, SPEC)
     assert out["val_loss"] == pytest.approx(loss, rel=1e-6) and out["val_accuracy"] == pytest.approx(acc)

@@ -1,0 +1,68 @@
+"""The Python entry points: `raytrain_ddp.train(...)` and `raytrain_ddp.prepare_job(...)`.
+
+Owns: turning a config (a YAML path, a dict, a `Config`, or nothing) plus the user's
+callables and Ray Datasets into one call of the launcher, exactly as `raytrain-ddp train`
+makes it from YAML. Must not touch: anything the launcher or `user.py` decides; this
+module only assembles their arguments.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence, Union
+
+from raytrain_ddp.config import Config, apply_overrides, load_config, validate_config
+
+ConfigLike = Union[str, os.PathLike, dict, Config, None]
+
+
+def train(config: ConfigLike = None, *, model: Optional[Callable] = None, loss: Optional[Callable] = None,
+          datasets: Optional[dict[str, Any]] = None, preprocess: Optional[Callable] = None,
+          overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Train and return the summary (the run's summary.json).
+
+    config: a YAML file, a dict of keys, a `Config`, or None for the defaults; `overrides`
+    are `key.sub=value` strings applied on top. model: `factory(spec, **model.kwargs) ->
+    nn.Module`; loss: `(output, batch) -> scalar`; preprocess: a Ray Data batch function
+    (dict of numpy arrays in and out); datasets: `{"train": ray.data.Dataset, "val": ...}`
+    (without "val", data.val_fraction of "train" is held out). Each replaces what the
+    config names; `docs/byo.md` shows a whole run.
+    """
+    from raytrain_ddp.driver.launcher import run_training
+
+    cfg, code, datasets = _resolve(config, overrides, model, loss, datasets, preprocess)
+    return run_training(cfg, code=code, datasets=datasets)
+
+
+def prepare_job(config: ConfigLike = None, *, model: Optional[Callable] = None, loss: Optional[Callable] = None,
+                datasets: Optional[dict[str, Any]] = None, preprocess: Optional[Callable] = None,
+                overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The inputs of your own `TorchTrainer` running `raytrain_ddp.train_loop_per_worker`:
+    `train_loop_config`, `datasets`, `dataset_config`, `worker_runtime_env` (docs/byo.md)."""
+    from raytrain_ddp.driver.launcher import prepare_job as _prepare_job
+
+    cfg, code, datasets = _resolve(config, overrides, model, loss, datasets, preprocess)
+    return _prepare_job(cfg, code=code, datasets=datasets)
+
+
+def _resolve(config: ConfigLike, overrides: Sequence[str], model: Any, loss: Any, datasets: Any,
+             preprocess: Any) -> tuple[Config, Any, Any]:
+    from raytrain_ddp.user import import_path_of, resolve
+
+    # The callables are named in the config before it is validated (model.kwargs needs a
+    # factory there, data.source=datasets needs the datasets), then `resolve` uses them.
+    named = [f"{key}={import_path_of(obj)}" for key, obj in
+             (("model.name", model), ("train.loss", loss), ("data.preprocess", preprocess)) if callable(obj)]
+    overrides = [*overrides, *named, *(["data.source=datasets"] if datasets is not None else [])]
+    path = None
+    if isinstance(config, Config):
+        cfg = validate_config(apply_overrides(config.model_dump(mode="json"), overrides), "<Config>")
+    elif isinstance(config, dict):
+        cfg = validate_config(apply_overrides(copy.deepcopy(config), overrides), "<dict>")
+    else:
+        path = Path(config) if config is not None else None
+        cfg = load_config(path, overrides)
+    cfg, code = resolve(cfg, model=model, loss=loss, preprocess=preprocess, config_path=path)
+    return cfg, code, datasets

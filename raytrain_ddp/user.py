@@ -1,0 +1,395 @@
+"""The user's model factory, loss and preprocess: resolving, checking and shipping them.
+
+Owns: turning `model.name`, `train.loss` and `data.preprocess` — import paths
+`"package.module:attribute"`, or the callables given to `raytrain_ddp.train(...)` — into
+one `UserCode`; building the model from it (`build_model`, which `raytrain-ddp verify`
+calls too); the driver's check of the whole pipeline on one small batch before any worker
+starts (`check_pipeline`: preprocess, columns, factory, forward, loss), each problem one
+`UserError` naming its key; and what travels with the job so that Ray's processes can
+import the user's modules (`runtime_env`). Must not touch: Ray's cluster APIs (the
+launcher hands `runtime_env()` to Ray), reading data, training.
+
+Where import paths are found: the current directory, the config file's directory (a
+model module next to its YAML just works), then `sys.path` as usual. How the code reaches
+the workers: `UserCode` is pickled on the driver (functions of importable modules by
+reference, those of `__main__` by value) and unpickled only on Ray's workers, whose
+`runtime_env` `py_modules` carries every user module that is not installed in
+site-packages (a single `.py` file, or its top-level package directory).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import pickle
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import numpy as np
+
+from raytrain_ddp.config import BUILTIN_LOSSES, BUILTIN_MODELS, Config
+from raytrain_ddp.errors import UserError
+from raytrain_ddp.job import DataSpec
+
+SAMPLE_ROWS = 8  # rows the driver pushes through preprocess, factory, forward and loss
+
+
+@dataclass(frozen=True)
+class UserCode:
+    """The callables behind the config's import paths; None: the built-in named in the config."""
+
+    model: Optional[Callable[..., Any]] = None  # factory(spec, **model.kwargs) -> nn.Module
+    loss: Optional[Callable[[Any, Any], Any]] = None  # (output, batch) -> scalar tensor
+    preprocess: Optional[Callable[[dict], dict]] = None  # numpy batch -> numpy batch (Ray Data)
+
+    @property
+    def custom(self) -> bool:
+        return any(part is not None for part in (self.model, self.loss, self.preprocess))
+
+    def build_model(self, cfg: Config, spec: DataSpec) -> Any:
+        """The model for `spec`: the factory's (checked to be an nn.Module) or a built-in."""
+        from torch import nn
+
+        from raytrain_ddp import models
+
+        if self.model is None:
+            return models.build_model(cfg, spec)
+        try:
+            module = self.model(spec, **cfg.model.kwargs)
+        except Exception as exc:  # noqa: BLE001 - the user's code: one line, not a traceback
+            raise UserError(f"model.name={cfg.model.name!r}: the factory raised {_one_line(exc)}") from None
+        if not isinstance(module, nn.Module):
+            raise UserError(f"model.name={cfg.model.name!r}: the factory returned a {type(module).__name__}, "
+                            "not a torch.nn.Module")
+        return module
+
+    def batch_format(self, cfg: Config) -> Any:
+        from raytrain_ddp.batch import BatchFormat
+
+        return BatchFormat.of(cfg, self.loss)
+
+    def dumps(self) -> bytes:
+        import ray.cloudpickle
+
+        return ray.cloudpickle.dumps(self)
+
+    @staticmethod
+    def for_job(job: Any) -> "UserCode":
+        """On a worker: the driver's resolved code, or (a job built by hand) the config's paths."""
+        if job.user_code:
+            return pickle.loads(job.user_code)
+        return resolve(job.cfg)[1]
+
+
+# --------------------------------------------------------------------------- resolving
+
+
+def resolve(cfg: Config, *, model: Optional[Callable] = None, loss: Optional[Callable] = None,
+            preprocess: Optional[Callable] = None, config_path: Union[str, os.PathLike, None] = None,
+            ) -> tuple[Config, UserCode]:
+    """Import the config's paths; callables given from Python win and are recorded in the config.
+
+    Returns the config (a copy naming each callable as `module:qualname` when any was
+    given, so config.yaml and checkpoints say what trained) and the `UserCode`.
+    """
+    add_import_dirs(config_path)
+    given = {"model.name": model, "train.loss": loss, "data.preprocess": preprocess}
+    for key, obj in given.items():
+        if obj is not None and not callable(obj):
+            raise UserError(f"{key}: expected a function, got a {type(obj).__name__}")
+    if any(obj is not None for obj in given.values()):
+        cfg = cfg.model_copy(deep=True)
+        if model is not None:
+            cfg.model.name = import_path_of(model)
+        if loss is not None:
+            cfg.train.loss = import_path_of(loss)
+        if preprocess is not None:
+            cfg.data.preprocess = import_path_of(preprocess)
+    if model is None and cfg.model.name not in BUILTIN_MODELS:
+        model = import_object(cfg.model.name, "model.name")
+    if loss is None and cfg.train.loss not in BUILTIN_LOSSES:
+        loss = import_object(cfg.train.loss, "train.loss")
+    if preprocess is None and cfg.data.preprocess:
+        preprocess = import_object(cfg.data.preprocess, "data.preprocess")
+    return cfg, UserCode(model, loss, preprocess)
+
+
+def build_model(cfg: Config, spec: DataSpec, *, config_path: Union[str, os.PathLike, None] = None) -> Any:
+    """The model a run of `cfg` trains, built on this process (no Ray): for tools such as verify."""
+    return resolve(cfg, config_path=config_path)[1].build_model(cfg, spec)
+
+
+def add_import_dirs(config_path: Union[str, os.PathLike, None] = None) -> None:
+    """The current directory and the config file's directory go first on sys.path (as `python -m`)."""
+    dirs = [os.getcwd()]
+    if config_path is not None:
+        dirs.append(str(Path(config_path).resolve().parent))
+    for directory in reversed(dirs):
+        if directory not in sys.path:
+            sys.path.insert(0, directory)
+
+
+def import_object(path: str, key: str) -> Callable[..., Any]:
+    """`package.module:attr` -> the object; every failure is one line naming `key`."""
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise UserError(
+                f"{key}={path!r}: no module named {exc.name!r} (looked in the current directory, the "
+                "config file's directory and sys.path; is it a file there, or an installed package?)"
+            ) from None
+        raise UserError(f"{key}={path!r}: importing {module_name!r} failed: {_one_line(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - whatever the user's module raises at import
+        raise UserError(f"{key}={path!r}: importing {module_name!r} failed: {_one_line(exc)}") from None
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise UserError(f"{key}={path!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise UserError(f"{key}={path!r} is a {type(obj).__name__}, not a function")
+    return obj
+
+
+def import_path_of(obj: Callable[..., Any]) -> str:
+    """How a callable is named in the config: `module:qualname` (a lambda: `module:<lambda>`)."""
+    target = obj.func if isinstance(obj, functools.partial) else obj
+    module = getattr(target, "__module__", None) or "__main__"
+    name = getattr(target, "__qualname__", None) or type(target).__qualname__
+    return f"{module}:{name}"
+
+
+# --------------------------------------------------------------------------- shipping
+
+
+def runtime_env(code: UserCode) -> dict[str, Any]:
+    """`{"py_modules": [...]}` for `ray.init` (the job's runtime_env, which every worker, Ray
+    Data task and Ray Train actor inherits), or {} when nothing needs to travel."""
+    paths = [path for _, path in _modules_to_ship(code)]
+    return {"py_modules": sorted(set(paths))} if paths else {}
+
+
+def pickle_by_value(code: UserCode) -> list[str]:
+    """When Ray was started before the run (its job runtime_env is fixed), the user's modules
+    travel inside the pickles instead: functions and classes by value. Returns their names."""
+    import ray.cloudpickle
+
+    names = sorted({name for name, _ in _modules_to_ship(code)})
+    for name in names:
+        ray.cloudpickle.register_pickle_by_value(sys.modules[name])
+    return names
+
+
+def _modules_to_ship(code: UserCode) -> list[tuple[str, str]]:
+    """(top-level module name, file or package directory) of each user module Ray must carry.
+
+    Skipped: `__main__` (pickled by value), installed packages and the standard library
+    (the workers have them), and raytrain_ddp itself.
+    """
+    installed = {Path(p).resolve() for key in ("stdlib", "platstdlib", "purelib", "platlib")
+                 if (p := sysconfig.get_paths().get(key))}
+    installed.add(Path(__file__).resolve().parent)
+    out: list[tuple[str, str]] = []
+    for obj in (code.model, code.loss, code.preprocess):
+        if obj is None:
+            continue
+        target = obj.func if isinstance(obj, functools.partial) else obj
+        name = getattr(target, "__module__", None)
+        if not name or name == "__main__":
+            continue
+        top_name = name.split(".")[0]
+        top = sys.modules.get(top_name)
+        if top is None:
+            continue
+        roots = list(getattr(top, "__path__", [])) or ([top.__file__] if getattr(top, "__file__", None) else [])
+        for root in roots:
+            path = Path(root).resolve()
+            if not any(path == base or base in path.parents for base in installed):
+                out.append((top_name, str(path)))
+    return out
+
+
+class Preprocess:
+    """`data.preprocess` as Ray Data's `map_batches` function.
+
+    Holds the user's function pickled, and unpickles it on first call, on the Ray Data
+    task (whose runtime_env carries the module): Ray's controller, which also receives
+    the datasets, never has to import the user's code.
+    """
+
+    def __init__(self, fn: Callable[[dict], dict]) -> None:
+        import ray.cloudpickle
+
+        self._blob = ray.cloudpickle.dumps(fn)
+        self._fn: Optional[Callable[[dict], dict]] = None
+
+    def __call__(self, batch: dict) -> dict:
+        if self._fn is None:
+            self._fn = pickle.loads(self._blob)
+        return self._fn(batch)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_blob": self._blob, "_fn": None}
+
+
+# --------------------------------------------------------------------------- the driver's check
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What the driver learnt from one small batch pushed through the user's pipeline."""
+
+    spec: DataSpec  # the data's spec; a user pipeline's columns, task and feature shape filled in
+    params: int  # the model's parameter count (for the plan)
+
+
+def uses_own_data(cfg: Config) -> bool:
+    """Batches come from the user's pipeline (preprocess, dict batches or Python datasets):
+    columns keep their dtypes and `DataSpec.columns` describes them."""
+    return bool(cfg.data.preprocess or cfg.data.inputs or cfg.data.source == "datasets")
+
+
+def run_preprocess(cfg: Config, fn: Callable[[dict], dict], batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Apply `data.preprocess` to a numpy batch as Ray Data would; a bad result is one line."""
+    key = f"data.preprocess={cfg.data.preprocess!r}"
+    try:
+        out = fn(dict(batch))
+    except Exception as exc:  # noqa: BLE001 - the user's code
+        raise UserError(f"{key} raised {_one_line(exc)} on the first {len(next(iter(batch.values())))} rows "
+                        f"(columns {sorted(batch)})") from None
+    if not isinstance(out, dict) or not out:
+        raise UserError(f"{key} returned a {type(out).__name__}; it must return a dict of column -> array")
+    lengths = {name: len(np.asarray(value)) for name, value in out.items()}
+    if len(set(lengths.values())) != 1:
+        raise UserError(f"{key} returned columns of different lengths {lengths}")
+    if not next(iter(lengths.values())):
+        raise UserError(f"{key} returned no rows for the first {SAMPLE_ROWS} rows of the data")
+    return out
+
+
+def check_pipeline(cfg: Config, code: UserCode, sample: dict[str, np.ndarray], spec: DataSpec) -> Checked:
+    """Push one small batch through preprocess, the factory, the forward and the loss.
+
+    `sample` holds raw rows as Ray Data hands them to `map_batches` (a dict of numpy
+    arrays); `spec` is what is known of the data so far. For a user pipeline
+    (`uses_own_data`) the processed columns decide the spec's `columns`, task and feature
+    shape. Every problem raises a `UserError` naming the key that would fix it.
+    """
+    import dataclasses
+
+    import torch
+
+    from raytrain_ddp.errors import DataError
+    from raytrain_ddp.worker.shard import column_arrays, user_column_arrays
+
+    batch = run_preprocess(cfg, code.preprocess, sample) if code.preprocess else sample
+    _require_columns(cfg, code, batch)
+    batch = {name: np.asarray(column)[:SAMPLE_ROWS] for name, column in batch.items()}  # a preprocess may add rows
+    try:
+        arrays = user_column_arrays(batch, cfg) if uses_own_data(cfg) else column_arrays(batch, cfg, spec)
+    except DataError as exc:
+        where = f"data.preprocess={cfg.data.preprocess!r}: " if code.preprocess else ""
+        raise UserError(f"{where}{exc}") from None
+    except ValueError as exc:  # ragged rows, a reshape that does not fit
+        raise UserError(f"data.features={cfg.data.features!r}: {_one_line(exc)}") from None
+    if uses_own_data(cfg):
+        columns = {name: (tuple(a.shape[1:]), str(a.dtype)) for name, a in arrays.items()}
+        task, feature_shape = spec_columns(cfg, columns)
+        spec = dataclasses.replace(spec, task=task, feature_shape=feature_shape, columns=columns)
+    model = code.build_model(cfg, spec)
+    model.train()
+    fmt = code.batch_format(cfg)
+    tensors = fmt.assemble({name: torch.from_numpy(np.array(a)) for name, a in arrays.items()})
+    try:
+        output = fmt.forward(model, tensors)
+    except Exception as exc:  # noqa: BLE001 - the user's model
+        raise UserError(f"model.name={cfg.model.name!r}: the forward pass on a batch of {fmt.rows(tensors)} rows "
+                        f"({_describe(tensors)}) raised {_one_line(exc)}") from None
+    if fmt.user_loss is None and cfg.train.loss == "cross_entropy":
+        _check_cross_entropy_shapes(cfg, output, fmt.target(tensors))
+    try:
+        loss = fmt.loss(output, tensors)
+    except Exception as exc:  # noqa: BLE001 - the user's loss (or a model without its own loss)
+        raise UserError(f"train.loss={cfg.train.loss!r} raised {_one_line(exc)}") from None
+    _check_scalar(cfg, loss)
+    return Checked(spec, sum(p.numel() for p in model.parameters()))
+
+
+def spec_columns(cfg: Config, columns: dict[str, tuple[tuple[int, ...], str]]) -> tuple[str, tuple[int, ...]]:
+    """(task, feature_shape) of a user pipeline, from its processed columns."""
+    label = columns.get(cfg.data.label)
+    first = cfg.data.inputs[0] if cfg.data.inputs else cfg.data.features
+    feature_shape = columns[first][0] if first in columns else ()
+    if label is None or not np.dtype(label[1]).kind in "iu":
+        return "other", feature_shape
+    return ("classification" if label[0] == () else "lm"), feature_shape
+
+
+def _require_columns(cfg: Config, code: UserCode, batch: dict[str, Any]) -> None:
+    if cfg.data.inputs:
+        needed = {name: "data.inputs" for name in cfg.data.inputs}
+        if code.loss is None and cfg.train.loss == "cross_entropy":
+            needed[cfg.data.label] = "data.label"
+    else:
+        needed = {cfg.data.features: "data.features", cfg.data.label: "data.label"}
+    for name, key in needed.items():
+        if name not in batch:
+            if code.preprocess:
+                raise UserError(f"data.preprocess={cfg.data.preprocess!r}: its result has no column {name!r} "
+                                f"({key}); it returned columns {sorted(batch)}")
+            raise UserError(f"{key}={name!r}: the data has no such column; its columns are {sorted(batch)}")
+
+
+def _check_cross_entropy_shapes(cfg: Config, output: Any, target: Any) -> None:
+    import torch
+
+    key = f"train.loss='cross_entropy' with model.name={cfg.model.name!r}"
+    if not isinstance(output, torch.Tensor):
+        raise UserError(f"{key}: the model returned a {type(output).__name__}, not a tensor of logits "
+                        "(use train.loss=model if it returns its own loss, or your own train.loss)")
+    if target is None:
+        raise UserError(f"{key}: the batch has no label column {cfg.data.label!r} (data.label)")
+    if target.is_floating_point() or target.dtype == torch.bool:
+        raise UserError(f"{key}: label column {cfg.data.label!r} (data.label) holds {target.dtype}; "
+                        "cross_entropy needs integer class ids")
+    if output.dim() != target.dim() + 1 or output.shape[:-1] != target.shape:
+        raise UserError(
+            f"{key}: the model's output has shape {list(output.shape)} but label column {cfg.data.label!r} "
+            f"(data.label) has shape {list(target.shape)}; cross_entropy needs output [..., classes] "
+            "for labels [...] (check the factory's output, or data.label)"
+        )
+    if target.numel() and (int(target.min()) < 0 or int(target.max()) >= output.shape[-1]):
+        raise UserError(f"{key}: label column {cfg.data.label!r} (data.label) holds values up to "
+                        f"{int(target.max())} but the model outputs {output.shape[-1]} classes")
+
+
+def _check_scalar(cfg: Config, loss: Any) -> None:
+    import torch
+
+    key = f"train.loss={cfg.train.loss!r}"
+    if not isinstance(loss, torch.Tensor):
+        raise UserError(f"{key} returned a {type(loss).__name__}; it must return a scalar torch tensor")
+    if loss.numel() != 1:
+        raise UserError(f"{key} returned a tensor of shape {list(loss.shape)}, not a scalar "
+                        "(reduce it, e.g. with .mean())")
+    if not loss.requires_grad:
+        raise UserError(f"{key} returned a scalar that does not depend on the model's parameters "
+                        "(requires_grad is False: was it computed with .detach(), .item() or numpy?)")
+
+
+def _describe(batch: Any) -> str:
+    if isinstance(batch, dict):
+        return ", ".join(f"{k} {list(v.shape)} {str(v.dtype).removeprefix('torch.')}" for k, v in batch.items())
+    x = batch[0]
+    return f"x {list(x.shape)} {str(x.dtype).removeprefix('torch.')}"
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
