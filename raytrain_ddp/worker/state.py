@@ -133,7 +133,8 @@ def build_state(job: Job, rank: Rank, total_steps: int) -> TrainState:
         verify_init=cfg.parallel.verify_init,
         device_ids=[rank.device.index] if rank.device.type == "cuda" else None,
         collective_timeout_s=cfg.parallel.collective_timeout_s,
-        **_parity_options(cfg),
+        broadcast_buffers=cfg.parallel.broadcast_buffers,
+        find_unused_parameters=cfg.parallel.find_unused_parameters,
     )
     params = [p for p in wrapper.module.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, cfg.train)
@@ -152,8 +153,3 @@ def build_state(job: Job, rank: Rank, total_steps: int) -> TrainState:
                       run={"world_size": rank.world_size, "config": cfg.to_yaml(), "fit_id": job.fit_id,
                            "spec": job.spec.state_dict()})
 
-
-def _parity_options(cfg: Any) -> dict[str, Any]:
-    """torch-DDP parity options (`parallel.broadcast_buffers`, `parallel.find_unused_parameters`)."""
-    return {key: getattr(cfg.parallel, key) for key in ("broadcast_buffers", "find_unused_parameters")
-            if hasattr(cfg.parallel, key)}
