@@ -5,6 +5,11 @@ checkpoints are found and ranked. Must not touch: Ray (the loop hands the direct
 `ray.train.report`, which copies it to storage), the model or optimizer objects (callers
 pass and receive plain state dicts), torch.distributed.
 
+Reading goes through `rundir.Location` (pyarrow.fs), so finding, verifying and loading
+work the same on a local run directory and on `s3://` / `gs://` / `abfs://`: a function
+given a `Location` answers with `Location`s, one given a local path with `Path`s.
+Writing is always local (a worker's staging directory, uploaded by Ray Train).
+
 Layout of a checkpoint directory:
 
     state.pt        torch.save of {component name: its state_dict()} (tensors and plain
@@ -12,8 +17,9 @@ Layout of a checkpoint directory:
     manifest.json   {"format", "step", "epoch", "fit_id", "files": {name: {sha256, size}}}
 
 Why a manifest written last: a directory holding `manifest.json` whose sizes and sha256
-match is a complete checkpoint; anything else (a crash mid-write, a truncated copy to
-storage, bit rot, a file swapped in by someone else) is detected before `torch.load`
+match is a complete checkpoint; anything else (a crash mid-write, an upload to storage
+cut short -- Ray copies the files in no set order, so the manifest may land before the
+state --, bit rot, a file swapped in by someone else) is detected before `torch.load`
 runs. Every file is written to a temporary name, fsynced and `os.replace`d, so a reader
 never sees half a file under its final name.
 
@@ -40,10 +46,11 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
 import numpy as np
+import pyarrow.fs as pafs
 import torch
 
 from raytrain_ddp.errors import CheckpointError
-from raytrain_ddp.rundir import CHECKPOINT_PREFIX
+from raytrain_ddp.rundir import CHECKPOINT_PREFIX, Location
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +60,7 @@ MANIFEST_FILE = "manifest.json"
 REQUIRED_KEYS = ("model", "optimizer", "progress", "run")
 
 PathLike = Union[str, os.PathLike]
+Where = Union[str, os.PathLike, Location]
 
 
 # ---------------------------------------------------------------- save / load
@@ -86,25 +94,28 @@ def save_checkpoint(dirpath: PathLike, state: dict[str, Any]) -> Path:
     return dirpath
 
 
-def load_checkpoint(path: PathLike) -> dict[str, Any]:
+def load_checkpoint(path: Where) -> dict[str, Any]:
     """Verify the manifest, then load `state.pt` with `weights_only=True`.
 
-    `path` is a checkpoint directory or its `state.pt`. Raises `CheckpointError` naming
-    the file when it is missing, incomplete, truncated, corrupted or not a plain-tensor
-    checkpoint.
+    `path` is a checkpoint directory or its `state.pt`, local or a `Location` in object
+    storage (read through pyarrow.fs into memory, verified there). Raises
+    `CheckpointError` naming the file when it is missing, incomplete, truncated,
+    corrupted or not a plain-tensor checkpoint.
     """
-    path = Path(path)
-    dirpath = path.parent if path.is_file() else path
-    if not dirpath.is_dir():
+    loc = Location.parse(path)
+    info = loc.info()
+    dirpath = loc.parent if info.type == pafs.FileType.File else loc
+    if info.type == pafs.FileType.NotFound or not dirpath.is_dir():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist; pass a checkpoint directory")
     manifest = read_manifest(dirpath)
     entry = manifest.get("files", {}).get(STATE_FILE)
     state_path = dirpath / STATE_FILE
     if not isinstance(entry, dict) or "sha256" not in entry or "size" not in entry:
         raise CheckpointError(f"{dirpath / MANIFEST_FILE}: no sha256/size entry for {STATE_FILE}")
-    if not state_path.is_file():
-        raise CheckpointError(f"{state_path}: missing (checkpoint incomplete)")
-    payload = state_path.read_bytes()
+    try:
+        payload = state_path.read_bytes()
+    except (FileNotFoundError, IsADirectoryError):
+        raise CheckpointError(f"{state_path}: missing (checkpoint incomplete)") from None
     if len(payload) != entry["size"]:
         raise CheckpointError(
             f"{state_path}: {len(payload)} bytes, manifest says {entry['size']} (truncated or incomplete copy)"
@@ -127,12 +138,14 @@ def load_checkpoint(path: PathLike) -> dict[str, Any]:
     return state
 
 
-def read_manifest(dirpath: PathLike) -> dict[str, Any]:
-    manifest_path = Path(dirpath) / MANIFEST_FILE
-    if not manifest_path.is_file():
-        raise CheckpointError(f"{manifest_path}: missing (checkpoint incomplete or not written by raytrain_ddp)")
+def read_manifest(dirpath: Where) -> dict[str, Any]:
+    manifest_path = Location.parse(dirpath) / MANIFEST_FILE
     try:
-        manifest = json.loads(manifest_path.read_text())
+        text = manifest_path.read_text()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise CheckpointError(f"{manifest_path}: missing (checkpoint incomplete or not written by raytrain_ddp)") from None
+    try:
+        manifest = json.loads(text)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{manifest_path}: unreadable ({exc})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -145,38 +158,43 @@ def read_manifest(dirpath: PathLike) -> dict[str, Any]:
 # ---------------------------------------------------------------- finding
 
 
-def find_checkpoints(run_dir: PathLike) -> list[Path]:
+def find_checkpoints(run_dir: Where) -> list[Any]:
     """Checkpoint directories under `run_dir`, newest first by recorded step.
 
     Ties (the same step written by two runs) go to the most recently written. A
     directory whose manifest cannot be read sorts last: it is kept so that
-    `load_latest_valid` can report why it was skipped.
+    `load_latest_valid` can report why it was skipped. `Path`s for a local path,
+    `Location`s for a `Location`.
     """
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        return []
+    loc = Location.parse(run_dir)
     ranked = []
-    for child in run_dir.iterdir():
-        if not (child.is_dir() and child.name.startswith(CHECKPOINT_PREFIX)):
+    for child, info in loc.children():
+        if not (info.type == pafs.FileType.Directory and child.name.startswith(CHECKPOINT_PREFIX)):
             continue
         try:
             step = int(read_manifest(child).get("step", -1))
         except (CheckpointError, TypeError, ValueError):
             step = -1
-        mtime = (child / MANIFEST_FILE).stat().st_mtime if (child / MANIFEST_FILE).exists() else child.stat().st_mtime
-        ranked.append((step, mtime, child))
+        manifest = (child / MANIFEST_FILE).info()
+        mtime = (manifest.mtime or info.mtime) if manifest.type == pafs.FileType.File else info.mtime
+        ranked.append((step, mtime.timestamp() if mtime else 0.0, child))
     ranked.sort(key=lambda item: (item[0], item[1]), reverse=True)
-    return [path for _, _, path in ranked]
+    return [_like(run_dir, path) for _, _, path in ranked]
 
 
-def load_latest_valid(candidates: Iterable[PathLike]) -> Optional[tuple[dict[str, Any], Path]]:
+def load_latest_valid(candidates: Iterable[Where]) -> Optional[tuple[dict[str, Any], Any]]:
     """Load the first candidate that verifies; log and skip the ones that do not."""
     for candidate in candidates:
         try:
-            return load_checkpoint(candidate), Path(candidate)
+            return load_checkpoint(candidate), _like(candidate, Location.parse(candidate))
         except CheckpointError as exc:
             logger.warning("skipping checkpoint: %s", exc)
     return None
+
+
+def _like(given: Where, loc: Location) -> Any:
+    """Answer in the caller's kind: a `Location` for a `Location`, else a `Path`."""
+    return loc if isinstance(given, Location) else loc.local_path
 
 
 # ---------------------------------------------------------------- RNG state as plain types

@@ -3,7 +3,7 @@
 Owns: the schema (every key, its type, default and docstring), loading YAML, applying
 `a.b=c` overrides, and cross-field checks that can be made before Ray starts.
 Must not touch: Ray, torch, the filesystem beyond reading the YAML file. Checks that need
-the data (schema, row counts) live in `raytrain_ddp.data`; this module only knows shapes
+the data (schema, row counts) live in `raytrain_ddp.driver.datasets`; this module only knows shapes
 of numbers.
 
 Every error raised here is a `ConfigError` whose message names the offending key, the
@@ -13,6 +13,7 @@ value given and what is allowed, so the CLI can print it without a traceback.
 from __future__ import annotations
 
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -22,6 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 
 from raytrain_ddp.errors import UserError
+
+
+STORAGE_ENV = "RAYTRAIN_DDP_STORAGE_PATH"  # run.storage_path when the config does not set it
 
 
 class ConfigError(UserError, ValueError):
@@ -126,12 +130,22 @@ class DataConfig(_Section):
         description="streaming sharding only: rows in Ray Data's local shuffle buffer "
         "instead of a global per-epoch shuffle.",
     )
-    sharding: Literal["exact", "streaming"] = Field(
+    sharding: Literal["exact", "streaming", "sharded"] = Field(
         "exact",
         description="exact: every worker sees the same seeded global order and takes its "
         "slice of each global batch, so results do not depend on the worker count and "
         "resume is exact mid-epoch; streaming: Ray Data streaming_split (scales to data "
-        "larger than a worker's memory; order depends on the worker count).",
+        "larger than a worker's memory; order depends on the worker count); sharded: the "
+        "guarantees of exact for data larger than a worker's memory: the driver writes the "
+        "split once (through Ray Data) as chunks of data.chunk_rows rows under the run "
+        "directory, and each worker reads only its chunks of every step.",
+    )
+    chunk_rows: Optional[int] = Field(
+        None, ge=1,
+        description="sharded sharding only: rows per chunk, the unit each epoch's seeded "
+        "shuffle permutes and a worker reads; must divide train.micro_batch_size. null: the "
+        "largest divisor of the micro batch up to 64. Smaller: closer to a per-row shuffle, "
+        "more reads.",
     )
     prefetch_batches: int = Field(2, ge=0, description="Batches prefetched onto the device.")
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)
@@ -149,6 +163,10 @@ class DataConfig(_Section):
             raise ValueError(f"data.val_path needs data.source='parquet' (got {self.source!r})")
         if self.inputs is not None and (not self.inputs or not all(self.inputs)):
             raise ValueError("data.inputs must list at least one column name (or be null)")
+        if self.chunk_rows is not None and self.sharding != "sharded":
+            raise ValueError(
+                f"data.chunk_rows only applies to data.sharding='sharded' (got sharding={self.sharding!r})"
+            )
         if self.shuffle_buffer is not None and self.sharding != "streaming":
             raise ValueError(
                 "data.shuffle_buffer only applies to data.sharding='streaming' "
@@ -291,9 +309,25 @@ class ProfileConfig(_Section):
 
 
 class RunConfig(_Section):
-    storage_path: str = Field("./runs", description="Parent of the run directory (shared storage on clusters).")
+    storage_path: str = Field(
+        "./runs", description="Parent of the run directory: a local path, or object storage "
+        "(s3://bucket/prefix, gs://..., abfs://...) read and written through pyarrow.fs; on a "
+        "multi-node cluster a bucket (or a filesystem every node mounts). Default: "
+        "$RAYTRAIN_DDP_STORAGE_PATH when set (the cluster files set it), else ./runs.",
+    )
     log_every_steps: int = Field(10, ge=1, description="Driver progress and metrics.jsonl interval.")
     checkpoint_every_steps: int = Field(0, ge=0, description="0: checkpoint only at epoch ends.")
+    checkpoint_upload: Literal["async", "sync"] = Field(
+        "async", description="async: training goes on while Ray uploads the checkpoint to "
+        "storage (the step loop waits only for serialising it, see checkpoint_blocked_s in "
+        "metrics.jsonl); sync: each checkpoint waits for its upload. Just-in-time saves before "
+        "a preemption are always sync.",
+    )
+    loggers: list[Literal["jsonl", "tensorboard", "mlflow"]] = Field(
+        ["jsonl"], description="Where the driver writes metrics: jsonl (metrics.jsonl in the run "
+        "directory), tensorboard (event files in <run dir>/tensorboard), mlflow (the tracking "
+        "server of $MLFLOW_TRACKING_URI; needs the mlflow package).",
+    )
     num_to_keep: int = Field(2, ge=1, description="Checkpoints kept on disk.")
     max_failures: int = Field(1, ge=-1, description="Worker-group restarts allowed; -1 is unlimited.")
     max_preemption_failures: int = Field(
@@ -314,6 +348,13 @@ class RunConfig(_Section):
     address: Optional[str] = Field(
         None, description="Ray cluster to join; default: $RAY_ADDRESS, else an embedded local instance."
     )
+
+    @field_validator("loggers")
+    @classmethod
+    def _loggers_once_each(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"each logger at most once, got {value}")
+        return value
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
 
 
@@ -321,7 +362,7 @@ class Config(_Section):
     """A whole run. Field order is the order `config.yaml` is written in."""
 
     name: str = Field("run", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$",
-                      description="Run name; the run directory is <run.storage_path>/<name>.")
+                      description="Run name; the run directory is `<run.storage_path>/<name>`.")
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -377,12 +418,15 @@ def _batch_error(cfg: Config, num_workers: Optional[int] = None) -> str:
     workers_ok = [w for w in range(1, 65) if g % (w * b) == 0]
     where = (f"scaling.num_workers={num_workers}" if num_workers
              else f"scaling.num_workers={_fmt_workers(cfg.scaling.num_workers)}")
+    micro_hint = (f"valid train.micro_batch_size for these workers: {micro_ok}; " if micro_ok
+                  else f"no train.micro_batch_size fits {where} with this global batch; ")
     return (
         f"train.global_batch_size={g} is not divisible by {where} x train.micro_batch_size={b}; "
         f"global_batch_size must equal workers x micro_batch_size x accumulation steps. "
-        f"Valid train.micro_batch_size for these workers: {micro_ok}; "
+        f"{micro_hint[0].upper()}{micro_hint[1:]}"
         f"valid train.global_batch_size: {global_ok}...; "
-        f"worker counts that work with these batch sizes: {workers_ok}"
+        + (f"worker counts that work with these batch sizes: {workers_ok}" if workers_ok
+           else "no worker count works with these batch sizes")
     )
 
 
@@ -470,6 +514,9 @@ def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[lis
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys, got {type(loaded).__name__}")
         data = loaded
+    storage = os.environ.get(STORAGE_ENV)
+    if storage and isinstance(data.get("run", {}), dict) and "storage_path" not in data.get("run", {}):
+        data = {**data, "run": {**data.get("run", {}), "storage_path": storage}}  # file and overrides win
     data = apply_overrides(data, list(overrides or []))
     return validate_config(data, source=str(path) if path else "<overrides>")
 

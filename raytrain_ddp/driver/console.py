@@ -2,18 +2,16 @@
 
 Owns: the console lines of `raytrain-ddp train` (derived numbers up front, nanoGPT-style;
 one line per metrics record; the outcome), and `final_metrics` for `summary.json`.
-Must not touch: Ray, training. Progress is read from `metrics.jsonl` by a thread that
-tails the file.
+Must not touch: Ray, training. Progress lines are printed as the records arrive from
+the workers (`ProgressPrinter` is one of the sinks of `driver/stream.py`'s recorder),
+not by reading a file back: the run directory may be a bucket.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import threading
 from pathlib import Path
-from typing import Any, Iterator, Optional, TextIO
+from typing import Any, Optional, TextIO
 
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import Config
@@ -70,6 +68,10 @@ def print_summary(summary: dict[str, Any]) -> None:
         parts.append(f"val_accuracy {100 * fm['val_accuracy']:.2f}%")
     out = sys.stdout if summary["status"] == "ok" else sys.stderr
     print("raytrain-ddp: " + " | ".join(parts), file=out, flush=True)
+    if summary["status"] == "interrupted":
+        where = (f"the same command continues from checkpoint {summary['checkpoint']}" if summary.get("checkpoint")
+                 else "no checkpoint yet: the same command starts from the beginning")
+        print(f"raytrain-ddp: interrupted at step {summary['steps']}; {where}", file=out, flush=True)
     if summary.get("error"):
         print(f"raytrain-ddp: error: {summary['error']}", file=out, flush=True)
     print(f"raytrain-ddp: run directory {summary['run_dir']}", flush=True)
@@ -108,53 +110,17 @@ def format_record(record: dict[str, Any], total_steps: Optional[int] = None) -> 
 
 
 class ProgressPrinter:
-    """Driver side: tails `metrics.jsonl` in a thread and prints each new line.
+    """Driver side: prints each metrics record as it arrives (a sink of the run's record stream)."""
 
-    Starts after the lines already in the file (a resumed run prints only its own).
-    """
-
-    def __init__(self, path: os.PathLike | str, total_steps: Optional[int] = None,
-                 out: TextIO = sys.stdout, poll_s: float = 0.5) -> None:
-        self.path = Path(path)
+    def __init__(self, total_steps: Optional[int] = None, out: TextIO = sys.stdout) -> None:
         self.total_steps = total_steps
         self.out = out
-        self.poll_s = poll_s
-        self._offset = self.path.stat().st_size if self.path.exists() else 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="raytrain-ddp-progress", daemon=True)
 
-    def __enter__(self) -> "ProgressPrinter":
-        self._thread.start()
-        return self
+    def record(self, record: dict[str, Any]) -> None:
+        print(format_record(record, self.total_steps), file=self.out, flush=True)
 
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._drain()
+    def flush(self) -> None:
+        pass
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            self._drain()
-
-    def _drain(self) -> None:
-        for record in self._new_records():
-            print(format_record(record, self.total_steps), file=self.out, flush=True)
-
-    def _new_records(self) -> Iterator[dict[str, Any]]:
-        if not self.path.exists():
-            return
-        size = self.path.stat().st_size
-        if size < self._offset:  # rewritten by truncate_after on resume
-            self._offset = 0
-        with open(self.path) as handle:
-            handle.seek(self._offset)
-            chunk = handle.read()
-        complete, _, _ = chunk.rpartition("\n")
-        if not complete:
-            return
-        self._offset += len(complete.encode()) + 1
-        for line in complete.splitlines():
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                continue
+    def close(self, status: str) -> None:
+        pass

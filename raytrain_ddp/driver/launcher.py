@@ -19,8 +19,21 @@ Decisions, and why:
   map to `FailureConfig(max_preemption_failures, preemption_grace_s,
   relax_collectives_on_preemption = preemption_grace_s > 0)` (grace only helps if Ray's
   checkpoint report may finish without the preempted ranks).
-* `attempts` in `summary.json` counts worker-group starts of this fit (rank 0 appends
-  to `attempts.jsonl` at every start), so a run that survived one worker failure has 2.
+* `attempts` in `summary.json` counts worker-group starts of this fit (rank 0 registers
+  each with the driver's mailbox), so a run that survived one worker failure has 2.
+* The run directory may be in object storage (`run.storage_path: s3://...`): the driver
+  reads and writes it through `rundir.Location` (pyarrow.fs) and hands Ray Train the same
+  filesystem (`RunConfig(storage_filesystem=...)`); workers never open it -- their
+  records come through the mailbox (`driver/stream.py`), their checkpoints go up and
+  come back through Ray. A multi-node cluster given a local `run.storage_path` gets a
+  warning: unless every node mounts that path, checkpoints would scatter over the nodes.
+* The embedded instance is always a new one (`ray.init(address="local")`): a Ray address
+  file left by a killed `ray start`, or another local cluster, is neither joined by
+  accident nor a traceback. Joining is on purpose (`run.address`, $RAY_ADDRESS) and said.
+* Ctrl-C during `fit` aborts Ray Train's controller (what Ray's own handler does, which
+  would then `sys.exit(0)` silently), so the driver can still write `summary.json`
+  (status `interrupted`) and say how to continue; `run_training`'s `finally` stops the
+  embedded Ray instance, and the CLI exits 130.
 * `RAYTRAIN_DDP_*` environment variables of the driver are forwarded to the workers
   (tests name their hooks there: `RAYTRAIN_DDP_HOOKS`, see `worker/hooks.py`).
 * The user's model factory, loss and preprocess (`raytrain_ddp.user`) are imported and
@@ -31,9 +44,12 @@ Decisions, and why:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import signal
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -42,10 +58,18 @@ from typing import Any, Optional
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import Config
 from raytrain_ddp.driver.console import ProgressPrinter, final_metrics, print_plan, print_summary
-from raytrain_ddp.driver.resume import resolve_resume
+from raytrain_ddp.driver import ray_console
+from raytrain_ddp.driver.placement import Unschedulable, wait_for_placement, worker_resources
+from raytrain_ddp.driver.preflight import preflight
+from raytrain_ddp.driver.resume import (
+    check_something_to_train, prune_checkpoints, record_config, resolve_resume, restore_config_if_untrained,
+)
+from raytrain_ddp.driver.sinks import check_loggers, make_sinks
+from raytrain_ddp.driver.stream import Recorder, open_mailbox
 from raytrain_ddp.job import Job
 from raytrain_ddp.rundir import (
-    ABORT_FILE, ATTEMPTS_FILE, CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, read_jsonl, read_metrics, run_dir_of,
+    ABORT_FILE, ATTEMPTS_FILE, METRICS_FILE, SUMMARY_FILE, Location, is_object_store, read_jsonl, read_metrics,
+    run_dir_of,
 )
 
 DATA_HEADROOM_CPUS = 2
@@ -63,13 +87,17 @@ def run_training(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, 
 
     if code is None:
         cfg, code = resolve(cfg)  # an import path that does not import fails here
+    preflight(cfg)  # a relative storage path under a Ray job, a machine too small (driver/preflight.py)
     run_dir = run_dir_of(cfg)
     resume_from = resolve_resume(cfg, run_dir)
+    check_something_to_train(cfg, resume_from)  # a finished run: exit 3 before Ray, config.yaml untouched
     # Bad parquet or user code fails here, before Ray or any worker starts (Ray Datasets
     # given from Python are sampled through Ray, once connected).
     checked = precheck(cfg, code) if datasets is None else None
+    check_loggers(cfg)
     started_here = connect_user_code(cfg, code)
     try:
+        warn_local_storage(cfg)
         return _fit(cfg, run_dir, resume_from, checked or precheck(cfg, code, datasets), code, datasets)
     finally:
         if started_here:
@@ -108,16 +136,35 @@ def connect_ray(cfg: Config, runtime_env: Optional[dict[str, Any]] = None) -> bo
     if ray.is_initialized():
         return False
     address = cfg.run.address or os.environ.get("RAY_ADDRESS")
+    level = ray_console.before_init()  # what of Ray's output reaches the console: ray_console.py
     if address:
-        ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
+        print(f"raytrain-ddp: joining the Ray cluster at {address}", flush=True)
+        ray.init(address=address, log_to_driver=True, logging_level=level, runtime_env=runtime_env)
+        ray_console.after_init()
         return False
     cores = os.cpu_count() or 1
     needed = math.ceil(cfg.scaling.max_workers * cfg.scaling.cpus_per_worker) + DATA_HEADROOM_CPUS
     # The dashboard stays on (bound to 127.0.0.1): Ray Train's placement-group cleaner
     # polls the state API it serves, and warns every few seconds without it.
-    ray.init(num_cpus=max(cores, needed), include_dashboard=True, dashboard_host="127.0.0.1",
-             _node_ip_address="127.0.0.1", log_to_driver=True, logging_level="WARNING", runtime_env=runtime_env)
+    # address="local": a new instance even if an address file or another cluster is around.
+    ray.init(address="local", num_cpus=max(cores, needed), include_dashboard=True, dashboard_host="127.0.0.1",
+             _node_ip_address="127.0.0.1", log_to_driver=True, logging_level=level, runtime_env=runtime_env)
+    ray_console.after_init()
     return True
+
+
+def warn_local_storage(cfg: Config) -> None:
+    """Say so when a cluster of several nodes is given a local run.storage_path."""
+    import ray
+
+    if is_object_store(cfg.run.storage_path):
+        return
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if len(nodes) > 1:
+        print(f"raytrain-ddp: warning: run.storage_path={cfg.run.storage_path!r} is a local path, but the Ray "
+              f"cluster has {len(nodes)} nodes: unless every node mounts it at that path (NFS), checkpoints and "
+              "resume break. Use object storage: run.storage_path=s3://BUCKET/PREFIX (or gs://, abfs://)",
+              file=sys.stderr, flush=True)
 
 
 def prepare_job(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, Any]] = None) -> dict[str, Any]:
@@ -141,7 +188,7 @@ def prepare_job(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, A
     return {"train_loop_config": {"job": job}, "datasets": prepared.datasets, "dataset_config": prepared.data_config}
 
 
-def _prepare(cfg: Config, run_dir: Path, resume_from: Optional[Path], checked: Any, code: Any,
+def _prepare(cfg: Config, run_dir: Location, resume_from: Any, checked: Any, code: Any,
              given: Optional[dict[str, Any]]) -> tuple[Job, Any, int]:
     """Datasets, the run directory's config.yaml, the `Job` and the plan printed: (job, prepared, total steps)."""
     import ray.data
@@ -150,22 +197,23 @@ def _prepare(cfg: Config, run_dir: Path, resume_from: Optional[Path], checked: A
 
     ray.data.DataContext.get_current().enable_progress_bars = False
     prepared = prepare_datasets(cfg, checked, code, given)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / CONFIG_FILE).write_text(cfg.to_yaml())
+    run_dir.mkdir()
+    fit_id = uuid.uuid4().hex
+    record_config(cfg, run_dir, resume_from, fit_id)  # config.yaml + config-history.jsonl (resume.py)
     for stale in (SUMMARY_FILE, ABORT_FILE):
-        (run_dir / stale).unlink(missing_ok=True)
+        (run_dir / stale).delete()
 
     steps_per_epoch = prepared.spec.train_rows // cfg.train.global_batch_size
     total_steps = cfg.train.max_steps or cfg.train.epochs * steps_per_epoch
-    job = Job(cfg=cfg, spec=prepared.spec, run_dir=str(run_dir), fit_id=uuid.uuid4().hex,
-              resume_from=str(resume_from) if resume_from else None,
+    job = Job(cfg=cfg, spec=prepared.spec, run_dir=str(run_dir), fit_id=fit_id,
+              resume_from=Location.parse(resume_from) if resume_from else None,
               user_code=code.dumps() if code.custom else None)
     params = checked.pipeline.params if checked.pipeline else None
     print_plan(cfg, prepared.spec, run_dir, steps_per_epoch, total_steps, resume_from, params)
     return job, prepared, total_steps
 
 
-def _fit(cfg: Config, run_dir: Path, resume_from: Optional[Path], checked: Any, code: Any,
+def _fit(cfg: Config, run_dir: Location, resume_from: Any, checked: Any, code: Any,
          given: Optional[dict[str, Any]]) -> dict[str, Any]:
     import ray.data
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
@@ -175,6 +223,7 @@ def _fit(cfg: Config, run_dir: Path, resume_from: Optional[Path], checked: Any, 
     from raytrain_ddp.worker.loop import train_loop_per_worker
 
     job, prepared, total_steps = _prepare(cfg, run_dir, resume_from, checked, code, given)
+    job = dataclasses.replace(job, mailbox=open_mailbox())
     env_vars = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -183,11 +232,11 @@ def _fit(cfg: Config, run_dir: Path, resume_from: Optional[Path], checked: Any, 
                                  timeout_s=int(math.ceil(cfg.parallel.collective_timeout_s))),
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
-            resources_per_worker={"CPU": cfg.scaling.cpus_per_worker, **({"GPU": 1} if cfg.scaling.use_gpu else {})},
+            resources_per_worker=worker_resources(cfg),
             elastic_resize_monitor_interval_s=cfg.scaling.resize_interval_s,
         ),
         run_config=RunConfig(
-            name=cfg.name, storage_path=str(run_dir.parent),
+            name=cfg.name, **_storage(run_dir),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.num_to_keep),
             failure_config=FailureConfig(
                 max_failures=cfg.run.max_failures,
@@ -203,28 +252,94 @@ def _fit(cfg: Config, run_dir: Path, resume_from: Optional[Path], checked: Any, 
     )
     started = time.time()
     status, error = "ok", None
-    with ProgressPrinter(run_dir / METRICS_FILE, total_steps):
-        try:
-            result = trainer.fit()
-            if result.error is not None:  # pragma: no cover - fit raises in V2, kept for safety
-                raise result.error
-        except Exception as exc:  # noqa: BLE001 - reported in summary.json and printed
-            status, error = "failed", _root_message(exc)
-    abort = run_dir / ABORT_FILE
-    if status == "ok" and abort.exists():
-        status, error = "aborted", json.loads(abort.read_text()).get("reason")
-    summary = build_summary(job, status=status, error=error, elapsed_s=time.time() - started)
+    interrupt = _Interrupt()
+    # Ray 2.60 calls this (main thread only) to install its SIGINT handler; ours aborts
+    # the same way but lets the driver finish (see the module docstring).
+    trainer._register_sigint_handler = interrupt.register
+    recorder = Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir)],
+                        job.mailbox, write_metrics="jsonl" in cfg.run.loggers)
+    try:
+        with recorder:
+            try:
+                if (unplaced := wait_for_placement(cfg)) is not None:  # bounded wait, status lines
+                    raise Unschedulable(unplaced)
+                result = trainer.fit()
+                if result.error is not None:  # pragma: no cover - fit raises in V2, kept for safety
+                    raise result.error
+            except Unschedulable as exc:
+                status, error = "unschedulable", str(exc)
+            except KeyboardInterrupt:
+                status = "interrupted"
+                interrupt.abort()
+            except Exception as exc:  # noqa: BLE001 - reported in summary.json and printed
+                status, error = ("interrupted", None) if interrupt.fired else ("failed", _root_message(exc))
+            finally:
+                interrupt.restore()
+    except KeyboardInterrupt:  # a second Ctrl-C while the last records were written
+        status = "interrupted"
+    if status == "ok" and recorder.abort is not None:
+        status, error = "aborted", recorder.abort.get("reason")
+    prune_checkpoints(run_dir, cfg.run.num_to_keep)  # run.num_to_keep over all fits, not only this one
+    restore_config_if_untrained(run_dir, job.fit_id)
+    summary = build_summary(job, status=status, error=error, elapsed_s=time.time() - started, recorder=recorder)
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    recorder.close(status)
     print_summary(summary)
     return summary
 
 
-def build_summary(job: Job, *, status: str, error: Optional[str], elapsed_s: float) -> dict[str, Any]:
-    run_dir = Path(job.run_dir)
+def _storage(run_dir: Location) -> dict[str, Any]:
+    """Where Ray Train keeps checkpoints: the run directory's parent, on its filesystem."""
+    parent = run_dir.parent
+    if parent.is_local:
+        return {"storage_path": parent.path}
+    return {"storage_path": parent.path, "storage_filesystem": parent.fs}
+
+
+class _Interrupt:
+    """Ctrl-C while `fit` runs: abort Ray Train's controller, and remember that it was asked for."""
+
+    def __init__(self) -> None:
+        self.fired = False
+        self.controller: Any = None
+        self._previous: Any = None
+
+    def register(self, controller: Any) -> None:
+        self.controller = controller
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.fired:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop waiting for the workers
+        print("raytrain-ddp: interrupted: stopping the workers (Ctrl-C again to stop waiting)",
+              file=sys.stderr, flush=True)
+        self.abort()
+
+    def abort(self) -> None:
+        self.fired = True
+        if self.controller is not None:
+            try:
+                self.controller.abort.remote()  # the controller stops the workers, then exits
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+
+def build_summary(job: Job, *, status: str, error: Optional[str], elapsed_s: float,
+                  recorder: Optional[Recorder] = None) -> dict[str, Any]:
+    """The outcome; records and attempts from the recorder (else read back from the run directory)."""
+    run_dir = recorder.run_dir if recorder is not None else Location.parse(job.run_dir)
     latest = ckpt.load_latest_valid(ckpt.find_checkpoints(run_dir))
     manifest = ckpt.read_manifest(latest[1]) if latest else {}
-    attempts = [r for r in read_jsonl(run_dir / ATTEMPTS_FILE) if r.get("fit_id") == job.fit_id]
-    records = read_metrics(run_dir / METRICS_FILE)
+    if recorder is not None:
+        attempts, records = recorder.fit_attempts(), recorder.records
+    else:
+        attempts = [r for r in read_jsonl(run_dir / ATTEMPTS_FILE) if r.get("fit_id") == job.fit_id]
+        records = read_metrics(run_dir / METRICS_FILE)
     # steps done: the checkpoint's, or further if steps ran after it (an abort, a failure)
     steps = max([int(manifest.get("step", 0))] + [int(r.get("step", 0)) for r in records[-1:]])
     summary: dict[str, Any] = {
@@ -235,11 +350,13 @@ def build_summary(job: Job, *, status: str, error: Optional[str], elapsed_s: flo
         "attempts": len(attempts),
         "final_metrics": final_metrics(records),
         "checkpoint": str(latest[1]) if latest else None,
-        "resumed_from": job.resume_from,
+        "resumed_from": str(job.resume_from) if job.resume_from else None,
         "workers": attempts[-1]["world_size"] if attempts else None,
         "elapsed_s": round(elapsed_s, 2),
         "fit_id": job.fit_id,
     }
+    if recorder is not None:
+        summary["checkpoints"] = recorder.checkpoint_summary()
     if error:
         summary["error"] = error
     return summary

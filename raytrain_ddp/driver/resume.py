@@ -34,46 +34,52 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import Config
 from raytrain_ddp.errors import CheckpointError, UserError
+from raytrain_ddp.rundir import Location
 
 
 class ResumeError(UserError):
     """`run.resume` cannot be honoured (no checkpoint, a bad path, an existing run)."""
 
 
-def resolve_resume(cfg: Config, run_dir: Path) -> Optional[Path]:
-    """The checkpoint this run starts from, per `run.resume` (see the module docstring)."""
+def resolve_resume(cfg: Config, run_dir: Union[Path, Location]) -> Optional[Union[Path, Location]]:
+    """The checkpoint this run starts from, per `run.resume` (see the module docstring).
+
+    Listing and verifying go through pyarrow.fs, so `run_dir` may be local or in object
+    storage; the answer is a `Path` for a local checkpoint, else a `Location`.
+    """
     mode = cfg.run.resume
+    where = Location.parse(run_dir)
     if mode == "never":
-        if run_dir.exists() and any(run_dir.iterdir()):
+        if where.exists() and not where.is_empty_dir():
             raise ResumeError(
-                f"run.resume=never but run directory {run_dir} already exists; "
+                f"run.resume=never but run directory {where} already exists; "
                 "choose another name, delete it, or use run.resume=latest"
             )
         return None
     if mode in (None, "latest"):
-        found = ckpt.load_latest_valid(ckpt.find_checkpoints(run_dir))
+        found = ckpt.load_latest_valid(ckpt.find_checkpoints(where))
         if found is None:
             if mode == "latest":
                 raise ResumeError(
-                    f"run.resume=latest but {run_dir} holds no valid checkpoint; "
+                    f"run.resume=latest but {where} holds no valid checkpoint; "
                     "train without run.resume first, or pass run.resume=PATH"
                 )
             return None
         check_resume_config(cfg, found[0], found[1])
-        return found[1]
-    path = Path(mode).expanduser().resolve()
+        return found[1].plain()
     try:
+        path = Location.parse(mode)
         state = ckpt.load_checkpoint(path)
-    except CheckpointError as exc:
+    except (CheckpointError, OSError, ValueError) as exc:
         raise ResumeError(f"run.resume={mode!r}: {exc}") from None
     path = path.parent if path.is_file() else path
     check_resume_config(cfg, state, path)
-    return path
+    return path.plain()
 
 
 RESUME_FREE = ("name", "scaling.", "run.", "parallel.", "train.micro_batch_size", "train.epochs",
@@ -82,7 +88,7 @@ RESUME_REFUSED = ("model.",)
 RESUME_EPOCH_BOUNDARY = ("data.", "train.global_batch_size", "train.seed")
 
 
-def check_resume_config(cfg: Config, state: dict[str, Any], path: Path) -> list[str]:
+def check_resume_config(cfg: Config, state: dict[str, Any], path: Any) -> list[str]:
     """Refuse resumes that cannot continue the run; warn about ones that change it.
 
     Returns the warned keys (see the module docstring for the three classes).

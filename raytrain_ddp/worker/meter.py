@@ -1,31 +1,33 @@
 """What rank 0 records about the run, and the step timing behind it.
 
 Owns: the lines of `metrics.jsonl` (what a line holds and the log cadence), the
-attempt record in `attempts.jsonl`, `abort.json`, and `StepMeter` (wall time, data wait
-and all-reduce traffic between two log lines). Must not touch: the model, Ray, reading
-the files back (the driver's console does that).
+attempt record in `attempts.jsonl`, the abort record, `Outbox` (rank 0's end of the
+record stream) and `StepMeter` (wall time, data wait and all-reduce traffic between two
+log lines). Must not touch: the model, the run directory's files (the driver writes
+them from the stream, `driver/stream.py`), reading them back.
 
-Why our own file: Ray Train V2 keeps reported metrics only next to checkpoints, so the
-history of a run lives in `metrics.jsonl`, written by rank 0 only (every rank's step
-takes the same wall time: the gradient all-reduce synchronises them).
+Why a stream and not a file: on a cluster the run directory may be a bucket, or a disk
+only the driver's node has. Rank 0 sends each record to the driver's mailbox actor
+(fire-and-forget) and the driver writes it; only rank 0 sends (every rank's step takes
+the same wall time: the gradient all-reduce synchronises them). Why our own history at
+all: Ray Train V2 keeps reported metrics only next to checkpoints.
 
-Train lines carry `step`, `epoch`, `loss`, `lr`, `samples_per_s`, `data_wait_fraction`,
-`allreduce_calls`, `allreduce_bytes` (per optimizer step, averaged over the steps since
-the previous line), `nonfinite_steps` (cumulative) and `attempt`. Validation lines carry
-`step`, `epoch`, `val_loss` and, for classifiers, `val_accuracy`.
+Train lines carry `step`, `epoch`, `time` (wall clock, epoch seconds), `loss`, `lr`,
+`samples_per_s`, `data_wait_fraction`, `allreduce_calls`, `allreduce_bytes` (per
+optimizer step, averaged over the steps since the previous line),
+`checkpoint_blocked_s` (seconds the step loop waited for checkpoints since the previous
+line), `nonfinite_steps` (cumulative) and `attempt`. Validation lines carry `step`,
+`epoch`, `time`, `val_loss` and, for classifiers, `val_accuracy`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import json
 import math
-import os
 import time
-from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from raytrain_ddp import rundir
 from raytrain_ddp.job import Job
 from raytrain_ddp.parallel.collectives import from_main
 from raytrain_ddp.worker.context import Rank
@@ -90,56 +92,75 @@ class StepMeter:
         return out
 
 
-class MetricsWriter:
-    """Appends one JSON object per line, flushed at once so the driver can tail it.
+class Outbox:
+    """Rank 0's end of the record stream; a no-op on other ranks and without a mailbox.
 
-    Disabled (a no-op) on every rank but 0.
+    `send` does not wait (a Ray actor call whose result nobody reads); `flush` is one
+    round trip, after which every earlier send has reached the mailbox (calls from one
+    sender run in order), so nothing is lost when the worker exits right after.
     """
 
-    def __init__(self, path: os.PathLike | str, enabled: bool = True) -> None:
-        self.path = Path(path)
-        self.enabled = enabled
+    def __init__(self, mailbox: Any, enabled: bool = True) -> None:
+        self.mailbox = mailbox if enabled else None
+        self.attempt = 0
+        self.seq = 0
 
-    def write(self, record: dict[str, Any]) -> None:
-        if self.enabled:
-            rundir.append_jsonl(self.path, record)
+    def start_attempt(self, record: dict[str, Any]) -> int:
+        """This worker group's attempt number (1, 2, ...), counted by the driver's mailbox."""
+        self.attempt = int(self._call("attempt", record, wait=True) or 1) if self.mailbox is not None else 1
+        self.seq = 0
+        return self.attempt
 
-    def truncate_after(self, step: int) -> None:
-        """Drop lines past `step` (a resumed run redoes those steps; keep one history)."""
-        if self.enabled and self.path.exists():
-            rundir.rewrite_jsonl(self.path, [r for r in rundir.read_metrics(self.path) if r.get("step", 0) <= step])
+    def send(self, kind: str, **fields: Any) -> None:
+        if self.mailbox is not None:
+            self.seq += 1
+            self._call("put", {"kind": kind, "attempt": self.attempt, "seq": self.seq, **fields}, wait=False)
+
+    def flush(self) -> None:
+        if self.mailbox is not None:
+            self._call("flush", wait=True)
+
+    def _call(self, method: str, *args: Any, wait: bool) -> Any:
+        fn = getattr(self.mailbox, method)
+        if hasattr(fn, "remote"):  # the mailbox actor
+            ref = fn.remote(*args)
+            if wait:
+                import ray
+
+                return ray.get(ref)
+            return None
+        result = fn(*args)  # an in-process mailbox (tests without Ray)
+        return asyncio.run(result) if asyncio.iscoroutine(result) else result
 
 
 class RunLog:
     """Rank 0's record of this worker group: its attempt number, metrics lines, abort.
 
     Every rank holds one (the attempt number is broadcast, the meter runs everywhere);
-    only rank 0 writes. A train line is written every `run.log_every_steps`, on the last
+    only rank 0 sends. A train line is sent every `run.log_every_steps`, on the last
     step and on an epoch's last step, averaged over the steps since the previous line.
     """
 
     def __init__(self, job: Job, rank: Rank, state: Any, data: Any, total_steps: int) -> None:
         self.job, self.rank, self.state, self.data = job, rank, state, data
         self.total_steps = total_steps
-        self.run_dir = Path(job.run_dir)
-        self.writer = MetricsWriter(self.run_dir / rundir.METRICS_FILE, enabled=rank.is_main)
+        self.outbox = Outbox(getattr(job, "mailbox", None), enabled=rank.is_main)
         self.attempt = self._record_attempt()
         self.meter = StepMeter(job.cfg.train.global_batch_size, data.wait_seconds, state.wrapper.comm_stats)
         self.last_loss = math.nan
+        self._blocked_s = 0.0  # checkpoint time the step loop waited for, since the previous line
 
     def _record_attempt(self) -> int:
-        """Rank 0 appends this worker-group start to attempts.jsonl; every rank learns the number."""
+        """Rank 0 registers this worker-group start with the driver; every rank learns the number."""
         number = 0
         if self.rank.is_main:
-            path = self.run_dir / rundir.ATTEMPTS_FILE
-            number = 1 + sum(1 for r in rundir.read_jsonl(path) if r.get("fit_id") == self.job.fit_id)
-            rundir.append_jsonl(path, {"fit_id": self.job.fit_id, "attempt": number,
-                                       "world_size": self.rank.world_size, "time": time.time()})
+            number = self.outbox.start_attempt({"fit_id": self.job.fit_id, "world_size": self.rank.world_size,
+                                                "time": time.time()})
         return from_main(number, self.rank.device)
 
     def resumed_at(self, step: int) -> None:
-        """Steps past the checkpoint are redone: drop their lines, keep one history."""
-        self.writer.truncate_after(step)
+        """Steps past the checkpoint are redone: the driver drops their lines (one history)."""
+        self.outbox.send("resumed", step=step)
         self.meter = StepMeter(self.job.cfg.train.global_batch_size, self.data.wait_seconds,
                                self.state.wrapper.comm_stats)
 
@@ -148,21 +169,27 @@ class RunLog:
         self.last_loss = result.loss
         step = self.state.progress.step
         if step % self.job.cfg.run.log_every_steps == 0 or step >= self.total_steps or end_of_epoch:
-            self.writer.write({"step": step, "epoch": epoch + 1, "loss": result.loss, "lr": result.lr,
-                               **self._window()})
+            self._line({"step": step, "epoch": epoch + 1, "time": time.time(), "loss": result.loss,
+                        "lr": result.lr, **self._window()})
 
     def validation(self, epoch: int, val: dict[str, float]) -> dict[str, float]:
         if val:
-            self.writer.write({"step": self.state.progress.step, "epoch": epoch + 1, **val})
+            self._line({"step": self.state.progress.step, "epoch": epoch + 1, "time": time.time(), **val})
+        self.outbox.flush()  # the epoch's lines are with the driver before its checkpoint
         return val
+
+    def checkpoint_saved(self, step: int, name: str, blocked_s: float) -> None:
+        """A checkpoint held the step loop for `blocked_s` (counted into the next train line)."""
+        self._blocked_s += blocked_s
+        self.outbox.send("checkpoint", step=step, name=name, blocked_s=blocked_s)
 
     def abort(self, reason: str) -> None:
         """Every rank stops together (non-finite policy): the failed step's line and why."""
         progress = self.state.progress
-        self.writer.write({"step": progress.step + 1, "epoch": progress.epoch + 1, "loss": math.nan,
-                           "lr": self.state.schedule.lr, **self._window()})
-        if self.rank.is_main:
-            (self.run_dir / rundir.ABORT_FILE).write_text(json.dumps({"step": progress.step + 1, "reason": reason}))
+        self._line({"step": progress.step + 1, "epoch": progress.epoch + 1, "time": time.time(), "loss": math.nan,
+                    "lr": self.state.schedule.lr, **self._window()})
+        self.outbox.send("abort", record={"step": progress.step + 1, "reason": reason})
+        self.outbox.flush()
         self.rank.say(f"aborting: {reason}")
 
     @contextlib.contextmanager
@@ -174,6 +201,17 @@ class RunLog:
         finally:
             self.meter.resume(self.data.wait_seconds)
 
+    def _line(self, record: dict[str, Any]) -> None:
+        if self.rank.is_main:
+            self.outbox.send("metrics", record={k: _plain(v) for k, v in record.items()})
+
     def _window(self) -> dict[str, Any]:
-        return {"nonfinite_steps": self.state.progress.nonfinite_steps, "attempt": self.attempt,
-                **self.meter.summarize(self.data.wait_seconds, self.state.wrapper.comm_stats)}
+        blocked, self._blocked_s = self._blocked_s, 0.0
+        return {**self.meter.summarize(self.data.wait_seconds, self.state.wrapper.comm_stats),
+                "checkpoint_blocked_s": blocked,
+                "nonfinite_steps": self.state.progress.nonfinite_steps, "attempt": self.attempt}
+
+
+def _plain(value: Any) -> Any:
+    """Python numbers (a tensor or numpy scalar does not travel as a metric)."""
+    return value.item() if hasattr(value, "item") else value

@@ -6,6 +6,7 @@ A world-size-1 gloo group (file store, no ports) stands in for Ray Train's proce
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import load_config
 from raytrain_ddp.driver.resume import ResumeError, resolve_resume
+from raytrain_ddp.driver.stream import Mailbox
 from raytrain_ddp.job import DataSpec, Job
 from raytrain_ddp.testing.hooks import FaultPlan, TestHooks
 from raytrain_ddp.worker.context import Rank
@@ -138,6 +140,7 @@ def test_checkpoint_is_one_entry_per_component_and_round_trips(group, tmp_path):
     train_step(fresh, _window(9), 2, cfg.train, RANK)
     for a, b in zip(parts.params, fresh.params):
         assert torch.allclose(a, b)
+    job = dataclasses.replace(job, mailbox=Mailbox())  # the driver's mailbox, in process
     assert RunLog(job, RANK, parts, _Data(), 10).attempt == 1 and RunLog(job, RANK, parts, _Data(), 10).attempt == 2
 
 

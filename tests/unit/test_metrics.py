@@ -2,34 +2,33 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
-import json
 import time
 
 import pytest
 
 from raytrain_ddp.errors import UserError
 from raytrain_ddp.driver.console import ProgressPrinter, final_metrics, format_record
-from raytrain_ddp.rundir import read_metrics
-from raytrain_ddp.worker.meter import MetricsWriter, StepMeter
+from raytrain_ddp.driver.stream import Mailbox
+from raytrain_ddp.rundir import JsonlFile, Location
+from raytrain_ddp.worker.meter import Outbox, StepMeter
 from raytrain_ddp.ops.plot import plot_run
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_writer_appends_lines_only_on_rank0_and_truncates_for_resume(tmp_path):
-    path = tmp_path / "metrics.jsonl"
-    MetricsWriter(path, enabled=False).write({"step": 1, "loss": 1.0})
-    assert not path.exists()
-    writer = MetricsWriter(path)
-    for step in (1, 2, 3):
-        writer.write({"step": step, "loss": 1.0 / step})
-    writer.write({"step": 3, "val_loss": 0.5, "val_accuracy": 0.9})
-    with open(path, "a") as handle:
-        handle.write('{"step": 4, "lo')  # a writer killed mid-line
-    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3, 3]
-    writer.truncate_after(2)
-    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+def test_rank0_outbox_numbers_attempts_and_keeps_the_order_of_its_sends():
+    mailbox = Mailbox()  # in process: the actor's class, called directly
+    box = Outbox(mailbox)
+    assert box.start_attempt({"fit_id": "f"}) == 1 and Outbox(mailbox).start_attempt({"fit_id": "f"}) == 2
+    box.send("metrics", record={"step": 1})
+    box.send("resumed", step=0)
+    Outbox(mailbox, enabled=False).send("metrics", record={"step": 99})  # not rank 0: nothing
+    box.flush()
+    events = asyncio.run(mailbox.take(0.0))
+    assert [(e["kind"], e.get("attempt"), e["seq"]) for e in events] == [
+        ("attempt", 1, 0), ("attempt", 2, 0), ("metrics", 1, 1), ("resumed", 1, 2)]
 
 
 def test_final_metrics_overlays_last_validation_on_last_train_line():
@@ -57,15 +56,12 @@ def test_step_meter_averages_over_the_window_and_ignores_paused_time():
     assert again["allreduce_calls"] == 0 and again["samples_per_s"] == 0
 
 
-def test_format_and_progress_printer_tail_new_lines_only(tmp_path):
-    path = tmp_path / "metrics.jsonl"
-    path.write_text(json.dumps({"step": 1, "loss": 9.0}) + "\n")  # an earlier fit's line
+def test_format_and_progress_printer_prints_each_record_as_it_arrives():
     out = io.StringIO()
-    with ProgressPrinter(path, total_steps=20, out=out, poll_s=0.01):
-        writer = MetricsWriter(path)
-        writer.write({"step": 10, "epoch": 1, "loss": 0.25, "lr": 1e-3, "samples_per_s": 1234.5,
-                      "data_wait_fraction": 0.1})
-        writer.write({"step": 10, "epoch": 1, "val_loss": 0.2, "val_accuracy": 0.955})
+    printer = ProgressPrinter(total_steps=20, out=out)
+    printer.record({"step": 10, "epoch": 1, "time": 1.7e9, "loss": 0.25, "lr": 1e-3, "samples_per_s": 1234.5,
+                    "data_wait_fraction": 0.1, "checkpoint_blocked_s": 0.01})
+    printer.record({"step": 10, "epoch": 1, "val_loss": 0.2, "val_accuracy": 0.955})
     lines = out.getvalue().splitlines()
     assert lines == [
         "step 10/20 | epoch 1 | loss 0.2500 | lr 1.00e-03 | 1,234 samples/s | data wait 10%",
@@ -75,11 +71,12 @@ def test_format_and_progress_printer_tail_new_lines_only(tmp_path):
 
 
 def test_plot_writes_a_png_and_rejects_an_empty_run(tmp_path):
-    writer = MetricsWriter(tmp_path / "metrics.jsonl")
+    writer = JsonlFile(Location.parse(tmp_path / "metrics.jsonl"))
     for step in range(1, 11):
-        writer.write({"step": step, "epoch": 1, "loss": 2.0 / step, "samples_per_s": 1000.0 + step})
+        writer.append([{"step": step, "epoch": 1, "loss": 2.0 / step, "samples_per_s": 1000.0 + step}])
         if step % 5 == 0:
-            writer.write({"step": step, "epoch": 1, "val_loss": 1.0 / step, "val_accuracy": 0.5 + step / 40})
+            writer.append([{"step": step, "epoch": 1, "val_loss": 1.0 / step, "val_accuracy": 0.5 + step / 40}])
+    writer.flush()
     out = plot_run(tmp_path)
     assert out == tmp_path / "curves.png"
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000

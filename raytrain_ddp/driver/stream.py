@@ -1,0 +1,225 @@
+"""The run's record stream: rank 0 -> Ray -> the driver, which writes it and shows it.
+
+Owns: `Mailbox` (a small actor the driver owns, on the driver's node: rank 0 puts
+events, the driver takes them) and `Recorder` (the driver's side: a thread that takes
+the events and hands them on -- `metrics.jsonl`, `attempts.jsonl` and `abort.json` in
+the run directory, the console's progress lines, and the optional TensorBoard / MLflow
+sinks). Must not touch: what a record holds (`worker/meter.py` makes them), training.
+
+Why an actor and not files: on a cluster whose nodes do not share a filesystem, rank 0
+cannot write the run directory the driver reads (and object stores cannot be appended
+to). Why not `ray.train.report` for metrics: each report waits for Ray Train's
+controller to poll (2 s), and V2 keeps reported metrics only next to checkpoints.
+Sending to the mailbox is fire-and-forget for rank 0 (`.remote()` without waiting);
+the driver long-polls (`take` returns as soon as anything arrived), so a line reaches
+the run directory within milliseconds of being made.
+
+Events (dicts, in the order rank 0 sent them: each carries its `attempt` and a `seq`
+counted from the attempt's start, which restore that order should Ray deliver two calls
+of an async actor out of order):
+    {"kind": "attempt",   "record": {...}}   a worker group started (attempts.jsonl)
+    {"kind": "metrics",   "record": {...}}   a train or validation line (metrics.jsonl)
+    {"kind": "resumed",   "step": N}         lines past step N are redone: drop them
+    {"kind": "abort",     "record": {...}}   every rank stopped together (abort.json)
+    {"kind": "checkpoint", "step": N, "name": ..., "blocked_s": ...}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from typing import Any, Optional
+
+from raytrain_ddp.rundir import ABORT_FILE, ATTEMPTS_FILE, METRICS_FILE, JsonlFile, Location
+
+logger = logging.getLogger(__name__)
+
+REMOTE_FLUSH_S = 1.0  # object stores: rewrite metrics.jsonl at most this often (one PUT each)
+
+
+class Mailbox:
+    """The actor's class: a buffer of events, and the attempt counter of one fit."""
+
+    def __init__(self) -> None:
+        self._events: list[dict[str, Any]] = []
+        self._attempts = 0
+        self._arrived: Optional[asyncio.Event] = None
+
+    def _signal(self) -> asyncio.Event:
+        if self._arrived is None:  # created inside the actor's event loop
+            self._arrived = asyncio.Event()
+        return self._arrived
+
+    async def attempt(self, record: dict[str, Any]) -> int:
+        """Number this worker-group start (1, 2, ...) and queue its attempts.jsonl line."""
+        self._attempts += 1
+        self._events.append({"kind": "attempt", "attempt": self._attempts, "seq": 0,
+                             "record": {**record, "attempt": self._attempts}})
+        self._signal().set()
+        return self._attempts
+
+    async def put(self, event: dict[str, Any]) -> None:
+        self._events.append(event)
+        self._signal().set()
+
+    async def flush(self) -> bool:
+        """Returns once every earlier `put` of the caller has been queued (a round trip)."""
+        return True
+
+    async def take(self, timeout_s: float) -> list[dict[str, Any]]:
+        """Everything queued so far; waits up to `timeout_s` for the first event."""
+        if not self._events:
+            try:
+                await asyncio.wait_for(self._signal().wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        events, self._events = self._events, []
+        self._signal().clear()
+        return events
+
+
+def open_mailbox() -> Any:
+    """Start the mailbox actor on the driver's node; it dies with the driver."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    actor = ray.remote(num_cpus=0, max_restarts=0)(Mailbox).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=True))
+    return actor.remote()
+
+
+class Recorder:
+    """Driver side: takes the mailbox's events in a thread and hands them on.
+
+    Writes `metrics.jsonl` (when `jsonl` is among `run.loggers`), `attempts.jsonl` and
+    `abort.json` into the run directory, and passes every metrics line to each sink
+    (the console's `ProgressPrinter`, TensorBoard, MLflow: objects with
+    `record(line)`, `flush()` and `close(status)`). Keeps what the summary needs: the
+    lines, this fit's attempts, the abort, the checkpoints' blocked times.
+    """
+
+    def __init__(self, run_dir: Location, fit_id: str, sinks: list[Any], mailbox: Any = None,
+                 write_metrics: bool = True) -> None:
+        self.run_dir, self.fit_id, self.sinks, self.mailbox = run_dir, fit_id, list(sinks), mailbox
+        self.metrics = JsonlFile(run_dir / METRICS_FILE)
+        self.attempts = JsonlFile(run_dir / ATTEMPTS_FILE)
+        self.write_metrics = write_metrics
+        self.abort: Optional[dict[str, Any]] = None
+        self.checkpoints: list[dict[str, Any]] = []
+        self.last_step = 0
+        self._flushed_at = 0.0
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="raytrain-ddp-recorder", daemon=True)
+
+    # ------------------------------------------------------------ lifecycle
+
+    def __enter__(self) -> "Recorder":
+        if self.mailbox is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Take what is still queued, write everything; idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        self._drain(timeout_s=0.0)
+        self.flush(force=True)
+
+    def close(self, status: str) -> None:
+        for sink in self.sinks:
+            try:
+                sink.close(status)
+            except Exception as exc:  # noqa: BLE001 - a sink never decides the run's outcome
+                logger.warning("closing %s failed: %s", type(sink).__name__, exc)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain(timeout_s=0.5)
+
+    def _drain(self, timeout_s: float) -> None:
+        if self.mailbox is None:
+            return
+        import ray
+
+        try:
+            events = ray.get(self.mailbox.take.remote(timeout_s), timeout=timeout_s + 30)
+        except Exception as exc:  # noqa: BLE001 - the mailbox is gone (Ray shut down): nothing more comes
+            if not self._stop.is_set():
+                logger.debug("mailbox unavailable: %s", exc)
+                time.sleep(0.2)
+            return
+        self.handle(events)
+
+    # ------------------------------------------------------------ events
+
+    def handle(self, events: list[dict[str, Any]]) -> None:
+        """Apply a batch of events in the order rank 0 sent them, then write."""
+        with self._lock:
+            for event in sorted(events, key=lambda e: (e.get("attempt", 0), e.get("seq", 0))):
+                self._apply(event)
+            self.flush()
+
+    def _apply(self, event: dict[str, Any]) -> None:
+        kind = event.get("kind")
+        if kind == "metrics":
+            record = event["record"]
+            self.metrics.append([record])
+            self.last_step = max(self.last_step, int(record.get("step", 0)))
+            for sink in self.sinks:
+                self._call(sink, "record", record)
+        elif kind == "attempt":
+            self.attempts.append([event["record"]])
+        elif kind == "resumed":
+            step = int(event["step"])
+            self.metrics.keep(lambda r: r.get("step", 0) <= step)
+            self.last_step = step
+        elif kind == "abort":
+            self.abort = event["record"]
+            (self.run_dir / ABORT_FILE).write_text(json.dumps(self.abort))
+        elif kind == "checkpoint":
+            self.checkpoints.append({k: event[k] for k in ("step", "name", "blocked_s") if k in event})
+
+    def _call(self, sink: Any, method: str, *args: Any) -> None:
+        try:
+            getattr(sink, method)(*args)
+        except Exception as exc:  # noqa: BLE001 - a failing sink must not stop training or the others
+            logger.warning("%s.%s failed: %s", type(sink).__name__, method, exc)
+
+    def flush(self, force: bool = False) -> None:
+        """Write the files; on object stores at most every REMOTE_FLUSH_S unless forced."""
+        now = time.monotonic()
+        if not force and not self.run_dir.is_local and now - self._flushed_at < REMOTE_FLUSH_S:
+            return
+        self._flushed_at = now
+        self.attempts.flush()
+        if self.write_metrics:
+            self.metrics.flush()
+        for sink in self.sinks:
+            self._call(sink, "flush")
+
+    # ------------------------------------------------------------ what the summary reads
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        return list(self.metrics.records)
+
+    def fit_attempts(self) -> list[dict[str, Any]]:
+        return [r for r in self.attempts.records if r.get("fit_id") == self.fit_id]
+
+    def checkpoint_summary(self) -> dict[str, Any]:
+        blocked = [c["blocked_s"] for c in self.checkpoints if "blocked_s" in c]
+        if not blocked:
+            return {"count": 0}
+        return {"count": len(blocked), "blocked_s_total": round(sum(blocked), 4),
+                "blocked_s_mean": round(sum(blocked) / len(blocked), 4), "blocked_s_max": round(max(blocked), 4)}
