@@ -120,15 +120,19 @@ def _rank_main(fn, world_rank, world_size, port, args, kwargs, backend, init_pg,
     out_q.close()
     out_q.join_thread()  # flush before leaving without any teardown
     if init_pg:
-        _linger(world_size)
+        _linger(world_rank, world_size)
     os._exit(0)
 
 
-def _linger(world_size: int, limit_s: float = 10.0) -> None:
+def _linger(world_rank: int, world_size: int, limit_s: float = 10.0) -> None:
     """Leave together (bounded): an early exit could reset sockets a peer is still reading.
 
     Uses the TCP store, not gloo, so it works even after a failed collective; a rank that
     never arrives costs at most `limit_s` (and the parent's deadline still applies).
+    Rank 0 hosts the store, so it leaves last: only after every other rank has seen that
+    all arrived and said so. Otherwise a peer's last poll finds the store gone, and the
+    store client prints a ~30-line "Connection reset by peer" C++ trace on a run that
+    succeeded.
     """
     try:
         import torch.distributed as dist
@@ -137,6 +141,11 @@ def _linger(world_size: int, limit_s: float = 10.0) -> None:
         store.add("_launch_done", 1)
         deadline = time.monotonic() + limit_s
         while store.add("_launch_done", 0) < world_size and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if world_rank != 0:
+            store.add("_launch_left", 1)  # the last time this rank talks to the store
+            return
+        while store.add("_launch_left", 0) < world_size - 1 and time.monotonic() < deadline:
             time.sleep(0.02)
     except Exception:  # noqa: BLE001 - the store's host (rank 0) may be gone already
         pass

@@ -2,7 +2,8 @@
 
 Owns: the order of events in training — step, log, checkpoint, and at each epoch end
 validate and save. Each component decides its own cadence (`RunLog` when to write a
-line, `Checkpointer` when to save), so the story below is the whole story.
+line, `Checkpointer` when to save, `StepProfiler` which steps to trace: it wraps the
+window iterator to see where a step starts and ends), so the story below is the whole story.
 Must not touch: process-group setup (Ray Train's TorchConfig does it), data sharding
 (`shard.py`), gradient synchronisation (`raytrain_ddp.parallel`), files.
 
@@ -27,6 +28,7 @@ from raytrain_ddp.worker.checkpointer import Checkpointer
 from raytrain_ddp.worker.context import Rank
 from raytrain_ddp.worker.hooks import load_hooks
 from raytrain_ddp.worker.meter import RunLog
+from raytrain_ddp.worker.profiler import StepProfiler
 from raytrain_ddp.worker.shard import WorkerData
 from raytrain_ddp.worker.state import build_state
 from raytrain_ddp.worker.step import NonFiniteAbort, train_step, validate
@@ -43,16 +45,16 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     checkpointer = Checkpointer(job, rank, state, log, hooks)
     checkpointer.restore(data.accumulation_steps)
     progress = state.progress
+    profiler = StepProfiler(job, rank, state, total_steps)  # run.profile: a trace of a few steps
     try:
         for epoch in range(progress.epoch, math.ceil(total_steps / data.steps_per_epoch)):
             if progress.step >= total_steps:  # resuming a finished run: nothing left to do
                 break
-            for window in data.train_windows(epoch, skip_steps=progress.steps_into_epoch):
+            for window in profiler.steps(data.train_windows(epoch, skip_steps=progress.steps_into_epoch)):
                 result = train_step(state, window, data.accumulation_steps, cfg.train, rank)
                 progress.step_done()
                 hooks.after_step(progress.step)
-                end_of_epoch = progress.steps_into_epoch >= data.steps_per_epoch
-                log.step(result, epoch, end_of_epoch)
+                log.step(result, epoch, end_of_epoch := progress.steps_into_epoch >= data.steps_per_epoch)
                 if progress.step >= total_steps:
                     break
                 checkpointer.after_step(end_of_epoch)
