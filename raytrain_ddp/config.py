@@ -380,6 +380,12 @@ class Config(_Section):
             # Ray's elastic policy may start any size in [min, max]; a size that cannot keep
             # the global batch exact must be excluded before the run, not discovered mid-run.
             raise ValueError(_elastic_error(self, valid, invalid))
+        chunk = self.data.chunk_rows
+        if chunk is not None and self.train.micro_batch_size % chunk:
+            raise ValueError(
+                f"data.chunk_rows={chunk} must divide train.micro_batch_size={self.train.micro_batch_size} "
+                "(each rank reads whole chunks)"
+            )
         if self.parallel.compress and self.parallel.strategy == "naive":
             raise ValueError("parallel.compress is supported by 'bucketed' and 'native', not 'naive'")
         if self.train.precision == "fp16" and not self.scaling.use_gpu:
@@ -401,6 +407,12 @@ class Config(_Section):
         if self.train.global_batch_size % per_step:
             raise ConfigError(_batch_error(self, num_workers))
         return self.train.global_batch_size // per_step
+
+    def chunk_rows(self) -> int:
+        """data.chunk_rows, or its default for the micro batch (sharded sharding)."""
+        from raytrain_ddp.store import default_chunk_rows
+
+        return self.data.chunk_rows or default_chunk_rows(self.train.micro_batch_size)
 
     def to_yaml(self) -> str:
         data = self.model_dump(mode="json")
@@ -508,7 +520,7 @@ def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[lis
         try:
             loaded = yaml.safe_load(path.read_text())
         except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {' '.join(str(exc).split())}") from None
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
@@ -531,7 +543,8 @@ def validate_config(data: Any, source: str = "<config>") -> Config:
 
 
 def format_validation_error(exc: ValidationError, source: str) -> str:
-    lines = [f"invalid configuration in {source}:"]
+    """One line (the CLI's promise), however many problems: `...: key: problem; key: problem`."""
+    problems = []
     for err in exc.errors():
         key = ".".join(str(p) for p in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
@@ -540,8 +553,8 @@ def format_validation_error(exc: ValidationError, source: str) -> str:
             msg = f"unknown key; allowed here: {', '.join(allowed)}"
         value = err.get("input")
         shown = "" if err["type"] in ("extra_forbidden", "missing") or isinstance(value, dict) else f" (got {value!r})"
-        lines.append(f"  - {key}: {msg}{shown}" if key else f"  - {msg}")
-    return "\n".join(lines)
+        problems.append(f"{key}: {msg}{shown}" if key else msg)
+    return f"invalid configuration in {source}: " + "; ".join(problems)
 
 
 def _allowed_keys(loc: tuple) -> list[str]:

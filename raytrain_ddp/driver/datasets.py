@@ -5,7 +5,7 @@ synthetic), the `DataSpec` the model is built from, and checking the data before
 worker is paid for (`precheck`). Must not touch: models, optimisation, process groups;
 each worker's batches (`worker/shard.py`).
 
-Two sharding modes (`data.sharding`):
+Three sharding modes (`data.sharding`):
 
 * ``exact`` (default): the datasets are *not* split; every worker reads the full set once
   through Ray Data into memory, draws the same seeded permutation each epoch and takes
@@ -19,6 +19,13 @@ Two sharding modes (`data.sharding`):
   boundaries. Equal rows are not equal batches once a local shuffle buffer is in play,
   so before every window the ranks agree (all-reduce MIN) that all of them still have a
   full window: every rank runs the same number of micro-steps, and none can deadlock.
+
+* ``sharded``: the guarantees of ``exact`` without a copy per worker. The driver writes
+  each split once (Ray Data reads, preprocesses and, with `data.shuffle`, shuffles it;
+  `write_stores`) as a chunk store under ``<run dir>/data/`` (`raytrain_ddp/store.py`
+  explains the layout and the order); every epoch is a seeded permutation of chunks and
+  each worker reads only the chunks of its slice of every global batch. Memory per
+  worker: its prefetch window, not the data set.
 
 Only full global batches are trained on: the remainder of an epoch (fewer than
 `global_batch_size` rows) is dropped, so every optimizer step averages over exactly the
@@ -193,6 +200,12 @@ def prepare_datasets(cfg: Config, checked: Optional[Prechecked] = None, code: An
     val_rows = datasets[VAL].count() if VAL in datasets else 0  # metadata for in-memory tables
     train_rows = total_rows - val_rows
     _check_row_counts(cfg, train_rows, val_rows, source)
+    if cfg.data.sharding == "sharded":
+        inputs = [(f, os.path.getsize(f), os.path.getmtime(f)) for f in info.files + (info.val.files if info.val else [])
+                  ] if table is None else [source]
+        store, _ = write_stores(cfg, datasets, inputs)
+        spec = DataSpec(task, tuple(spec_shape), int(num_classes), int(train_rows), int(val_rows), source, store=store)
+        return PreparedData({}, spec, ray.train.DataConfig(datasets_to_split=[]))
 
     if cfg.data.sharding == "streaming" and cfg.data.shuffle:
         datasets[TRAIN] = datasets[TRAIN].randomize_block_order(seed=cfg.train.seed)
@@ -231,6 +244,14 @@ def _prepare_user_data(cfg: Config, checked: Prechecked, code: Any, given: Optio
         if not cfg.data.inputs:
             ds = ds.select_columns([cfg.data.features, cfg.data.label])
         datasets[name] = ds
+    if cfg.data.sharding == "sharded":  # rows counted as the stores are written
+        inputs = None if given is not None else (
+            [(f, os.path.getsize(f), os.path.getmtime(f)) for f in info.files + (info.val.files if info.val else [])]
+            if info is not None else [cfg.data.source])
+        store, rows = write_stores(cfg, datasets, inputs)
+        _check_row_counts(cfg, rows[TRAIN], rows.get(VAL, 0), checked.pipeline.spec.source)
+        spec = dataclasses.replace(checked.pipeline.spec, train_rows=rows[TRAIN], val_rows=rows.get(VAL, 0), store=store)
+        return PreparedData({}, spec, ray.train.DataConfig(datasets_to_split=[]))
     with _ray_data_quiet():  # Ray Data logs every execution at INFO on the driver
         if cfg.data.sharding == "exact":
             datasets = {name: ds.materialize() for name, ds in datasets.items()}
@@ -243,6 +264,35 @@ def _prepare_user_data(cfg: Config, checked: Prechecked, code: Any, given: Optio
     spec = dataclasses.replace(checked.pipeline.spec, train_rows=int(train_rows), val_rows=int(val_rows))
     split = [TRAIN] if cfg.data.sharding == "streaming" else []
     return PreparedData(datasets, spec, ray.train.DataConfig(datasets_to_split=split))
+
+
+def write_stores(cfg: Config, datasets: dict[str, Any], inputs: Optional[list[Any]]) -> tuple[Any, dict[str, int]]:
+    """data.sharding='sharded': write each split once as a chunk store (`store.py`) under
+    `<run dir>/data/`: Ray Data reads (and preprocesses) in order, the driver writes one
+    block at a time. A complete store built from the same inputs (`inputs`: file names,
+    sizes and times; None when unknown, e.g. Ray Datasets given from Python) and the same
+    data config is reused, so a resume reads exactly the rows it trained on.
+    Returns (the stores' directory, rows per split)."""
+    from raytrain_ddp.rundir import run_dir_of
+    from raytrain_ddp.store import STORE_DIR, fingerprint, read_manifest, write_store
+
+    root = run_dir_of(cfg) / STORE_DIR
+    chunk = cfg.chunk_rows()
+    rows: dict[str, int] = {}
+    for name, ds in datasets.items():
+        where = root / name
+        fp = fingerprint(inputs, name, chunk, cfg.data.model_dump(mode="json"), cfg.train.seed)
+        old = read_manifest(where)
+        if inputs is not None and old is not None and old.fingerprint == fp and old.chunk_rows == chunk:
+            rows[name] = old.rows
+            continue
+        if name == TRAIN and cfg.data.shuffle:  # once: rows of a chunk are random neighbours
+            ds = ds.random_shuffle(seed=cfg.train.seed)
+        ds.context.execution_options.preserve_order = True  # the same store from the same inputs
+        with _ray_data_quiet():
+            tables = ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=2)
+            rows[name] = write_store(where, tables, chunk, fp).rows
+    return root, rows
 
 
 @contextlib.contextmanager

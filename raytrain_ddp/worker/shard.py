@@ -10,6 +10,9 @@ builds them and explains the two `data.sharding` modes).
 * ``exact``: every worker reads the full (unsplit) set once into memory, draws the same
   seeded permutation each epoch and takes its disjoint slice of every global batch, so
   the samples of optimizer step *s* are the same at any worker count.
+* ``sharded``: the order of ``exact`` at chunk granularity, read from the chunk store the
+  driver wrote (`raytrain_ddp/store.py`): each rank reads only its chunks of each step,
+  on a reader thread a few steps ahead, so its data memory is that window.
 * ``streaming``: `iter_torch_batches` over this worker's `streaming_split` stream; before
   every window the ranks agree that all still have a full one (`all_true`), so every
   rank runs the same number of micro-steps and none can deadlock.
@@ -39,7 +42,8 @@ class WorkerData:
     def __init__(self, cfg: Config, spec: DataSpec, world_rank: int, world_size: int, device: Any,
                  shards: Optional[dict[str, Any]] = None):
         """`shards` defaults to `ray.train.get_dataset_shard(...)`; tests pass Ray Data iterators."""
-        if shards is None:
+        sharded = cfg.data.sharding == "sharded"
+        if shards is None and not sharded:
             import ray.train
 
             shards = {TRAIN: ray.train.get_dataset_shard(TRAIN)}
@@ -53,11 +57,18 @@ class WorkerData:
         self.global_batch_size = cfg.train.global_batch_size
         self.wait_seconds = 0.0
         self.format = BatchFormat.of(cfg)
-        self._train_shard = shards[TRAIN]
+        shards = shards or {}
+        self._train_shard = shards.get(TRAIN)
         self._val_shard = shards.get(VAL)
         self._train_columns: Optional[dict[str, Any]] = None
         self._val_columns: Optional[dict[str, Any]] = None
-        if cfg.data.sharding == "exact":
+        if sharded:
+            from raytrain_ddp.store import StoreReader, read_manifest
+
+            self._store = StoreReader(spec.store / TRAIN)
+            self._val_store = StoreReader(spec.store / VAL) if read_manifest(spec.store / VAL) else None
+            self.steps_per_epoch = self._store.manifest.rows // self.global_batch_size
+        elif cfg.data.sharding == "exact":
             self._train_columns = self._materialize(self._train_shard)
             self.steps_per_epoch = _num_rows(self._train_columns) // self.global_batch_size
         else:
@@ -70,6 +81,8 @@ class WorkerData:
         """Yield one list of `accumulation_steps` micro-batches per optimizer step."""
         if self.cfg.data.sharding == "exact":
             yield from self._exact_windows(epoch, skip_steps)
+        elif self.cfg.data.sharding == "sharded":
+            yield from self._sharded_windows(epoch, skip_steps)
         else:
             yield from self._streaming_windows(epoch, skip_steps)
 
@@ -96,6 +109,60 @@ class WorkerData:
             return torch.arange(rows)
         gen = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + epoch)
         return torch.randperm(rows, generator=gen)
+
+    def step_chunks(self, epoch: int, step: int) -> list[Any]:
+        """sharded: this rank's chunk indices for each micro-step of `step` (`store.py`)."""
+        from raytrain_ddp.store import epoch_chunks, rank_chunks
+
+        if getattr(self, "_order", (None,))[0] != epoch:
+            self._order = (epoch, epoch_chunks(self._store.manifest.full_chunks, self.cfg.train.seed, epoch,
+                                               self.cfg.data.shuffle))
+        return [rank_chunks(self._order[1], step, micro, chunk_rows=self._store.manifest.chunk_rows,
+                            micro_batch_size=self.micro_batch_size, accumulation_steps=self.accumulation_steps,
+                            world_size=self.world_size, world_rank=self.world_rank)
+                for micro in range(self.accumulation_steps)]
+
+    def _sharded_windows(self, epoch: int, skip_steps: int) -> Iterator[list[Any]]:
+        """Read this rank's chunks of each step on a reader thread, up to `ahead` steps ahead:
+        resident data is those windows (pinned on CUDA), never the data set."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        ahead = max(1, -(-self.cfg.data.prefetch_batches // self.accumulation_steps))
+        pinned = getattr(self.device, "type", "cpu") == "cuda"
+
+        def read(step: int) -> list[Any]:
+            window = []
+            for chunks in self.step_chunks(epoch, step):
+                batch = self.format.assemble(self._columns(self._store.table(chunks)))
+                window.append(_pin(batch) if pinned else batch)
+            return window
+
+        pool = ThreadPoolExecutor(1, thread_name_prefix="raytrain-ddp-read")
+        pending: list[Any] = []
+        steps = iter(range(skip_steps, self.steps_per_epoch))
+        try:
+            for step in steps:
+                pending.append(pool.submit(read, step))
+                if len(pending) <= ahead and step + 1 < self.steps_per_epoch:
+                    continue
+                start = time.perf_counter()
+                window = [to_device(batch, self.device) for batch in pending.pop(0).result()]
+                self.wait_seconds += time.perf_counter() - start
+                yield window
+            while pending:
+                start = time.perf_counter()
+                window = [to_device(batch, self.device) for batch in pending.pop(0).result()]
+                self.wait_seconds += time.perf_counter() - start
+                yield window
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _columns(self, table: Any) -> dict[str, Any]:
+        """An Arrow table's columns as tensors (fixed-size lists without a numpy detour per row)."""
+        import torch
+
+        return {name: torch.from_numpy(array)
+                for name, array in column_arrays(arrow_numpy(table), self.cfg, self.spec).items()}
 
     def _streaming_windows(self, epoch: int, skip_steps: int) -> Iterator[list[Any]]:
         buffer = self.cfg.data.shuffle_buffer
@@ -135,6 +202,9 @@ class WorkerData:
 
     def val_batches(self) -> Iterator[Any]:
         """This rank's disjoint, strided share of the validation rows (each row once overall)."""
+        if self.cfg.data.sharding == "sharded":
+            yield from self._sharded_val_batches()
+            return
         if self._val_shard is None:
             return
         if self._val_columns is None:
@@ -143,6 +213,15 @@ class WorkerData:
         size = max(self.micro_batch_size, 256)
         for start in range(0, _num_rows(mine), size):
             yield self._batch({name: column[start:start + size] for name, column in mine.items()})
+
+    def _sharded_val_batches(self) -> Iterator[Any]:
+        """Every `world_size`-th chunk of the validation store from this rank's (each row once)."""
+        if self._val_store is None:
+            return
+        mine = list(range(self.world_rank, self._val_store.manifest.chunks, self.world_size))
+        per = max(1, max(self.micro_batch_size, 256) // self._val_store.manifest.chunk_rows)
+        for start in range(0, len(mine), per):
+            yield self._batch(self._columns(self._val_store.table(mine[start:start + per])))
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -166,6 +245,42 @@ class WorkerData:
 
     def _batch(self, columns: dict[str, Any]) -> Any:
         return to_device(self.format.assemble(columns), self.device)
+
+
+def _pin(batch: Any) -> Any:
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        return batch.pin_memory()
+    if isinstance(batch, dict):
+        return {key: _pin(value) for key, value in batch.items()}
+    return type(batch)(_pin(value) for value in batch)
+
+
+def arrow_numpy(table: Any) -> dict[str, np.ndarray]:
+    """A pyarrow table as Ray Data's numpy batch: fixed-size lists of numbers become 2-D
+    arrays directly (one copy); anything else (tensor extension columns, ragged lists) goes
+    through Ray Data's own conversion, so every mode sees the same arrays."""
+    import pyarrow as pa
+
+    out: dict[str, np.ndarray] = {}
+    rest = []
+    for name in table.column_names:
+        column = table.column(name)
+        kind = column.type
+        if pa.types.is_fixed_size_list(kind) and (pa.types.is_integer(kind.value_type)
+                                                   or pa.types.is_floating(kind.value_type)):
+            out[name] = np.concatenate([c.flatten().to_numpy(zero_copy_only=False) for c in column.chunks]
+                                       ).reshape(len(column), kind.list_size)  # one copy, writable
+        elif (pa.types.is_integer(kind) or pa.types.is_floating(kind)) and column.null_count == 0:
+            out[name] = np.concatenate([c.to_numpy(zero_copy_only=False) for c in column.chunks])
+        else:
+            rest.append(name)
+    if rest:
+        from ray.data.block import BlockAccessor
+
+        out.update(BlockAccessor.for_block(table.select(rest)).to_batch_format("numpy"))
+    return {name: out[name] for name in table.column_names}
 
 
 def _num_rows(columns: dict[str, Any]) -> int:

@@ -84,4 +84,4 @@ def test_public_key_set_is_frozen():
     }
     keys = set(config_keys())
     assert contract <= keys
-    assert len(keys) == 66, sorted(keys - contract)
+    assert len(keys) == 67, sorted(keys - contract)
