@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from raytrain_ddp.parallel.base import WrappedModel, broadcast_coalesced, sync_initial_state
-from raytrain_ddp.parallel.zero1 import SHARD_STAT_KEYS
+from raytrain_ddp.parallel.zero1 import SHARD_STAT_KEYS, _copy, all_gather_flat, reduce_scatter_flat
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
@@ -81,7 +81,7 @@ def _comms(stats: dict[str, Any]):
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
             stats["all_gather_calls"] += 1
             stats["all_gather_bytes"] += output_tensor.numel() * output_tensor.element_size()
-            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+            return all_gather_flat(output_tensor, input_tensor, group=group, async_op=async_op)
 
     class CountingReduceScatter(ReduceScatter):
         def allocate(self, size, *, dtype, device):
@@ -92,7 +92,7 @@ def _comms(stats: dict[str, Any]):
             for key, add in (("reduce_scatter_calls", 1), ("reduce_scatter_bytes", nbytes),
                              ("allreduce_calls", 1), ("allreduce_bytes", nbytes)):
                 stats[key] += add
-            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+            return reduce_scatter_flat(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
     return CountingAllGather(), CountingReduceScatter()
 
@@ -254,7 +254,8 @@ class FSDPOptimizer:
                 "for another model or optimizer configuration"
             )
         name = dict(zip(saved, self._fqns))  # positions pair up, as torch's load_state_dict pairs them
-        by_name = {"state": {name[i]: value for i, value in state["state"].items()},
+        by_name = {"state": {name[i]: {k: _copy(v) if torch.is_tensor(v) and v.dim() == 0 else v
+                                       for k, v in entry.items()} for i, entry in state["state"].items()},
                    "param_groups": [{**g, "params": [name[i] for i in g["params"]]} for g in state["param_groups"]]}
         set_optimizer_state_dict(self._wrapper.module, self._inner, by_name,
                                  options=StateDictOptions(full_state_dict=True))

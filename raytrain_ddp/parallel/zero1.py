@@ -58,6 +58,9 @@ from torch import nn
 from raytrain_ddp.parallel.base import RequiresGradChangeError, describe_tensors
 from raytrain_ddp.parallel.bucketed import BucketedDDP, _Bucket, assign_buckets
 
+# torch 2.13 renamed the flat-tensor collectives; the old names serve torch < 2.13.
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 SHARD_STAT_KEYS = ("reduce_scatter_calls", "reduce_scatter_bytes", "all_gather_calls", "all_gather_bytes")
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
 
@@ -160,7 +163,7 @@ class Zero1DDP(BucketedDDP):
         send = bucket.buffer if self._wire_dtype is None else bucket.buffer.to(self._wire_dtype)
         out = shard.grad if self._wire_dtype is None else torch.empty(shard.size, dtype=self._wire_dtype,
                                                                       device=send.device)
-        work = dist.reduce_scatter_tensor(out, send, group=self._pg, async_op=True)
+        work = reduce_scatter_flat(out, send, group=self._pg, async_op=True)
         self._count(send)  # allreduce_*: the gradient-sync collectives, comparable across strategies
         self._stats["reduce_scatter_calls"] += 1
         self._stats["reduce_scatter_bytes"] += send.numel() * send.element_size()
@@ -230,7 +233,7 @@ class Zero1DDP(BucketedDDP):
     def _all_gather_params(self) -> None:
         works = []
         for shard in self._shards:
-            works.append(dist.all_gather_into_tensor(shard.params, shard.chunk, group=self._pg, async_op=True))
+            works.append(all_gather_flat(shard.params, shard.chunk, group=self._pg, async_op=True))
             self._stats["all_gather_calls"] += 1
             self._stats["all_gather_bytes"] += shard.params.numel() * shard.params.element_size()
         for b, work in enumerate(works):
@@ -242,6 +245,12 @@ class Zero1DDP(BucketedDDP):
         super().reset_comm_stats()
         for key in SHARD_STAT_KEYS:
             self._stats[key] = 0
+
+
+def _copy(value: Any) -> Any:
+    """A tensor of its own (torch's `load_state_dict` adopts the tensors it is given, and a
+    step counter shared with the caller's dict would count twice)."""
+    return value.detach().clone() if torch.is_tensor(value) else value
 
 
 def _elementwise(value: Any, numel: int) -> bool:
@@ -347,7 +356,7 @@ class ZeroOptimizer:
             entry = self._inner.state.get(s.tensor)
             if entry:
                 mine.setdefault(s.index, {}).update(
-                    {k: ("<elementwise>" if _elementwise(v, s.tensor.numel()) else v) for k, v in entry.items()})
+                    {k: ("<elementwise>" if _elementwise(v, s.tensor.numel()) else _copy(v)) for k, v in entry.items()})
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, mine, group=pg)  # small: scalars and key names only
         merged: dict[int, dict[str, Any]] = {}
@@ -409,7 +418,7 @@ class ZeroOptimizer:
                 if entry:
                     n = self._numel[s.index]
                     inner_state[position] = {
-                        k: (v.reshape(-1)[s.start:s.start + s.tensor.numel()].clone() if _elementwise(v, n) else v)
+                        k: (v.reshape(-1)[s.start:s.start + s.tensor.numel()].clone() if _elementwise(v, n) else _copy(v))
                         for k, v in entry.items()}
                 ids.append(position)
                 position += 1
