@@ -39,6 +39,9 @@ def _config_and_overrides(args: argparse.Namespace) -> tuple[Optional[str], list
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from raytrain_ddp.config import load_config
+    from raytrain_ddp.driver.preflight import preflight
+
+    preflight(load_config(*_config_and_overrides(args)))  # refusals before the launcher imports torch and Ray
     from raytrain_ddp.driver.launcher import run_training
     from raytrain_ddp.user import resolve
 
@@ -157,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmark strategies, accumulation, Ray overhead and ingest")
     bench.add_argument("--quick", action="store_true", help="small sizes, ~2 minutes")
-    bench.add_argument("--out", default=None, help="JSON results file (a PNG plot is written beside it)")
+    bench.add_argument("--out", default=None, help="JSON results file, a PNG plot beside it "
+                       "(default: benchmarks/bench-<preset>.json, git-ignored)")
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     bench.set_defaults(func=_cmd_bench)
     return parser

@@ -54,7 +54,13 @@ def worker_resources(cfg: Config) -> dict[str, float]:
     return {"CPU": float(cfg.scaling.cpus_per_worker), **({"GPU": 1.0} if cfg.scaling.use_gpu else {})}
 
 
+NVIDIA_DRIVER_FILES = ("/proc/driver/nvidia/gpus", "/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")
+
+
 def _gpus_here() -> tuple[int, str]:
+    """GPUs torch can use here. No GPU driver at all: 0, without the seconds `import torch` costs."""
+    if not any(os.path.exists(p) for p in NVIDIA_DRIVER_FILES):
+        return 0, "no GPU driver: none of " + ", ".join(NVIDIA_DRIVER_FILES[:3]) + " exists"
     import torch
 
     count = torch.cuda.device_count()

@@ -27,6 +27,7 @@ from raytrain_ddp.ops.bench.common import FULL, QUICK, Sizes
 from raytrain_ddp.errors import UserError
 
 SIZE_ENV = "RAYTRAIN_DDP_BENCH_SIZE"  # "smoke": the test suite's even smaller preset
+DEFAULT_OUT_DIR = Path("benchmarks")  # without --out: benchmarks/bench-<preset>.json (git-ignored)
 SMOKE = Sizes("smoke", rounds=2, steps_per_round=3, warmup_steps=1, mlp_batch=64, gpt_batch=16,
               accum_steps=1, ray_steps=10, ray_warmup=3, ingest_rows=8192, ingest_passes=1,
               train_steps=10)
@@ -135,6 +136,11 @@ def run_cuda(dry: bool) -> dict[str, Any]:
     return results
 
 
+def default_out(preset: str) -> Path:
+    """Where results go without --out: under benchmarks/ (git-ignored), never the current directory."""
+    return DEFAULT_OUT_DIR / f"bench-{preset}.json"
+
+
 def main(quick: bool, out: Optional[str], device: str) -> int:
     import torch
 
@@ -154,7 +160,7 @@ def main(quick: bool, out: Optional[str], device: str) -> int:
         if preset not in ("quick", "full", "smoke"):
             raise UserError(f"{SIZE_ENV}={preset!r} is not one of 'quick', 'full', 'smoke'")
     sizes = {"quick": QUICK, "full": FULL, "smoke": SMOKE}.get(preset, QUICK)
-    out_path = Path(out or f"bench-{preset}.json")
+    out_path = Path(out) if out else DEFAULT_OUT_DIR / f"bench-{preset}.json"  # never the cwd by surprise
     out_path.parent.mkdir(parents=True, exist_ok=True)
 
     results: dict[str, Any] = {"meta": _meta(preset, device)}

@@ -1,0 +1,199 @@
+"""A new user's first hour, without Ray: what is refused before Ray starts and how it is said.
+
+A GPU request on this GPU-less machine, a relative storage path inside a Ray job, a
+finished run re-run with new settings (exit 3, `config.yaml` untouched), hints that
+name a command that works, the run directory's record of what trained, checkpoints kept
+over all fits, where `bench` and `data digits` write, and the console filter for Ray's
+worker output. Each case goes through the same functions `raytrain-ddp train` uses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from raytrain_ddp import checkpoint as ckpt
+from raytrain_ddp.config import load_config
+from raytrain_ddp.driver import preflight, ray_console
+from raytrain_ddp.driver.cli import main
+from raytrain_ddp.driver.resume import (
+    CONFIG_HISTORY_FILE, NothingToTrain, ResumeError, check_something_to_train, prune_checkpoints, record_config,
+    resolve_resume, restore_config_if_untrained,
+)
+from raytrain_ddp.rundir import CONFIG_FILE
+
+pytestmark = pytest.mark.timeout(60)
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "examples" / "configs" / "tiny.yaml"
+QUICKSTART = REPO / "examples" / "configs" / "quickstart.yaml"
+
+
+def _cfg(storage: Path, *overrides: str):
+    return load_config(TINY, [f"run.storage_path={storage}", *overrides])
+
+
+def _save(run_dir: Path, cfg, step: int, epoch: int, fit_id: str, into: int = 0) -> Path:
+    model = torch.nn.Linear(4, 3)
+    state = {"model": model.state_dict(), "optimizer": torch.optim.SGD(model.parameters(), lr=0.1).state_dict(),
+             "schedule": {}, "progress": {"step": step, "epoch": epoch, "steps_into_epoch": into},
+             "rng": ckpt.rng_state(), "run": {"world_size": 2, "fit_id": fit_id, "config": cfg.to_yaml()}}
+    return ckpt.save_checkpoint(run_dir / f"checkpoint_{step:08d}_e{epoch}s{into}_{fit_id[:8]}", state)
+
+
+def test_gpu_request_on_this_machine_exits_2_at_once_naming_the_key(tmp_path):
+    assert not torch.cuda.is_available(), "this test describes a GPU-less machine"
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "raytrain_ddp", "train", str(QUICKSTART), "scaling.use_gpu=true",
+                           f"run.storage_path={tmp_path}"], capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("RAY_")})
+    elapsed = time.monotonic() - started
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "scaling.use_gpu=true" in lines[0] and "no GPU" in lines[0], done.stderr
+    assert elapsed < 10, f"took {elapsed:.1f}s"
+    assert not (tmp_path / "quickstart").exists()  # refused before anything was written
+
+
+def test_too_many_cpus_for_this_machine_names_the_keys(tmp_path, capsys):
+    assert main(["train", str(TINY), f"run.storage_path={tmp_path}", "scaling.cpus_per_worker=4096"]) == 2
+    assert "scaling.cpus_per_worker=4096" in capsys.readouterr().err
+    assert main(["train", str(TINY), f"run.storage_path={tmp_path}", "scaling.num_workers=64",
+                 "train.global_batch_size=1024"]) == 2
+    err = capsys.readouterr().err
+    assert "scaling.num_workers=64" in err and "scaling.cpus_per_worker=1" in err and len(err.splitlines()) == 1
+
+
+def test_relative_storage_path_is_refused_inside_a_ray_job(tmp_path, monkeypatch, capsys):
+    job_config = {"runtime_env": {"working_dir": "gcs://_ray_pkg_x.zip"}, "metadata": {"job_submission_id": "raysubmit_1"}}
+    monkeypatch.setenv(preflight.JOB_CONFIG_ENV, json.dumps(job_config))
+    monkeypatch.chdir(tmp_path)
+    assert preflight.ray_job_id() == "raysubmit_1"
+    assert main(["train", str(TINY), "run.storage_path=./runs"]) == 2
+    err = capsys.readouterr().err
+    assert "run.storage_path='./runs' is relative" in err and "raysubmit_1" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "runs").exists()
+    preflight.check_storage_under_job(_cfg(tmp_path / "abs"))  # an absolute path is fine
+    preflight.check_storage_under_job(_cfg(Path("ignored"), "run.storage_path=s3://bucket/runs"))
+
+    # Without the variable, Ray's unpacked working directory gives it away.
+    monkeypatch.delenv(preflight.JOB_CONFIG_ENV)
+    assert preflight.ray_job_id() is None
+    unpacked = tmp_path / "session" / "runtime_resources" / "working_dir_files" / "_ray_pkg_abc"
+    unpacked.mkdir(parents=True)
+    monkeypatch.chdir(unpacked)
+    with pytest.raises(preflight.StorageError, match="run.storage_path='runs'"):
+        preflight.check_storage_under_job(_cfg(Path("runs")))
+
+
+def test_finished_run_rerun_exits_3_before_ray_and_keeps_its_config(tmp_path, capsys):
+    trained = _cfg(tmp_path)
+    run_dir = tmp_path / "tiny"
+    _save(run_dir, trained, step=44, epoch=2, fit_id="a" * 32)
+    (run_dir / CONFIG_FILE).write_text(trained.to_yaml())
+
+    assert main(["train", str(TINY), f"run.storage_path={tmp_path}", "train.lr=0.001", "scaling.num_workers=1"]) == 3
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "nothing to train" in err and "train.epochs=4" in err and "name=tiny-2" in err
+    assert (run_dir / CONFIG_FILE).read_text() == trained.to_yaml()  # still what the checkpoint was trained with
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+
+    # Both hinted commands get past the check.
+    extended = _cfg(tmp_path, "train.epochs=4")
+    check_something_to_train(extended, resolve_resume(extended, run_dir))
+    renamed = _cfg(tmp_path, "name=tiny-2")
+    assert resolve_resume(renamed, tmp_path / "tiny-2") is None
+    # max_steps: the same rule counted in steps
+    with pytest.raises(NothingToTrain, match=r"train\.max_steps=20\b.*train\.max_steps=40"):
+        check_something_to_train(_cfg(tmp_path, "train.max_steps=20"), resolve_resume(trained, run_dir))
+
+
+def test_model_change_hint_names_a_command_that_works(tmp_path):
+    trained = _cfg(tmp_path)
+    run_dir = tmp_path / "tiny"
+    _save(run_dir, trained, step=10, epoch=0, fit_id="b" * 32, into=10)
+    changed = _cfg(tmp_path, "model.hidden_sizes=[64]")
+    with pytest.raises(ResumeError) as refused:
+        resolve_resume(changed, run_dir)
+    message = str(refused.value)
+    assert "model.hidden_sizes" in message and "run.resume=never" not in message
+    hint = re.search(r"\bname=[\w.-]+", message).group(0)
+    followed = _cfg(tmp_path, "model.hidden_sizes=[64]", hint)
+    assert resolve_resume(followed, tmp_path / followed.name) is None  # a fresh start, no error
+
+
+def test_config_history_and_restore_after_a_fit_that_trained_nothing(tmp_path):
+    first = _cfg(tmp_path)
+    run_dir = tmp_path / "tiny"
+    run_dir.mkdir()
+    record_config(first, run_dir, None, "a" * 32)
+    checkpoint = _save(run_dir, first, step=44, epoch=2, fit_id="a" * 32)
+    second = _cfg(tmp_path, "train.lr=0.001", "train.epochs=4")
+    record_config(second, run_dir, checkpoint, "b" * 32)
+    assert (run_dir / CONFIG_FILE).read_text() == second.to_yaml()
+    history = [json.loads(line) for line in (run_dir / CONFIG_HISTORY_FILE).read_text().splitlines()]
+    assert [h["fit_id"] for h in history] == ["a" * 32, "b" * 32]
+    assert history[0]["changed"] == {} and history[0]["config"] == first.to_yaml()
+    assert history[1]["changed"] == {"train.epochs": [2, 4], "train.lr": [0.01, 0.001]}
+    assert history[1]["from_step"] == 44 and history[1]["resumed_from"] == str(checkpoint)
+
+    # The second fit wrote no checkpoint (failed, unschedulable, interrupted): config.yaml
+    # goes back to what the newest checkpoint was trained with.
+    restore_config_if_untrained(run_dir, "b" * 32)
+    assert (run_dir / CONFIG_FILE).read_text() == first.to_yaml()
+
+
+def test_num_to_keep_holds_over_all_fits(tmp_path):
+    cfg = _cfg(tmp_path)
+    run_dir = tmp_path / "tiny"
+    old = [_save(run_dir, cfg, step, 0, "a" * 32, into=step) for step in (15, 20)]
+    new = [_save(run_dir, cfg, step, 1, "b" * 32, into=step - 22) for step in (25, 30)]
+    damaged = _save(run_dir, cfg, 35, 1, "b" * 32, into=13)
+    (damaged / ckpt.STATE_FILE).write_bytes(b"torn")
+    removed = prune_checkpoints(run_dir, keep=2)
+    assert sorted(removed) == sorted(str(p) for p in old)
+    assert sorted(p.name for p in ckpt.find_checkpoints(run_dir)) == sorted(p.name for p in [*new, damaged])
+
+
+def test_outputs_never_land_in_the_current_directory_by_surprise():
+    from raytrain_ddp.ops.bench.suite import default_out
+
+    assert default_out("quick") == Path("benchmarks/bench-quick.json")
+    outputs = ["benchmarks/bench-quick.json", "benchmarks/bench-quick.png", "data/digits.parquet"]
+    if not (REPO / ".git").exists():  # a copy without history: the rules must still be there
+        rules = (REPO / ".gitignore").read_text().split()
+        assert {"benchmarks/bench-*.json", "benchmarks/bench-*.png", "/data/"} <= set(rules)
+        return
+    ignored = subprocess.run(["git", "check-ignore", *outputs], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert ignored.stdout.split() == outputs, ignored.stderr
+
+
+def test_worker_output_filter_keeps_our_lines_once(capsys, monkeypatch):
+    monkeypatch.delenv(ray_console.VERBOSE_ENV, raising=False)
+    lines = ray_console.WorkerLines()
+    batch = {"pid": 1, "is_err": False, "lines": [
+        "[rank 0] attempt 1: 2 workers on cpu", "Progress bars disabled. To enable, set ...",
+        "[2026-11-30 19:31:18,924 E 15112 15217] core_worker.cc:2465: Actor with class name: 'PreemptionWatcher'"]}
+    lines(batch)
+    lines(dict(batch, ip="10.0.0.2"))  # the same line from the second node
+    lines({"pid": 2, "is_err": True, "lines": ["RayDeprecationWarning: `ExecutionOptions.exclude_resources`"]})
+    out = capsys.readouterr()
+    assert out.out == "[rank 0] attempt 1: 2 workers on cpu\n" and out.err == ""
+
+
+def test_user_errors_are_one_line_even_with_several_problems(tmp_path, capsys):
+    assert main(["config", str(TINY), "train.lr=-1", "bogus.key=1", "scaling.num_workers=3"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "train.lr" in err and "bogus" in err, err
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("train: [1, 2\n")
+    assert main(["config", str(broken)]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
