@@ -216,12 +216,18 @@ class TrainConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    strategy: Literal["naive", "bucketed", "native"] = Field(
-        "bucketed", description="naive/bucketed: our from-scratch wrappers; native: torch DDP."
+    strategy: Literal["naive", "bucketed", "native", "zero1", "fsdp"] = Field(
+        "bucketed", description="naive/bucketed: our from-scratch wrappers; native: torch DDP; "
+        "zero1: ZeRO stage 1 from scratch (each worker keeps 1/N of the optimizer state); fsdp: "
+        "torch FSDP2 (parameters, gradients and optimizer state sharded). docs/parallel.md."
     )
-    bucket_cap_mb: float = Field(25.0, gt=0.0, description="bucketed/native: bucket size in MB.")
+    bucket_cap_mb: float = Field(
+        25.0, gt=0.0, description="bucketed/native/zero1: bucket size in MB; fsdp: a submodule "
+        "holding at least this many MB of parameters becomes its own FSDP unit."
+    )
     compress: Optional[Literal["bf16"]] = Field(
-        None, description="Gradient compression on the wire (bucketed, native)."
+        None, description="Gradient compression on the wire (bucketed, native, zero1; fsdp: "
+        "gradients reduced in bf16)."
     )
     verify_init: bool = Field(
         False, description="Raise if ranks start from different weights instead of broadcasting rank 0's."
@@ -388,6 +394,12 @@ class Config(_Section):
             )
         if self.parallel.compress and self.parallel.strategy == "naive":
             raise ValueError("parallel.compress is supported by 'bucketed' and 'native', not 'naive'")
+        if self.train.precision == "fp16" and self.parallel.strategy in ("zero1", "fsdp"):
+            raise ValueError(
+                f"train.precision='fp16' is not supported with parallel.strategy="
+                f"'{self.parallel.strategy}': the loss scaler's overflow check would see only this "
+                "worker's shard of the gradients; use train.precision=bf16 (no scaler needed)"
+            )
         if self.train.precision == "fp16" and not self.scaling.use_gpu:
             raise ValueError(
                 "train.precision='fp16' needs scaling.use_gpu=true (CPU autocast supports bf16 only)"

@@ -39,7 +39,7 @@ def test_elastic_range_must_keep_global_batch_exact():
         ("model.name=resnet", "model.name"),
         ("scaling.num_workers=3", "scaling.num_workers=3"),
         ("data.source=parquet", "data.path"),
-        ("parallel.strategy=fsdp", "parallel.strategy"),
+        ("parallel.strategy=zero3", "parallel.strategy"),
         ("scaling.num_workers=[4, 2]", "scaling.num_workers"),
         ("train.precision=fp16", "train.precision"),
         ("name=../etc", "name"),
@@ -49,6 +49,14 @@ def test_bad_values_name_the_key(override, needle):
     with pytest.raises(ConfigError) as err:
         load_config(None, [override])
     assert needle in str(err.value)
+
+
+def test_fp16_is_refused_with_sharded_optimizer_state():
+    for strategy in ("zero1", "fsdp"):
+        load_config(None, [f"parallel.strategy={strategy}", "train.precision=bf16"])
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [f"parallel.strategy={strategy}", "train.precision=fp16", "scaling.use_gpu=true"])
+        assert "train.precision='fp16'" in str(err.value) and strategy in str(err.value)
 
 
 def test_batch_error_suggests_valid_values():
