@@ -44,7 +44,7 @@ SUMMARY_FILE = "summary.json"
 ABORT_FILE = "abort.json"
 TENSORBOARD_DIR = "tensorboard"
 CHECKPOINT_PREFIX = "checkpoint_"
-OBJECT_STORE_SCHEMES = ("s3", "gs", "gcs", "abfs", "abfss")
+OBJECT_STORE_SCHEMES = ("s3", "gs", "gcs", "abfs", "abfss", "hdfs")
 
 
 @dataclass(frozen=True)

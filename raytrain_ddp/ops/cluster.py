@@ -17,6 +17,13 @@ Our rules, and why:
   the cluster; the dashboard is reached with `ray dashboard` (SSH port-forward).
 * token authentication on (`RAY_AUTH_MODE=token` for every `ray start`, the token file
   mounted, never a token in the file); setup installs this project at this version.
+
+Warnings (printed, not failures): a cluster with worker nodes whose runs would land on a
+local path -- `RAYTRAIN_DDP_STORAGE_PATH` (run.storage_path's default on the nodes: the
+launcher YAMLs set it in `docker.run_options`, the KubeRay manifests in the containers'
+env, a RayJob may pass `run.storage_path=` in its entrypoint) missing or not an object
+store URI. Each node would keep its own checkpoints; a bucket (or NFS every node mounts)
+is what a restart on another node can read.
 """
 
 from __future__ import annotations
@@ -79,12 +86,16 @@ def key_path(parts: Iterable[Any]) -> str:
 
 def main(files: list[str]) -> int:
     paths, problems = _expand(files or ["cluster"])
+    warnings: list[Problem] = []
     for path in paths:
         problems.extend(validate_file(path))
+        warnings.extend(storage_warnings(path))
     for problem in problems:
         print(problem)
+    for warning in warnings:
+        print(f"warning: {warning}")
     print(f"raytrain-ddp cluster validate: {len(paths)} file(s), {len(problems)} problem(s)"
-          + ("" if problems else " -- all good"))
+          + (f", {len(warnings)} warning(s)" if warnings else "") + ("" if problems else " -- all good"))
     return 1 if problems else 0
 
 
@@ -129,6 +140,69 @@ def validate_file(path: Path) -> list[Problem]:
                                     "nor a Kubernetes manifest (apiVersion, kind)",
                                     "move it out of cluster/ or add the missing keys"))
     return problems
+
+
+# --------------------------------------------------------------------------- run storage (warnings)
+
+STORAGE_VAR = "RAYTRAIN_DDP_STORAGE_PATH"
+_STORAGE_RE = re.compile(rf"{STORAGE_VAR}=(\S+)")
+
+
+def storage_warnings(path: Path) -> list[Problem]:
+    """Clusters with worker nodes whose runs would be written to a local path (see the module docstring)."""
+    from raytrain_ddp.rundir import is_object_store
+
+    try:
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if isinstance(d, dict)]
+    except (OSError, yaml.YAMLError):
+        return []  # validate_file reports it
+    out = []
+    for doc in docs:
+        found = _launcher_storage(doc) if ("provider" in doc or "cluster_name" in doc) else _kube_storage(doc)
+        if found is None:
+            continue
+        key, value = found
+        if value is None:
+            out.append(Problem(str(path), key, f"a multi-node cluster without {STORAGE_VAR}: runs default to ./runs on "
+                               "the node that runs the driver, and checkpoints scatter over the nodes",
+                               f"set {STORAGE_VAR}=s3://BUCKET/PREFIX (or gs://, abfs://) on every node"))
+        elif not is_object_store(value):
+            out.append(Problem(str(path), key, f"run storage {value!r} is a local path on a multi-node cluster: "
+                               "unless every node mounts it at that path (NFS), restarts cannot find checkpoints",
+                               "use object storage: s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or abfs://..."))
+    return out
+
+
+def _launcher_storage(cfg: dict[str, Any]) -> Optional[tuple[str, Optional[str]]]:
+    provider = cfg.get("provider") or {}
+    workers = len(provider.get("worker_ips") or []) if provider.get("type") == "local" else cfg.get("max_workers", 2)
+    if not workers:
+        return None
+    for i, opt in enumerate((cfg.get("docker") or {}).get("run_options") or []):
+        if m := _STORAGE_RE.search(str(opt)):
+            return f"docker.run_options[{i}]", m.group(1)
+    for key, cmd in _all_commands(cfg):
+        if m := _STORAGE_RE.search(cmd):
+            return key, m.group(1)
+    return "docker.run_options", None
+
+
+def _kube_storage(doc: dict[str, Any]) -> Optional[tuple[str, Optional[str]]]:
+    if not str(doc.get("apiVersion", "")).startswith("ray.io/") or doc.get("kind") not in ("RayCluster", "RayJob"):
+        return None
+    spec = doc.get("spec") or {}
+    base = "spec.rayClusterSpec" if doc["kind"] == "RayJob" else "spec"
+    cluster = (spec.get("rayClusterSpec") if doc["kind"] == "RayJob" else spec) or {}
+    if not any((g or {}).get("maxReplicas", 0) for g in cluster.get("workerGroupSpecs") or []):
+        return None
+    if doc["kind"] == "RayJob" and (m := re.search(r"run\.storage_path=(\S+)", str(spec.get("entrypoint", "")))):
+        return "spec.entrypoint", m.group(1)
+    head = (cluster.get("headGroupSpec") or {}).get("template")  # the driver runs on the head
+    for c_i, c in enumerate(_containers(head)):
+        for e_i, env in enumerate(c.get("env") or []):
+            if env.get("name") == STORAGE_VAR:
+                return f"{base}.headGroupSpec.template.spec.containers[{c_i}].env[{e_i}]", env.get("value")
+    return f"{base}.headGroupSpec.template.spec.containers[0].env", None
 
 
 # --------------------------------------------------------------------------- launcher YAMLs

@@ -1,6 +1,7 @@
 """`raytrain-ddp plot RUN_DIR`: loss, validation and throughput curves to one PNG.
 
-Owns: reading a run directory's `metrics.jsonl` and drawing it. Must not touch: Ray,
+Owns: reading a run directory's `metrics.jsonl` (local, or in object storage through
+`rundir.Location`) and drawing it. Must not touch: Ray,
 torch, the training code. Uses matplotlib's Agg backend so it works on headless
 machines and inside Ray jobs.
 """
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from raytrain_ddp.errors import UserError
-from raytrain_ddp.rundir import METRICS_FILE, read_metrics
+from raytrain_ddp.rundir import METRICS_FILE, Location, read_metrics
 
 
 def plot_run(run_dir: os.PathLike | str, out: Optional[os.PathLike | str] = None) -> Path:
@@ -21,13 +22,14 @@ def plot_run(run_dir: os.PathLike | str, out: Optional[os.PathLike | str] = None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    run_dir = Path(run_dir)
-    records = read_metrics(run_dir / METRICS_FILE)
+    where = Location.parse(run_dir)
+    records = read_metrics(where / METRICS_FILE)
     train = [r for r in records if "loss" in r]
     val = [r for r in records if "val_loss" in r]
     if not train and not val:
-        raise UserError(f"{run_dir / METRICS_FILE}: no metrics to plot (is {str(run_dir)!r} a run directory?)")
-    out = Path(out) if out else run_dir / "curves.png"
+        raise UserError(f"{where / METRICS_FILE}: no metrics to plot (is {str(run_dir)!r} a run directory?)")
+    # default: beside the metrics; for a run in object storage, <name>-curves.png here
+    out = Path(out) if out else (where.local_path / "curves.png" if where.is_local else Path(f"{where.name}-curves.png"))
 
     has_acc = any("val_accuracy" in r for r in val)
     fig, axes = plt.subplots(1, 3 if has_acc else 2, figsize=(15 if has_acc else 10, 4))
@@ -48,7 +50,7 @@ def plot_run(run_dir: os.PathLike | str, out: Optional[os.PathLike | str] = None
     ax_tput.set_ylim(bottom=0)
     for ax in axes:
         ax.grid(alpha=0.3)
-    fig.suptitle(run_dir.name)
+    fig.suptitle(where.name)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)

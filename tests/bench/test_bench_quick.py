@@ -81,6 +81,14 @@ def test_quick_bench_writes_every_section(smoke_run):
         assert _positive(ray[key]), key
     assert ray["world_size"] == 2
 
+    ck = results["checkpoint"]
+    for state, least_mb in (("quickstart", 1.0), ("large", 100.0)):
+        section = ck["states"][state]
+        assert section["state_mb"] >= least_mb, (state, section["state_mb"])
+        for mode in ("sync", "async"):
+            assert _positive(section[mode]["median"]) and section[mode]["n"] == ck["per_mode"], (state, mode)
+    assert ck["kept"] == ck["kept_verified"] == 2  # num_to_keep, every kept one verifies after async uploads
+
     ingest = results["ingest"]
     for reader in ("ray_data", "ray_data_materialized", "dataloader_stream", "dataloader_rows", "in_memory"):
         assert _positive(ingest["samples_per_s"][reader]), reader
@@ -90,7 +98,9 @@ def test_quick_bench_writes_every_section(smoke_run):
     assert ingest["training"]["streaming"]["status"] == "ok"
 
     names = {v["target"] for v in results["targets"]}
-    assert "Ray Train / plain torch.distributed step" in names and len(names) == 8
+    assert "Ray Train / plain torch.distributed step" in names and len(names) == 9
+    assert "quickstart checkpoint blocks the step loop (s, async upload)" in names
+    assert "**Checkpoint: time the step loop is blocked**" in proc.stdout
 
 
 @pytest.mark.timeout(60)

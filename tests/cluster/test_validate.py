@@ -97,7 +97,7 @@ CASES = [
      "available_node_types.gpu_spot.min_workers", "billed"),
     ("aws.yaml", _open_8265, "provider.security_group.IpPermissions[0]", "8265"),
     ("azure.yaml", _head_cmd, "head_start_ray_commands[1]", "loopback"),
-    ("gcp.yaml", _publish, "docker.run_options[2]", "8265"),
+    ("gcp.yaml", _publish, "docker.run_options[3]", "8265"),
     ("aws.yaml", _set("available_node_types", "gpu_ondemand", "resources", "GPU", value=1.5),
      "available_node_types.gpu_ondemand.resources.GPU", "not of type 'integer'"),
     ("aws.yaml", _no_auth_on_workers, "worker_start_ray_commands[1]", "RAY_AUTH_MODE=token"),
@@ -165,3 +165,26 @@ def test_committed_secret_is_rejected(tmp_path):
     f = tmp_path / "secret.yaml"
     f.write_text("apiVersion: v1\nkind: Secret\nmetadata: {name: t}\nstringData: {auth_token: abc}\n")
     assert [p.key for p in cv.validate_file(f)] == ["Secret.data"]
+
+
+def test_local_run_storage_on_a_multi_node_cluster_is_a_warning(tmp_path, capsys):
+    """Shipped files point every node at a bucket; a local path or none is warned about (not a failure)."""
+    assert all(not cv.storage_warnings(CLUSTER / rel.removeprefix("cluster/")) for rel in SHIPPED)
+    aws = (CLUSTER / "aws.yaml").read_text()
+    assert "--env RAYTRAIN_DDP_STORAGE_PATH=s3://" in aws and "IamInstanceProfile" in aws
+    local = tmp_path / "aws.yaml"
+    local.write_text(aws.replace("s3://YOUR-BUCKET/raytrain-ddp", "/mnt/runs"))
+    job = yaml.safe_load((CLUSTER / "kuberay" / "rayjob.yaml").read_text())
+    job["spec"]["entrypoint"] += " run.storage_path=/mnt/runs"
+    kube = tmp_path / "rayjob.yaml"
+    kube.write_text(yaml.safe_dump(job, sort_keys=False))
+    unset = tmp_path / "raycluster.yaml"
+    unset.write_text("\n".join(line for line in (CLUSTER / "kuberay" / "raycluster.yaml").read_text().splitlines()
+                               if "RAYTRAIN_DDP_STORAGE_PATH" not in line))
+    warned = {p.name: [w.key for w in cv.storage_warnings(p)] for p in (local, kube, unset)}
+    assert warned == {"aws.yaml": ["docker.run_options[2]"], "rayjob.yaml": ["spec.entrypoint"],
+                      "raycluster.yaml": ["spec.headGroupSpec.template.spec.containers[0].env"]}
+    assert cli_main(["cluster", "validate", str(local), str(kube), str(unset)]) == 0  # warnings do not fail
+    out = capsys.readouterr().out
+    assert "warning: " in out and "'/mnt/runs' is a local path on a multi-node cluster" in out
+    assert "3 file(s), 0 problem(s), 3 warning(s)" in out

@@ -16,6 +16,9 @@ TARGETS = [
     ("bucketed / torch DDP step time (GPT)", lambda r: r["strategies"]["gpt"]["ratios"]["bucketed_over_torch_ddp"], 1.05, "<="),
     ("bucketed / native wrapper (MLP)", lambda r: r["strategies"]["mlp"]["ratios"]["bucketed_over_native"], 1.05, "<="),
     ("Ray Train / plain torch.distributed step", lambda r: r["ray_overhead"]["ray_over_plain"], 1.05, "<="),
+    # issue #12: asynchronous upload keeps a quickstart checkpoint from stalling training
+    ("quickstart checkpoint blocks the step loop (s, async upload)",
+     lambda r: r["checkpoint"]["states"]["quickstart"]["async"]["median"], 0.05, "<="),
     ("max comm bytes / theoretical minimum", lambda r: max(x["bytes_over_min"] for x in r["accumulation"]["rows"]), 1.0, "=="),
     ("calls on non-final micro-steps", lambda r: sum(x["nonfinal_calls"] for x in r["accumulation"]["rows"]), 0, "=="),
     ("data wait / step time (training run)", lambda r: r["ingest"]["data_wait_fraction"], 0.10, "<="),
@@ -92,6 +95,16 @@ def markdown(results: dict[str, Any]) -> str:
             ["Ray Train TorchTrainer", f"{rs['median']:.2f} [{rs['p25']:.2f}-{rs['p75']:.2f}]", _f(ray["ray_startup_s"])],
             ["ratio Ray / plain", _f(ray["ray_over_plain"], 3), f"ray.init: {_f(ray['ray_init_s'])} s"],
         ]))
+    ck = results.get("checkpoint")
+    if ck:
+        out.append(f"\n**Checkpoint: time the step loop is blocked** ({ck['world_size']} workers, "
+                   f"{ck['per_mode']} checkpoint(s) per mode and state, {ck['gap_s']:.1f} s of steps between; "
+                   "seconds, median [min-max])\n")
+        rows = [[name, _f(st["state_mb"], 1),
+                 f"{st['sync']['median']:.3f} [{st['sync']['min']:.3f}-{st['sync']['max']:.3f}]",
+                 f"{st['async']['median']:.3f} [{st['async']['min']:.3f}-{st['async']['max']:.3f}]",
+                 _f(st["async_over_sync"], 3)] for name, st in ck["states"].items()]
+        out.append(_table(["state", "MB", "sync upload", "async upload", "async / sync"], rows))
     ing = results.get("ingest")
     if ing:
         out.append(f"\n**Ingest** ({ing['rows']:,} rows x {ing['features']} float32, batch {ing['batch']})\n")
@@ -125,7 +138,7 @@ def plot(results: dict[str, Any], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [k for k in ("strategies", "accumulation", "ray_overhead", "ingest", "gpt")
+    panels = [k for k in ("strategies", "accumulation", "ray_overhead", "checkpoint", "ingest", "gpt")
               if results.get(k) and "error" not in results[k]]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False)
     for ax, key in zip(axes[0], panels):
@@ -156,6 +169,17 @@ def plot(results: dict[str, Any], path: Path) -> Path:
             ax.bar(["plain", "Ray Train"], [sec["plain_step_ms"], sec["ray_step_ms"]], color=["C0", "C1"])
             ax.set_ylabel("steady-state step ms")
             ax.set_title(f"Ray overhead: x{sec['ray_over_plain']:.3f}")
+        elif key == "checkpoint":
+            names = list(sec["states"])
+            for i, mode in enumerate(("sync", "async")):
+                ax.bar([j + 0.4 * i for j in range(len(names))], [sec["states"][n][mode]["median"] for n in names],
+                       0.4, label=mode)
+            ax.set_xticks([j + 0.2 for j in range(len(names))])
+            ax.set_xticklabels([f"{n} ({sec['states'][n]['state_mb']:.0f} MB)" for n in names], fontsize=8)
+            ax.set_yscale("log")
+            ax.set_ylabel("s blocked per checkpoint")
+            ax.set_title("checkpoint upload")
+            ax.legend(fontsize=8)
         elif key == "ingest":
             names = list(sec["samples_per_s"])
             ax.bar(names, [sec["samples_per_s"][n] for n in names], color="C2")

@@ -5,7 +5,8 @@ instance the Ray sections share, the `meta` block, and where results go.
 Must not touch: how each section measures (see strategies / accumulation /
 ray_overhead / ingest / gpu).
 
-Sections (top-level JSON keys): `strategies`, `accumulation`, `ray_overhead`, `ingest`
+Sections (top-level JSON keys): `strategies`, `accumulation`, `ray_overhead`,
+`checkpoint` (how long a checkpoint holds the step loop, sync vs async upload), `ingest`
 on CPU; on CUDA `strategies` (world size 1: wrapper overhead, plus DataParallel), `gpt`
 (bf16 tokens/s, MFU) and `ingest` (Ray Data wait in a GPU training run). A failing
 section is recorded as `{"error": ...}`, the others still run, and the exit status is 1.
@@ -87,7 +88,7 @@ def _start_ray(num_cpus: int, num_gpus: Optional[int] = None) -> float:
 
 
 def run_cpu(sizes: Sizes) -> dict[str, Any]:
-    from raytrain_ddp.ops.bench import accumulation, ingest, ray_overhead, strategies
+    from raytrain_ddp.ops.bench import accumulation, checkpoint, ingest, ray_overhead, strategies
 
     results: dict[str, Any] = {}
     _section(results, "strategies", lambda: strategies.run(sizes, log=_log))
@@ -100,6 +101,7 @@ def run_cpu(sizes: Sizes) -> dict[str, Any]:
     try:
         rounds = 1 if sizes.name in ("quick", "smoke") else 2
         _section(results, "ray_overhead", lambda: ray_overhead.run(sizes, rounds=rounds, ray_init_s=ray_init_s, log=_log))
+        _section(results, "checkpoint", lambda: checkpoint.run(sizes, log=_log))
         shardings = ("streaming", "exact") if sizes.name == "full" else ("streaming",)
         _section(results, "ingest", lambda: ingest.run(sizes, log=_log, train_shardings=shardings))
     finally:
