@@ -21,6 +21,14 @@ makes the preemption poll return a synthetic signal from optimizer step `step` o
 attempt `attempt` on (deadline `deadline_s` seconds after it first fires, or none), and
 polls every step so the checkpoint step is deterministic. Ray's real poll (a
 collective) stays in the path.
+
+    RAYTRAIN_DDP_SAMPLE_LOG=DIR
+
+records which samples every optimizer step trained on: a forward pre-hook digests each
+row of the model's first input during training, and after each step every rank appends
+`{"attempt", "step", "rank", "world_size", "rows": [digest, ...]}` to
+`DIR/samples-rank<R>-<pid>.jsonl` (the data tests compare these across worker counts
+and across a kill and resume).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from raytrain_ddp.worker.preemption import Signal
 
 FAULT_ENV = "RAYTRAIN_DDP_FAULT"
 PREEMPT_ENV = "RAYTRAIN_DDP_PREEMPT"
+SAMPLE_LOG_ENV = "RAYTRAIN_DDP_SAMPLE_LOG"
 ENABLE = {HOOKS_ENV: "raytrain_ddp.testing.hooks:from_env"}  # what a test puts in the driver's env
 
 
@@ -121,11 +130,35 @@ class TestHooks(Hooks):
     def __init__(self, fault: Optional[FaultPlan] = None, preemption: Optional[SimulatedPreemption] = None) -> None:
         self.fault, self.preemption = fault, preemption
         self.world_rank, self.attempt, self.next_step = 0, 1, 1
+        self.world_size, self.rows = 1, []  # RAYTRAIN_DDP_SAMPLE_LOG
 
     def on_attempt(self, rank: Any, attempt: int, module: Any) -> None:
         self.world_rank, self.attempt = rank.world_rank, attempt
+        self.world_size, self.rows = rank.world_size, []
         if self.fault is not None and self.fault.mode == "nan":
             module.register_forward_hook(self._poison)
+        if os.environ.get(SAMPLE_LOG_ENV):
+            module.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module: Any, args: Any, kwargs: Any) -> None:
+        import hashlib
+
+        if not module.training:
+            return
+        first = args[0] if args else next(iter(kwargs.values()))
+        for row in first.detach().cpu().contiguous().numpy():
+            self.rows.append(hashlib.blake2b(row.tobytes(), digest_size=8).hexdigest())
+
+    def _write_samples(self, step: int) -> None:
+        import json
+
+        out = Path(os.environ[SAMPLE_LOG_ENV]) / f"samples-rank{self.world_rank}-{os.getpid()}.jsonl"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        line = {"attempt": self.attempt, "step": step, "rank": self.world_rank, "world_size": self.world_size,
+                "rows": self.rows}
+        with open(out, "a") as handle:
+            handle.write(json.dumps(line) + "\n")
+        self.rows = []
 
     def _poison(self, module: Any, inputs: Any, output: Any) -> Any:
         if module.training and self.fault.hits(self.world_rank, self.next_step, self.attempt):
@@ -134,6 +167,8 @@ class TestHooks(Hooks):
 
     def after_step(self, step: int) -> None:
         self.next_step = step + 1
+        if os.environ.get(SAMPLE_LOG_ENV):
+            self._write_samples(step)
         if self.fault is not None and self.fault.mode != "nan" and self.fault.hits(self.world_rank, step, self.attempt):
             self.fault.strike(self.world_rank, step)
 

@@ -270,8 +270,10 @@ def arrow_numpy(table: Any) -> dict[str, np.ndarray]:
         kind = column.type
         if pa.types.is_fixed_size_list(kind) and (pa.types.is_integer(kind.value_type)
                                                    or pa.types.is_floating(kind.value_type)):
-            out[name] = np.concatenate([c.flatten().to_numpy(zero_copy_only=False) for c in column.chunks]
-                                       ).reshape(len(column), kind.list_size)  # one copy, writable
+            size = kind.list_size  # a chunk's values without pyarrow.compute's list_flatten
+            parts = [c.values.slice(c.offset * size, len(c) * size).to_numpy(zero_copy_only=False)
+                     for c in column.chunks]
+            out[name] = np.concatenate(parts).reshape(len(column), size)  # one copy, writable
         elif (pa.types.is_integer(kind) or pa.types.is_floating(kind)) and column.null_count == 0:
             out[name] = np.concatenate([c.to_numpy(zero_copy_only=False) for c in column.chunks])
         else:
@@ -299,10 +301,11 @@ def column_arrays(batch: dict[str, np.ndarray], cfg: Config, spec: DataSpec) -> 
     features, label = cfg.data.features, cfg.data.label
     x = stack_column(batch[features])
     if spec.task == "lm":
-        x = x.astype(np.int64)
-    else:
-        x = x.astype(np.float32).reshape((len(x),) + spec.feature_shape)
-    return {features: x, label: stack_column(batch[label]).astype(np.int64)}
+        x = x.astype(np.int64, copy=not x.flags.writeable)
+    else:  # arrays this process owns are not copied again (Ray Data's are read-only views)
+        x = x.astype(np.float32, copy=not x.flags.writeable).reshape((len(x),) + spec.feature_shape)
+    y = stack_column(batch[label])
+    return {features: x, label: y.astype(np.int64, copy=not y.flags.writeable)}
 
 
 def user_column_arrays(batch: dict[str, np.ndarray], cfg: Config) -> dict[str, np.ndarray]:

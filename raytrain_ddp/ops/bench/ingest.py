@@ -15,7 +15,14 @@ Readers, slowest to fastest in principle:
 - `dataloader_rows`: the tutorial pattern, a map-style `Dataset` over the (pre-read)
   rows, one `__getitem__` per sample and the default collate (`num_workers=0`);
 - `in_memory`: the upper bound, tensors already in memory, each batch gathered by a
-  shuffled index (what `data.sharding: exact` does every step).
+  shuffled index (what `data.sharding: exact` does every step);
+- `sharded`, `sharded_chunk256`, `sharded_rank0_of_2`: the product's `data.sharding:
+  sharded` batch path (`WorkerData.train_windows`: chunks read from the chunk store by a
+  reader thread, Arrow -> tensors, pinned and copied to the device on CUDA) with the
+  default 64-row chunks, with one chunk per batch, and as rank 0 of 2 (half the rows).
+  Each pass is a new epoch of the same `WorkerData`, as in training, so `first_batch_s`
+  is the first batch of an epoch with the files already open. The store is written once
+  from the parquet files (not timed).
 Every pass is timed from its first batch to its end (`samples_per_s`, warm-up excluded)
 and from the call to its end (`samples_per_s_total`, start-up included; Ray Data
 schedules read tasks on every pass); the median over passes is kept. The file is split
@@ -151,6 +158,44 @@ def in_memory_iter(x: Any, y: Any, seed: int) -> Iterable:
         yield x[idx], y[idx]
 
 
+def write_chunk_store(path: Path, out: Path, chunk_rows: int) -> Any:
+    """The parquet files as a chunk store (`raytrain_ddp/store.py`), in file order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raytrain_ddp.rundir import Location
+    from raytrain_ddp.store import write_store
+
+    def tables():
+        for file in sorted(path.glob("*.parquet")):
+            for rb in pq.ParquetFile(file).iter_batches(batch_size=8192, columns=["x", "y"]):
+                yield pa.Table.from_batches([rb])
+
+    root = Location.parse(out)
+    write_store(root / "train", tables(), chunk_rows, "bench")
+    return root
+
+
+def sharded_reader(root: Any, rows: int, chunk_rows: int, device: str, world: int = 1, rank: int = 0) -> Any:
+    """A `WorkerData` of `data.sharding: sharded` over the store: micro batch BATCH, one per step."""
+    import torch
+
+    from raytrain_ddp.config import load_config
+    from raytrain_ddp.job import DataSpec
+    from raytrain_ddp.worker.shard import WorkerData
+
+    cfg = load_config(None, ["model.name=mlp", "data.sharding=sharded", f"data.chunk_rows={chunk_rows}",
+                             f"train.micro_batch_size={BATCH}", f"train.global_batch_size={BATCH * world}",
+                             "data.prefetch_batches=4", f"scaling.num_workers={world}"])
+    spec = DataSpec("classification", (FEATURES,), CLASSES, rows, 0, "bench", store=root)
+    return WorkerData(cfg, spec, rank, world, torch.device(device))
+
+
+def sharded_iter(data: Any, epoch: int) -> Iterable:
+    for window in data.train_windows(epoch):
+        yield from window
+
+
 def read_arrays(path: Path) -> tuple[np.ndarray, np.ndarray]:
     import pyarrow.parquet as pq
 
@@ -159,7 +204,9 @@ def read_arrays(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return x, table.column("y").to_numpy()
 
 
-def readers(sizes: Sizes, tmp: Path, log=print) -> dict[str, Any]:
+def readers(sizes: Sizes, tmp: Path, log=print, device: str = "cpu") -> dict[str, Any]:
+    import itertools
+
     import torch
 
     path = write_parquet(tmp / "ingest", sizes.ingest_rows)
@@ -175,6 +222,13 @@ def readers(sizes: Sizes, tmp: Path, log=print) -> dict[str, Any]:
         "dataloader_rows": lambda: dataloader_rows_iter(x, y),
         "in_memory": lambda: in_memory_iter(tx, ty, seed=0),
     }
+    rows = {name: sizes.ingest_rows for name in makers}
+    epochs = itertools.count()
+    for name, chunk, world in (("sharded", 64, 1), ("sharded_chunk256", 256, 1), ("sharded_rank0_of_2", 64, 2)):
+        reader = sharded_reader(write_chunk_store(path, tmp / f"store-{chunk}", chunk), sizes.ingest_rows, chunk,
+                                device, world)
+        makers[name] = lambda reader=reader: sharded_iter(reader, next(epochs))
+        rows[name] = reader.steps_per_epoch * BATCH
     # Interleave: one pass of each reader per round, so drift hits them alike. One torch
     # thread in the consumer, as in a training worker: with more, every small gather pays
     # an OpenMP fork/join, which on a loaded machine made the in-memory gather 10x slower.
@@ -184,7 +238,7 @@ def readers(sizes: Sizes, tmp: Path, log=print) -> dict[str, Any]:
     try:
         for _ in range(sizes.ingest_passes):
             for name, make in makers.items():
-                per_reader[name].append(_one_pass(name, make, sizes.ingest_rows))
+                per_reader[name].append(_one_pass(name, make, rows[name]))
     finally:
         torch.set_num_threads(threads)
     out: dict[str, Any] = {}
@@ -242,12 +296,17 @@ def run(sizes: Sizes, device: str = "cpu", log=print, train_shardings: tuple[str
     with tempfile.TemporaryDirectory(prefix="raytrain-ingest-") as name:
         tmp = Path(name)
         section: dict[str, Any] = {"rows": sizes.ingest_rows, "features": FEATURES, "batch": BATCH,
-                                   "readers": readers(sizes, tmp, log)}
+                                   "readers": readers(sizes, tmp, log, device=device)}
         sps = {k: v["samples_per_s"] for k, v in section["readers"].items()}
         section["samples_per_s"] = sps
         section["ray_data_over_in_memory"] = ratio(sps["ray_data"], sps["in_memory"])
         section["ray_data_materialized_over_in_memory"] = ratio(sps["ray_data_materialized"], sps["in_memory"])
         section["ray_data_over_dataloader_stream"] = ratio(sps["ray_data"], sps["dataloader_stream"])
+        for name in ("sharded", "sharded_chunk256", "sharded_rank0_of_2"):
+            section[f"{name}_over_in_memory"] = ratio(sps[name], sps["in_memory"])
+        section["sharded_first_batch_s"] = section["readers"]["sharded"]["first_batch_s"]
+        if "exact" in train_shardings and "sharded" not in train_shardings:  # full runs: all three modes
+            train_shardings = (*train_shardings, "sharded")
         section["training"] = {}
         for sharding in train_shardings:
             log(f"  ingest: data wait inside a real {workers}-worker training run (sharding={sharding}) ...")

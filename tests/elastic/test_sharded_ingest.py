@@ -1,0 +1,86 @@
+"""data.sharding='sharded' on Ray: the samples of every step across a kill, a resume on another
+worker count, and an uninterrupted run (issue #14).
+
+Two fits of the elastic config (digits MLP, global batch 64 = micro 16 x workers x
+accumulation, 12 steps, a checkpoint every 6) with sharded data and the sample log of
+`raytrain_ddp.testing.hooks` (`RAYTRAIN_DDP_SAMPLE_LOG`: each rank records a digest of
+every row it trained on, per step):
+
+* the reference: 1 worker, uninterrupted;
+* 2 workers, rank 1 raises after step 8 (no restarts), so the latest checkpoint is step 6;
+  then the same run resumed on 4 workers, 6 steps into the epoch.
+
+Every step anyone trained (including steps 7 and 8 of the failed fit, later redone) saw
+exactly the reference's samples for that step; the resumed history is steps 1..12, each
+once; and the final parameters equal the reference's (the trajectory test's tolerance).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from _elastic import ATOL, STEPS, elastic_cfg, max_difference, states_by_step
+from raytrain_ddp.driver.launcher import run_training
+from raytrain_ddp.rundir import read_metrics
+from raytrain_ddp.testing.hooks import SAMPLE_LOG_ENV
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(480)]
+
+SHARDED = "data.sharding=sharded"
+
+
+def _steps(log_dir: Path) -> dict[tuple[int, int], list[str]]:
+    """(attempt, step) -> the sorted digests of the rows every rank trained on in that step."""
+    rows: dict[tuple[int, int], list[str]] = defaultdict(list)
+    worlds: dict[tuple[int, int], set[int]] = defaultdict(set)
+    for path in sorted(log_dir.glob("samples-*.jsonl")):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            rows[record["attempt"], record["step"]] += record["rows"]
+            worlds[record["attempt"], record["step"]].add(record["rank"])
+    return {key: sorted(value) for key, value in rows.items()}
+
+
+def test_sharded_steps_keep_their_samples_across_a_kill_and_a_resize(ray_cluster, tmp_path, monkeypatch):
+    monkeypatch.setenv(SAMPLE_LOG_ENV, str(tmp_path / "ref-log"))
+    ref = run_training(elastic_cfg(tmp_path, "ref", SHARDED, "scaling.num_workers=1"))
+    assert ref["status"] == "ok", ref.get("error")
+    reference = _steps(tmp_path / "ref-log")
+    assert sorted(step for _attempt, step in reference) == list(range(1, STEPS + 1))
+    by_step = {step: rows for (_attempt, step), rows in reference.items()}
+    assert all(len(rows) == 64 for rows in by_step.values())
+    seen = [d for rows in by_step.values() for d in rows]
+    assert len(set(seen)) > 0.95 * len(seen)  # distinct rows across steps (digits has a few twins)
+    assert (Path(ref["run_dir"]) / "data" / "train" / "store.json").exists()
+
+    monkeypatch.setenv(SAMPLE_LOG_ENV, str(tmp_path / "resize-log"))
+    monkeypatch.setenv("RAYTRAIN_DDP_FAULT", "rank=1,step=8,attempt=1,mode=raise")
+    first = run_training(elastic_cfg(tmp_path, "resize", SHARDED, "scaling.num_workers=2", "run.max_failures=0"))
+    assert first["status"] == "failed" and "injected fault" in first["error"]
+    killed = _steps(tmp_path / "resize-log")
+    assert sorted(step for _attempt, step in killed) == list(range(1, 9))
+
+    monkeypatch.setenv(SAMPLE_LOG_ENV, str(tmp_path / "resume-log"))
+    monkeypatch.delenv("RAYTRAIN_DDP_FAULT")
+    second = run_training(elastic_cfg(tmp_path, "resize", SHARDED, "scaling.num_workers=4", "run.resume=latest"))
+    assert second["status"] == "ok", second.get("error")
+    assert second["resumed_from"] == first["checkpoint"] and second["workers"] == 4
+    resumed = _steps(tmp_path / "resume-log")
+    assert sorted(step for _attempt, step in resumed) == list(range(7, STEPS + 1))  # nothing skipped
+
+    for (_attempt, step), rows in [*killed.items(), *resumed.items()]:
+        assert rows == by_step[step], f"step {step} trained on other samples than the reference's"
+    history = {step: rows for (_a, step), rows in killed.items() if step <= 6}
+    history.update({step: rows for (_a, step), rows in resumed.items()})
+    assert history == by_step  # the run's history: each step once, the reference's samples
+
+    train = [r for r in read_metrics(Path(second["run_dir"]) / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    final = states_by_step(Path(second["run_dir"]))[STEPS]
+    expected = states_by_step(Path(ref["run_dir"]))[STEPS]
+    assert final["run"]["world_size"] == 4 and final["progress"] == expected["progress"]
+    assert max_difference(final["model"], expected["model"]) < ATOL
