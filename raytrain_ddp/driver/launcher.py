@@ -44,6 +44,7 @@ Decisions, and why:
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import math
@@ -184,7 +185,14 @@ def prepare_job(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, A
     resume_from = resolve_resume(cfg, run_dir)
     checked = precheck(cfg, code) if datasets is None else None
     connect_user_code(cfg, code)
-    job, prepared, _ = _prepare(cfg, run_dir, resume_from, checked or precheck(cfg, code, datasets), code, datasets)
+    job, prepared, total_steps = _prepare(cfg, run_dir, resume_from, checked or precheck(cfg, code, datasets), code,
+                                          datasets)
+    # Your fit runs outside our launcher: the records rank 0 sends are taken and written by
+    # a recorder in the background until this process exits (printed and in metrics.jsonl).
+    job = dataclasses.replace(job, mailbox=open_mailbox())
+    recorder = Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir)], job.mailbox,
+                        write_metrics="jsonl" in cfg.run.loggers).__enter__()
+    atexit.register(recorder.stop)  # runs before Ray's own exit handler (registered earlier)
     return {"train_loop_config": {"job": job}, "datasets": prepared.datasets, "dataset_config": prepared.data_config}
 
 
