@@ -221,13 +221,21 @@ class ParallelConfig(_Section):
         "zero1: ZeRO stage 1 from scratch (each worker keeps 1/N of the optimizer state); fsdp: "
         "torch FSDP2 (parameters, gradients and optimizer state sharded). docs/parallel.md."
     )
-    bucket_cap_mb: float = Field(
-        25.0, gt=0.0, description="bucketed/native/zero1: bucket size in MB; fsdp: a submodule "
-        "holding at least this many MB of parameters becomes its own FSDP unit."
+    bucket_cap_mb: Union[float, Literal["auto"]] = Field(
+        25.0, description="bucketed/native/zero1: bucket size in MB; fsdp: a submodule "
+        "holding at least this many MB of parameters becomes its own FSDP unit. auto "
+        "(bucketed): the first ~20 synced steps time a few sizes and keep the fastest for "
+        "this model and network, the same on every worker (rank 0 prints the choice).",
     )
-    compress: Optional[Literal["bf16"]] = Field(
+    first_bucket_mb: float = Field(
+        1.0, gt=0.0, description="bucketed/native: cap of the first bucket in MB (the output "
+        "layers, whose gradients backward produces first), as torch DDP's 1 MB: a small "
+        "first bucket starts communication early.",
+    )
+    compress: Optional[Literal["bf16", "auto"]] = Field(
         None, description="Gradient compression on the wire (bucketed, native, zero1; fsdp: "
-        "gradients reduced in bf16)."
+        "gradients reduced in bf16). auto (bucketed): tuning also times bf16 and keeps it "
+        "only if it saves >= 3% (lossy: opt in).",
     )
     verify_init: bool = Field(
         False, description="Raise if ranks start from different weights instead of broadcasting rank 0's."
@@ -247,6 +255,15 @@ class ParallelConfig(_Section):
         "a parameter fails the step with an error naming it; turn on only when needed (it costs "
         "one small all-reduce per step).",
     )
+
+    @field_validator("bucket_cap_mb", mode="before")
+    @classmethod
+    def _cap_or_auto(cls, value: Any) -> Any:
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError("must be a number of MB > 0, or auto")
+        return float(value)
 
 
 _MAX_WORKERS = 4096
@@ -394,6 +411,10 @@ class Config(_Section):
             )
         if self.parallel.compress and self.parallel.strategy == "naive":
             raise ValueError("parallel.compress is supported by 'bucketed' and 'native', not 'naive'")
+        for key in ("bucket_cap_mb", "compress"):
+            if getattr(self.parallel, key) == "auto" and self.parallel.strategy != "bucketed":
+                raise ValueError(f"parallel.{key}=auto (timed tuning) is supported by parallel.strategy="
+                                 f"bucketed only, not {self.parallel.strategy!r}; set a value instead")
         if self.train.precision == "fp16" and self.parallel.strategy in ("zero1", "fsdp"):
             raise ValueError(
                 f"train.precision='fp16' is not supported with parallel.strategy="

@@ -42,6 +42,10 @@ def print_plan(cfg: Config, spec: Any, run_dir: Path, steps_per_epoch: int, tota
     ]
     if cfg.scaling.elastic:
         lines[3] += f" (elastic {cfg.scaling.min_workers}-{workers} workers; accumulation re-derived on resize)"
+    auto = [f"{key} auto" for key in ("bucket_cap_mb", "compress") if getattr(cfg.parallel, key) == "auto"]
+    if auto:  # the numbers behind it: raytrain_ddp/parallel/tuning.py
+        lines.insert(3, f"  parallel  {' and '.join(auto)}: the first ~20 synced steps time candidate "
+                        "bucket layouts, the fastest is kept on every worker; rank 0 prints the choice")
     print("\n".join(lines), flush=True)
 
 

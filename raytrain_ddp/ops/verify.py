@@ -4,7 +4,8 @@ Owns: taking the model and a few real rows of a config's data, training a few st
 local gloo ranks in float64 with every strategy and with torch's
 `DistributedDataParallel` (same options), plus one process on all the rows, and printing
 per strategy how far it is from torch DDP (gradients every step, parameters and buffers at
-the end, on every rank), from one process, what it sent, and how long a step took; exit 1
+the end, on every rank), from one process, what it sent, how long a step took and how much
+of its communication backward hid (where the wrapper times it); exit 1
 on any difference above 1e-9, naming the parameter.
 Must not touch: Ray (ranks come from `ops.ranks`, no cluster), the run directory, the
 wrappers themselves (it only calls `wrap_model`).
@@ -52,6 +53,8 @@ class Finding:
     allreduce_bytes_per_step: float = 0.0
     broadcast_bytes_per_step: float = 0.0
     ms_per_step: float = 0.0
+    comm_ms_per_step: Optional[float] = None  # gradient all-reduces in flight (where the wrapper times them)
+    exposed_ms_per_step: Optional[float] = None  # ... of which after backward had finished
 
     def problems(self) -> list[str]:
         if self.error:
@@ -188,6 +191,9 @@ def _merge(cfg: Any, per_rank: list[dict], kinds: Sequence[str]) -> Report:
             f.allreduce_bytes_per_step = runs[0]["allreduce_bytes"] / STEPS
             f.broadcast_bytes_per_step = runs[0]["broadcast_bytes"] / STEPS
             f.ms_per_step = max(run["ms"] for run in runs)
+            if all(run.get("comm_s") is not None for run in runs):  # mean over ranks
+                f.comm_ms_per_step = 1e3 * sum(run["comm_s"] for run in runs) / len(runs) / STEPS
+                f.exposed_ms_per_step = 1e3 * sum(run["exposed_comm_s"] for run in runs) / len(runs) / STEPS
         findings.append(f)
     facts = per_rank[0]["facts"]
     unused: dict[str, list[int]] = {}
@@ -198,6 +204,14 @@ def _merge(cfg: Any, per_rank: list[dict], kinds: Sequence[str]) -> Report:
                     notes=list(facts["notes"]))
     report.find_unused = cfg.parallel.find_unused_parameters
     return report
+
+
+def _comm_columns(f: Finding) -> str:
+    if f.comm_ms_per_step is None:
+        return f"{'-':>7} {'-':>7} {'-':>6}"
+    comm, exposed = f.comm_ms_per_step, f.exposed_ms_per_step or 0.0
+    hidden = f"{1.0 - exposed / comm:.0%}" if comm > 0 else "-"
+    return f"{comm:>7.2f} {exposed:>7.2f} {hidden:>6}"
 
 
 def _fmt_unused(unused: dict[str, list[int]], limit: int = 4) -> str:
@@ -220,7 +234,8 @@ def _render(cfg: Any, path: Optional[str], report: Report, rank0: dict, source: 
         f"{facts['n_buffers']} buffers ({facts['buffer_bytes']:,} B); float64 here",
         f"  data      {source}: {WORLD} gloo ranks x {MICRO_STEPS} micro-batches x {ROWS_PER_MICRO} rows "
         f"x {STEPS} steps, {cfg.train.optimizer} lr {cfg.train.lr:g}",
-        f"  options   bucket_cap_mb {p.bucket_cap_mb:g}, broadcast_buffers {str(p.broadcast_buffers).lower()}, "
+        f"  options   bucket_cap_mb {p.bucket_cap_mb if p.bucket_cap_mb == 'auto' else format(p.bucket_cap_mb, 'g')} "
+        f"(first {p.first_bucket_mb:g}), broadcast_buffers {str(p.broadcast_buffers).lower()}, "
         f"find_unused_parameters {str(report.find_unused or bool(report.unused)).lower()}"
         + (", compress off (bf16 is lossy by design)" if p.compress else ""),
         f"  found     unused: {_fmt_unused(report.unused) if report.unused else 'none'} | "
@@ -228,7 +243,8 @@ def _render(cfg: Any, path: Optional[str], report: Report, rank0: dict, source: 
         + ("; ".join(" = ".join(group) for group in report.tied) if report.tied else "none"),
         "",
         f"{'strategy':<9} {'grad diff':>9} {'param diff':>10} {'buffer diff':>11} {'vs 1 proc':>9}  "
-        f"{'all-reduce B/step':>17} {'= grad B':>8}  {'bcast B/step':>12} {'ms/step':>7}",
+        f"{'all-reduce B/step':>17} {'= grad B':>8}  {'bcast B/step':>12} {'ms/step':>7} "
+        f"{'comm ms':>7} {'exposed':>7} {'hidden':>6}",
     ]
     for f in report.findings:
         name = "torch DDP" if f.strategy == REFERENCE else f.strategy
@@ -242,10 +258,12 @@ def _render(cfg: Any, path: Optional[str], report: Report, rank0: dict, source: 
             f"{name:<9} {'(ref)' if ref else f'{f.grad[0]:.1e}':>9} {'(ref)' if ref else f'{f.param[0]:.1e}':>10} "
             f"{'(ref)' if ref else f'{f.buffer[0]:.1e}':>11} {single:>9}  "
             f"{f.allreduce_bytes_per_step:>17,.0f} {ratio:>7.2f}x  {f.broadcast_bytes_per_step:>12,.0f} "
-            f"{f.ms_per_step:>7.1f}"
+            f"{f.ms_per_step:>7.1f} {_comm_columns(f)}"
         )
     lines.append(f"(gradient bytes per step: {report.grad_bytes:,}; diffs are max |a - b| over "
-                 f"{WORLD} ranks, gradients every step; tolerance {TOLERANCE:g})")
+                 f"{WORLD} ranks, gradients every step; tolerance {TOLERANCE:g}; comm ms: gradient "
+                 "all-reduces in flight per step, exposed: the part after backward had finished, "
+                 "hidden: the fraction backward hid; mean over ranks, '-' where not timed)")
     lines += [f"note: {n}" for n in report.notes]
     if report.ok:
         lines.append(f"verdict: OK, every strategy trains like torch DDP on this model ({report.seconds:.0f} s)")
@@ -295,6 +313,8 @@ def _rank_main(world_rank: int, world_size: int, job: dict) -> dict:
             "single": None if single is None else _max_diff(run["params"], single),
             "allreduce_bytes": run["stats"].get("allreduce_bytes", 0),
             "broadcast_bytes": run["stats"].get("broadcast_bytes", 0),
+            "comm_s": run["stats"].get("comm_s"),
+            "exposed_comm_s": run["stats"].get("exposed_comm_s"),
             "ms": run["ms"],
         }
     if not facts["single_ok"]:
@@ -395,14 +415,17 @@ def _run(kind: str, build, micro, world_rank: int, cfg: Any, find_unused: bool) 
     from raytrain_ddp.parallel.native import make_ddp
 
     p = cfg.parallel
+    # "auto" is bucketed's alone (it tries layouts while training: exercised here too); torch
+    # DDP and the other strategies get the default cap. A layout never changes the arithmetic.
+    cap = p.bucket_cap_mb if p.bucket_cap_mb != "auto" or kind == "bucketed" else 25.0
     pg = dist.new_group()  # a run that fails cannot derail the next one's collectives
     try:
         module = build()
         if kind == REFERENCE:
-            model = make_ddp(module, process_group=pg, bucket_cap_mb=p.bucket_cap_mb,
+            model = make_ddp(module, process_group=pg, bucket_cap_mb=cap, first_bucket_mb=p.first_bucket_mb,
                              broadcast_buffers=p.broadcast_buffers, find_unused_parameters=find_unused)
         else:
-            model = wrap_model(module, kind, process_group=pg, bucket_cap_mb=p.bucket_cap_mb,
+            model = wrap_model(module, kind, process_group=pg, bucket_cap_mb=cap, first_bucket_mb=p.first_bucket_mb,
                                broadcast_buffers=p.broadcast_buffers, find_unused_parameters=find_unused,
                                collective_timeout_s=20)
         opt = _optimizer(cfg, model.parameters())

@@ -14,7 +14,7 @@ it): the loop reaches Ray, this package only reaches torch and torch.distributed
 from __future__ import annotations
 
 import weakref
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,7 @@ __all__ = [
     "SHARDED_STRATEGIES", "Zero1DDP", "ZeroOptimizer", "FullyShardedDP", "FSDPOptimizer",
 ]
 
-COMPRESSIONS = (None, "bf16")
+COMPRESSIONS = (None, "bf16", "auto")
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 # module -> its current wrapper (weak both ways; nothing stored on the module, so it still pickles)
 _LIVE_WRAPPERS: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
@@ -57,7 +57,8 @@ def wrap_model(
     module: nn.Module,
     strategy: str,
     *,
-    bucket_cap_mb: float = 25.0,
+    bucket_cap_mb: Union[float, str] = 25.0,
+    first_bucket_mb: float = 1.0,
     compress: Optional[str] = None,
     verify_init: bool = False,
     process_group: Optional[dist.ProcessGroup] = None,
@@ -79,8 +80,15 @@ def wrap_model(
 
     strategy             "naive" | "bucketed" | "native" (see `STRATEGIES`).
     bucket_cap_mb        bucketed/native: bucket size; smaller = earlier overlap, more calls.
+                         "auto" (bucketed): a few timed synced steps at the start pick it
+                         for this model and network, the same on every rank
+                         (`wrapper.tuning` says what was chosen).
+    first_bucket_mb      bucketed/native: cap of the first bucket (the output layers, whose
+                         gradients backward produces first), 1 MiB as in torch DDP, so
+                         communication starts early.
     compress             None | "bf16": all-reduce bf16 copies of fp32 gradients (half the
                          bytes); bucketed and native only; refused for 16-bit parameters.
+                         "auto" (bucketed): also time bf16 while tuning, keep it if it pays.
     process_group        default: the global group; without one (or world size 1) the
                          scratch strategies send nothing, and native returns `LocalModel`.
     device_ids           native only, as in torch DDP (e.g. [local_rank] on GPU; None on CPU).
@@ -119,7 +127,11 @@ def wrap_model(
             f"compress={compress!r} is supported by 'bucketed' and 'native', not 'naive' "
             "(naive sends each gradient as is)"
         )
-    if compress is not None:
+    auto = [name for name, value in (("bucket_cap_mb", bucket_cap_mb), ("compress", compress)) if value == "auto"]
+    if auto and strategy != "bucketed":
+        raise ValueError(f"{auto[0]}='auto' (timed tuning of the layout) is supported by 'bucketed' only, "
+                         f"not {strategy!r}; give a number (bucket_cap_mb) or None/'bf16' (compress)")
+    if compress == "bf16":
         sixteen = [n for n, p in module.named_parameters() if p.requires_grad and p.dtype in _SIXTEEN_BIT]
         if sixteen:
             raise ValueError(
@@ -127,8 +139,10 @@ def wrap_model(
                 f"'{sixteen[0]}' ({len(sixteen)} in all) is already 16-bit "
                 f"({dict(module.named_parameters())[sixteen[0]].dtype}); use compress=None"
             )
-    if not bucket_cap_mb > 0:
-        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be > 0")
+    if bucket_cap_mb != "auto" and not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
+        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be > 0 or 'auto'")
+    if not (isinstance(first_bucket_mb, (int, float)) and first_bucket_mb > 0):
+        raise ValueError(f"first_bucket_mb={first_bucket_mb!r} must be > 0")
     if collective_timeout_s is not None and not collective_timeout_s > 0:
         raise ValueError(f"collective_timeout_s={collective_timeout_s!r} must be > 0 (or None)")
     if isinstance(module, WrappedModel):
@@ -141,6 +155,8 @@ def wrap_model(
                    broadcast_buffers=broadcast_buffers, find_unused_parameters=find_unused_parameters)
     if strategy == "fsdp":
         options["param_dtype"] = param_dtype
+    if strategy in ("bucketed", "native"):
+        options["first_bucket_mb"] = first_bucket_mb
     wrapper = _build(module, strategy, bucket_cap_mb, compress, process_group, device_ids, options)
     _LIVE_WRAPPERS[module] = weakref.ref(wrapper)
     return wrapper

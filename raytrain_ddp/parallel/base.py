@@ -10,6 +10,7 @@ Must not touch: Ray, optimizers, data, checkpoints files. Only torch and torch.d
 from __future__ import annotations
 
 import contextlib
+import time
 import zlib
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Mapping, Optional
@@ -44,6 +45,7 @@ class RequiresGradChangeError(UserError, RuntimeError):
 
 
 _STAT_KEYS = ("allreduce_calls", "allreduce_bytes", "syncs", "broadcasts", "broadcast_bytes", "control_bytes")
+TIMING_KEYS = ("comm_s", "exposed_comm_s")  # present only where the wrapper times its all-reduces
 
 
 class WrappedModel(nn.Module):
@@ -66,7 +68,11 @@ class WrappedModel(nn.Module):
       `allreduce_bytes` (gradients only: per optimizer step exactly the trainable gradient
       bytes, half with bf16 compression), `syncs`, `buckets`, `broadcasts` and
       `broadcast_bytes` (the buffer broadcasts), `control_bytes` (the small agreement
-      all-reduces: the used-parameter map, requires_grad changes).
+      all-reduces: the used-parameter map, requires_grad changes). Where the wrapper can
+      time its gradient all-reduces (naive, bucketed, native; on CPU/gloo, see
+      `comm_timing`) also `comm_s` (seconds with at least one gradient all-reduce in
+      flight) and `exposed_comm_s` (the part of it after backward had finished: what the
+      step waited for); `comm_s - exposed_comm_s` was hidden behind backward.
 
     Build optimizers from `wrapper.parameters()` or `wrapper.module.parameters()` (same
     tensors); use `wrapper.module.named_parameters()` when names matter (the wrapper adds a
@@ -146,6 +152,13 @@ class WrappedModel(nn.Module):
         this rank's shard and whose `state_dict()` is consolidated (a collective)."""
         return factory([p for p in self.module.parameters() if p.requires_grad])
 
+    @contextlib.contextmanager
+    def summon_full_params(self) -> Iterator[None]:
+        """Inside, `.module`'s forward runs on this rank alone and sends nothing, so ranks may
+        run different numbers of forwards (validation). Replicas hold the full parameters
+        already; fsdp gathers them on entry and frees them on exit (every rank must enter)."""
+        yield
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """`torch.nn.utils.clip_grad_norm_` over the trainable gradients: the global norm,
         the same on every rank (sharded strategies combine the ranks' shards)."""
@@ -155,6 +168,72 @@ class WrappedModel(nn.Module):
     def reset_comm_stats(self) -> None:
         for key in _STAT_KEYS:
             self._stats[key] = 0
+        for key in TIMING_KEYS:
+            if key in self._stats:
+                self._stats[key] = 0.0
+
+    def _add_comm_time(self, backward_end: float, spans: list[tuple[float, float]]) -> None:
+        """Account one synced backward's all-reduces: `spans` = (launched, completed) times."""
+        comm, exposed = split_comm_time(backward_end, spans)
+        self._stats["comm_s"] = self._stats.get("comm_s", 0.0) + comm
+        self._stats["exposed_comm_s"] = self._stats.get("exposed_comm_s", 0.0) + exposed
+
+
+def split_comm_time(backward_end: float, spans: list[tuple[float, float]]) -> tuple[float, float]:
+    """(communication time, the part of it after `backward_end`) from (start, end) spans.
+
+    Communication time is the length of the union of the spans (two all-reduces in flight
+    at once count once); the exposed part is that union clipped to after backward ended.
+    """
+    comm = exposed = 0.0
+    lo = hi = None
+    for start, end in sorted(spans) + [(float("inf"), float("inf"))]:
+        if hi is not None and start > hi:
+            comm += hi - lo
+            exposed += max(0.0, hi - max(lo, backward_end))
+            lo = hi = None
+        if hi is None:
+            lo, hi = start, max(start, end)
+        else:
+            hi = max(hi, end)
+    return comm, exposed
+
+
+class CommClock:
+    """When each gradient all-reduce of one backward was launched and completed (CPU/gloo).
+
+    Completion is stamped by a callback on the work's future (gloo runs it on its own
+    thread the moment the collective finishes), so an all-reduce that finished while
+    backward was still running is known to be hidden. On CUDA a future completes when the
+    collective is queued on the stream, not when it ran, so host clocks cannot tell: the
+    wrappers time only CPU tensors (`comm_timing(device)`); use torch.profiler on GPUs.
+    """
+
+    __slots__ = ("started", "ended")
+
+    def __init__(self) -> None:
+        self.started: list[float] = []
+        self.ended: list[float] = []
+
+    def launched(self, work) -> None:
+        slot = len(self.started)
+        self.started.append(time.perf_counter())
+        self.ended.append(0.0)
+
+        def stamp(_fut, slot=slot, ended=self.ended) -> None:
+            ended[slot] = time.perf_counter()
+
+        work.get_future().add_done_callback(stamp)
+
+    def spans(self) -> list[tuple[float, float]]:
+        """Call after every work was waited for; a stamp not yet written reads as now."""
+        now = time.perf_counter()
+        return [(s, e if e else now) for s, e in zip(self.started, self.ended)]
+
+
+def comm_timing(device: torch.device) -> bool:
+    """Whether host clocks see when a collective on `device` ran (see `CommClock`)."""
+    return device.type == "cpu"
 
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback

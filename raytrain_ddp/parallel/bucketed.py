@@ -7,16 +7,25 @@ pickling) live in `base.ScratchBase`.
 Must not touch: Ray, optimizers, the training loop. torch and torch.distributed only.
 
 torch-reducer style. Parameters, in REVERSE registration order (roughly the order
-backward produces their gradients), are packed per (dtype, device) into flat buckets of at
-most `bucket_cap_mb` (the first bucket of each kind is capped at 1 MiB, like torch DDP, so
-communication starts early; a single parameter larger than the cap gets a bucket of its
-own). `param.grad` is a view into its bucket, so autograd accumulates straight into the
-buffer that is sent: no packing copy. A post-accumulate-grad hook marks a parameter ready;
-when every parameter of a bucket is ready (and every earlier bucket has been launched;
-ranks must issue collectives in the same order) an ASYNC all-reduce of the bucket starts at
-once, overlapping the rest of backward. The callback at the end of backward launches
-whatever is left (a parameter no gradient reached sends zeros, or its gradient from an
-earlier micro-step of the window) and waits for everything.
+backward produces their gradients), are packed per (dtype, device) into one flat buffer;
+buckets are consecutive slices of it of at most `bucket_cap_mb` (the first bucket at most
+`first_bucket_mb`, 1 MiB by default as in torch DDP, so communication starts early; a single
+parameter larger than the cap gets a bucket of its own). `param.grad` is a view into the
+flat buffer, so autograd accumulates straight into what is sent: no packing copy, and a new
+layout (bucket_cap_mb="auto" tries several) only moves the slice boundaries. A
+post-accumulate-grad hook marks a parameter ready; when every parameter of a bucket is
+ready (and every earlier bucket has been launched; ranks must issue collectives in the same
+order) an ASYNC all-reduce of the bucket starts at once, overlapping the rest of backward.
+The callback at the end of backward launches whatever is left (a parameter no gradient
+reached sends zeros, or its gradient from an earlier micro-step of the window) and waits
+for everything. On CPU each all-reduce is timed (`base.CommClock`): `comm_stats` gains
+`comm_s` and `exposed_comm_s`, how much of the communication backward hid and how long
+the step waited for the rest.
+
+`bucket_cap_mb="auto"` (`parallel.bucket_cap_mb: auto`) times a few layouts on the first
+synced steps of the run and keeps the fastest, the same on every rank (`tuning.py`);
+`compress="auto"` also tries bf16 on the wire and keeps it only if it pays.
+`wrapper.tuning` holds the decision once made.
 
 `optimizer.zero_grad(set_to_none=True)` is supported and is the cheaper choice: autograd
 then hands over a fresh gradient, which the hook copies into the bucket once, pre-divided by
@@ -32,13 +41,15 @@ registers no hooks and sends nothing.
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+import time
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from raytrain_ddp.parallel.base import ScratchBase, _queue_callback, describe_tensors
+from raytrain_ddp.parallel import tuning
+from raytrain_ddp.parallel.base import CommClock, ScratchBase, _queue_callback, comm_timing, describe_tensors
 
 _FIRST_BUCKET_BYTES = 1024 * 1024  # torch DDP's dist._DEFAULT_FIRST_BUCKET_BYTES
 
@@ -81,14 +92,16 @@ class BucketedDDP(ScratchBase):
     """Flat gradient buckets, all-reduced asynchronously as soon as they are full."""
 
     strategy = "bucketed"
-    _transient = ("_handles", "_buckets", "_views", "_works")
+    _transient = ("_handles", "_buckets", "_views", "_works", "_flats", "_clock")
 
-    def __init__(self, module: nn.Module, process_group=None, *, bucket_cap_mb: float = 25.0,
-                 compress: Optional[str] = None, verify_init: bool = False,
+    def __init__(self, module: nn.Module, process_group=None, *, bucket_cap_mb: Union[float, str] = 25.0,
+                 first_bucket_mb: float = 1.0, compress: Optional[str] = None, verify_init: bool = False,
                  collective_timeout_s: Optional[float] = None, broadcast_buffers: bool = True,
                  find_unused_parameters: bool = False) -> None:
         self.compress = compress
         self.bucket_cap_mb = bucket_cap_mb
+        self.first_bucket_mb = first_bucket_mb
+        self._tuner: Optional[tuning.AutoTuner] = None
         self._wire_dtype = torch.bfloat16 if compress == "bf16" else None
         super().__init__(module, process_group, verify_init=verify_init,
                          collective_timeout_s=collective_timeout_s, broadcast_buffers=broadcast_buffers,
@@ -97,37 +110,88 @@ class BucketedDDP(ScratchBase):
     def _order(self, named: list[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
         return list(reversed(named))  # roughly the order backward produces gradients
 
+    @property
+    def tuning(self) -> Optional[dict[str, Any]]:
+        """With bucket_cap_mb or compress "auto": once decided, {"bucket_cap_mb", "compress",
+        "buckets", "steps", "ms" (candidate -> synced-backward ms), "text"}; else None."""
+        tuner = self._tuner
+        if tuner is None or tuner.summary is None:
+            return None
+        choice = tuner.summary["choice"]
+        return {"bucket_cap_mb": choice.cap_mb, "compress": choice.compress, "buckets": choice.buckets,
+                "steps": tuner.summary["steps"], "ms": dict(tuner.summary["ms"]), "text": tuner.describe()}
+
     def _build(self) -> None:
         self._names = [n for n, _ in self._tracked]
         self._params = [p for _, p in self._tracked]
         self._views: list[torch.Tensor] = []
         self._buckets: list[_Bucket] = []
         self._bucket_of: list[int] = [0] * len(self._params)
+        self._timed = False
         if self.world_size > 1:
-            self._build_buckets(int(self.bucket_cap_mb * 2**20))
+            cap_mb = self.bucket_cap_mb
+            if "auto" in (self.bucket_cap_mb, self.compress):
+                cap_mb = self._start_tuning()
+            self._build_buckets(int(cap_mb * 2**20))
             self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
                              for i, p in enumerate(self._params)]
+            self._timed = bool(self._params) and comm_timing(self._params[0].device)
         self._stats["buckets"] = len(self._buckets)
         self._inv_world_size = 1.0 / self.world_size
         self._reset_backward()
 
+    def _start_tuning(self) -> float:
+        """The candidates for this trainable set (kept if already decided); the first one's cap."""
+        if self._tuner is None or self._tuner.choice is None:
+            grad_bytes = sum(p.numel() * p.element_size() for p in self._params)
+            caps = (tuning.candidate_caps(grad_bytes) if self.bucket_cap_mb == "auto"
+                    else (float(self.bucket_cap_mb),))
+            wires: tuple[Optional[str], ...] = (self.compress,)
+            if self.compress == "auto":
+                sixteen = any(p.dtype in (torch.float16, torch.bfloat16) for p in self._params)
+                wires = (None,) if sixteen else (None, "bf16")
+            self._tuner = tuning.AutoTuner(tuning.candidates(
+                lambda cap: assign_buckets(self._params, int(cap * 2**20), self._first_cap_bytes), wires, caps))
+        self._wire_dtype = torch.bfloat16 if self._tuner.current.compress == "bf16" else None
+        return self._tuner.current.cap_mb
+
+    @property
+    def _first_cap_bytes(self) -> int:
+        return int(self.first_bucket_mb * 2**20)
+
     def _build_buckets(self, cap_bytes: int) -> None:
+        """One flat buffer per (dtype, device) in send order, `param.grad` views into it."""
         self._views = [torch.empty(0)] * len(self._params)
-        for b, members in enumerate(assign_buckets(self._params, cap_bytes)):
-            first = self._params[members[0]]
-            flat = torch.zeros(sum(self._params[i].numel() for i in members),
-                               dtype=first.dtype, device=first.device)
+        self._offsets = [0] * len(self._params)
+        groups: dict[tuple, list[int]] = {}
+        for i, p in enumerate(self._params):
+            groups.setdefault((p.dtype, p.device), []).append(i)
+        self._flats: dict[tuple, torch.Tensor] = {}
+        for (dtype, device), members in groups.items():
+            flat = torch.zeros(sum(self._params[i].numel() for i in members), dtype=dtype, device=device)
             offset = 0
             for i in members:
                 p = self._params[i]
                 view = flat[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
-                if p.grad is not None:  # gradients accumulated so far move into the new bucket
+                if p.grad is not None:  # gradients accumulated so far move into the flat buffer
                     view.copy_(p.grad)
                     p.grad = view
-                self._views[i] = view
+                self._views[i], self._offsets[i] = view, offset
+                offset += p.numel()
+            self._flats[(dtype, device)] = flat
+        self._set_layout(cap_bytes)
+
+    def _set_layout(self, cap_bytes: int) -> None:
+        """Cut the flat buffers into buckets (between backwards only: no copy, no allocation)."""
+        self._buckets = []
+        for b, members in enumerate(assign_buckets(self._params, cap_bytes, self._first_cap_bytes)):
+            first, last = self._params[members[0]], self._params[members[-1]]
+            lo, hi = self._offsets[members[0]], self._offsets[members[-1]] + last.numel()
+            for i in members:
                 self._bucket_of[i] = b
-            self._buckets.append(_Bucket(b, members, [self._names[i] for i in members], flat))
+            self._buckets.append(_Bucket(b, members, [self._names[i] for i in members],
+                                         self._flats[(first.dtype, first.device)][lo:hi]))
+        self._stats["buckets"] = len(self._buckets)
 
     def _reset_backward(self) -> None:
         self._pending = [len(b.members) for b in self._buckets]
@@ -135,6 +199,8 @@ class BucketedDDP(ScratchBase):
         self._scaled = bytearray(len(self._params))  # view already holds grad / world_size
         self._next = 0
         self._works: list[tuple[_Bucket, Any, torch.Tensor]] = []
+        self._clock = CommClock()
+        self._backward_start = 0.0
 
     def _abandon_backward(self) -> None:
         super()._abandon_backward()
@@ -158,6 +224,7 @@ class BucketedDDP(ScratchBase):
             self._scaled[i] = 1
         if not self._queued:
             self._queued = True
+            self._backward_start = time.perf_counter()
             _queue_callback(self._finish)
         if self._ready[i]:
             return
@@ -179,10 +246,13 @@ class BucketedDDP(ScratchBase):
                 self._views[i].div_(self.world_size)
         send = bucket.buffer if self._wire_dtype is None else bucket.buffer.to(self._wire_dtype)
         work = dist.all_reduce(send, group=self._pg, async_op=True)
+        if self._timed:
+            self._clock.launched(work)
         self._count(send)
         self._works.append((bucket, work, send))
 
     def _finish(self) -> None:
+        backward_end = time.perf_counter()
         try:
             missing = self._fill_missing()
             if self._next < len(self._buckets):
@@ -196,14 +266,26 @@ class BucketedDDP(ScratchBase):
                                  f"({describe_tensors(bucket.names, send.numel() * send.element_size())})")
                 if send is not bucket.buffer:
                     bucket.buffer.copy_(send)
+            synced = time.perf_counter()
+            if self._timed:
+                self._add_comm_time(backward_end, self._clock.spans())
             unused = self._settle_unused(*pending)
             for i in missing:  # no gradient here: takes the average, unless no rank used it
                 if i not in unused:
                     self._params[i].grad = self._views[i]
             self._stats["syncs"] += 1
+            if self._tuner is not None and self._tuner.choice is None:
+                self._next_candidate(synced - (self._backward_start or backward_end))
         finally:
             self._reset_backward()
             self._end_sync()
+
+    def _next_candidate(self, seconds: float) -> None:
+        """Tuning: record this synced backward, then cut the buckets for the next candidate."""
+        device = self._params[0].device if self._params else None
+        candidate = self._tuner.record(seconds, self.world_size, group=self._pg, device=device)
+        self._wire_dtype = torch.bfloat16 if candidate.compress == "bf16" else None
+        self._set_layout(int(candidate.cap_mb * 2**20))
 
     def _fill_missing(self) -> list[int]:
         """Parameters the hooks did not mark ready take part as they are: their gradient from

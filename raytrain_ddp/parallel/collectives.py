@@ -2,7 +2,7 @@
 
 Owns: the few reductions the loop, the data shard and the preemption guard use so that
 every rank takes the same branch at the same step (skip a step, stop an epoch, poll Ray,
-resume from a step). Must not touch: gradients (the wrappers own those), Ray.
+resume from a step), and the `bucketed` wrapper uses to agree on its tuned layout. Must not touch: gradients (the wrappers own those), Ray.
 
 Every helper is a collective: all ranks must call it, in the same order. Outside a
 process group (or with one rank) each returns the local answer, so unit tests and
@@ -17,15 +17,16 @@ import torch
 import torch.distributed as dist
 
 
-def _active() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+def _active(group: Optional[dist.ProcessGroup] = None) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def sum_over_ranks(values: Sequence[float] | torch.Tensor, device: Optional[torch.device] = None) -> list[float]:
-    """Element-wise sum over ranks (float64 unless a tensor is given)."""
+def sum_over_ranks(values: Sequence[float] | torch.Tensor, device: Optional[torch.device] = None,
+                   group: Optional[dist.ProcessGroup] = None) -> list[float]:
+    """Element-wise sum over the ranks of `group` (default: all); float64 unless a tensor is given."""
     t = values.detach().clone() if isinstance(values, torch.Tensor) else torch.tensor(list(values), dtype=torch.float64, device=device)
-    if _active():
-        dist.all_reduce(t)
+    if _active(group):
+        dist.all_reduce(t, group=group)
     return [float(v) for v in t.flatten()]
 
 

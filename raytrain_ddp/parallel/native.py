@@ -1,10 +1,11 @@
 """torch's DistributedDataParallel behind our `WrappedModel` interface (strategy `native`).
 
-Owns: building DDP with the options our config exposes (bucket_cap_mb,
+Owns: building DDP with the options our config exposes (bucket_cap_mb, first_bucket_mb,
 gradient_as_bucket_view=True, device_ids, bf16 compression, broadcast_buffers,
-find_unused_parameters), a comm hook that counts what each bucket all-reduce sends (so
-`comm_stats` means the same for every strategy), and the checks that turn torch DDP's
-late errors and hangs into an error at the step that causes them.
+find_unused_parameters), a comm hook that counts what each bucket all-reduce sends and, on
+CPU, times it (so `comm_stats` means the same for every strategy, `comm_s` and
+`exposed_comm_s` included), and the checks that turn torch DDP's late errors and hangs
+into an error naming the parameter.
 Must not touch: Ray, optimizers, the training loop.
 
 Behaviour without a process group: torch DDP cannot be built, and a single process has
@@ -16,10 +17,14 @@ Where torch DDP alone would go wrong, and what we do instead:
 - A trainable parameter with no gradient in a synced backward, without
   `find_unused_parameters`: torch returns unsynchronised gradients and fails one step
   later, or, if only some ranks left it unused, hangs the others until the process-group
-  timeout. We mark used parameters with our own hooks and, at the end of the backward,
-  raise `UnusedParameterError` naming them; on the first synced backward every rank agrees
-  first (one small all-reduce on a side group, since DDP's own group may hold a bucket
-  that a rank never launched), later the rank that saw it raises.
+  timeout. On the first synced backward (where a model that never uses a parameter shows
+  it) we mark used parameters with our own hooks and, at the end of the backward, every
+  rank agrees (one small all-reduce on a side group, since DDP's own group may hold a
+  bucket that a rank never launched) and raises `UnusedParameterError` naming them. Then
+  the hooks are removed: a Python call per parameter per backward is not worth paying for
+  the rest of the run. A parameter left unused later (a data-dependent branch) gets torch's
+  own check, at the next forward on the rank that left it, re-raised as
+  `UnusedParameterError` with the parameter names in place of torch's indices.
 - `requires_grad` changed after wrapping: DDP fixes its parameter set when it is built.
   Freezing is fine with `find_unused_parameters` (DDP then leaves grad None); without it,
   or when a parameter frozen at wrap time is unfrozen (DDP would never synchronise it),
@@ -40,6 +45,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
+import time
 import warnings
 from datetime import timedelta
 from typing import Any, Optional
@@ -57,21 +64,37 @@ from raytrain_ddp.parallel.base import (
     WrappedModel,
     _queue_callback,
     check_structure,
+    comm_timing,
     describe_tensors,
+    split_comm_time,
     sync_initial_state,
     unused_message,
     wait_work,
 )
 
+_TORCH_FIRST_BUCKET_MB = 1.0  # dist._DEFAULT_FIRST_BUCKET_BYTES, torch DDP's default first bucket
+_TORCH_CAP_MB = 25.0
 
-def make_ddp(module: nn.Module, *, broadcast_buffers: bool = True, **options: Any) -> DistributedDataParallel:
-    """torch DDP with our `broadcast_buffers`, meaning what torch's original option means.
+
+def make_ddp(module: nn.Module, *, broadcast_buffers: bool = True, bucket_cap_mb: float = _TORCH_CAP_MB,
+             first_bucket_mb: float = _TORCH_FIRST_BUCKET_MB, **options: Any) -> DistributedDataParallel:
+    """torch DDP with our `broadcast_buffers` and bucket sizes, meaning what we mean by them.
 
     torch 2.13 renamed it `forward_sync_buffers` and deprecated `broadcast_buffers` (with a
     FutureWarning), but only the old `broadcast_buffers=False` also skips the buffer sync at
     construction, which is what ours means (and what the from-scratch strategies do).
     `verify` builds its torch DDP reference through here too, so both mean the same.
+
+    Buckets: torch keeps its small first bucket (1 MiB) only when `bucket_cap_mb` is left
+    unset; any explicit cap, even 25, makes every bucket that size. We pass the first bucket
+    explicitly (`bucket_cap_mb_list=[first, cap]`, torch >= 2.13), so `first_bucket_mb`
+    means the same here as in `bucketed`. Older torch: the defaults (25 / 1) leave the cap
+    unset; other caps get no small first bucket.
     """
+    if _HAS_CAP_LIST and first_bucket_mb < bucket_cap_mb:
+        options["bucket_cap_mb_list"] = [first_bucket_mb, bucket_cap_mb]
+    elif not (bucket_cap_mb == _TORCH_CAP_MB and first_bucket_mb == _TORCH_FIRST_BUCKET_MB):
+        options["bucket_cap_mb"] = bucket_cap_mb
     if broadcast_buffers:
         if _HAS_FORWARD_SYNC:
             options["forward_sync_buffers"] = True
@@ -81,7 +104,10 @@ def make_ddp(module: nn.Module, *, broadcast_buffers: bool = True, **options: An
         return DistributedDataParallel(module, broadcast_buffers=False, **options)
 
 
-_HAS_FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+_DDP_OPTIONS = inspect.signature(DistributedDataParallel.__init__).parameters
+_HAS_FORWARD_SYNC = "forward_sync_buffers" in _DDP_OPTIONS
+_HAS_CAP_LIST = "bucket_cap_mb_list" in _DDP_OPTIONS
+_REDUCTION_UNFINISHED = "Expected to have finished reduction in the prior iteration"
 
 
 class LocalModel(WrappedModel):
@@ -107,7 +133,8 @@ class NativeDDP(WrappedModel):
     _module_path = "ddp.module."
 
     def __init__(self, module: nn.Module, process_group=None, *, bucket_cap_mb: float = 25.0,
-                 compress: Optional[str] = None, verify_init: bool = False,
+                 first_bucket_mb: float = _TORCH_FIRST_BUCKET_MB, compress: Optional[str] = None,
+                 verify_init: bool = False,
                  device_ids: Optional[list] = None, collective_timeout_s: Optional[float] = None,
                  broadcast_buffers: bool = True, find_unused_parameters: bool = False) -> None:
         if process_group is None and collective_timeout_s is not None:
@@ -123,13 +150,16 @@ class NativeDDP(WrappedModel):
             check_structure(module, process_group, self.world_size, self.world_rank)
         self.ddp = make_ddp(
             module, device_ids=device_ids, process_group=process_group, bucket_cap_mb=bucket_cap_mb,
-            gradient_as_bucket_view=True, broadcast_buffers=broadcast_buffers,
-            find_unused_parameters=find_unused_parameters,
+            first_bucket_mb=first_bucket_mb, gradient_as_bucket_view=True,
+            broadcast_buffers=broadcast_buffers, find_unused_parameters=find_unused_parameters,
         )
         self._inner_hook = default_hooks.bf16_compress_hook if compress == "bf16" else default_hooks.allreduce_hook
         self._wire_bytes = 2 if compress == "bf16" else None
         self._stats["buckets"] = None  # known after the first sync (DDP may rebuild buckets)
         self._calls_this_sync = 0
+        params = list(module.parameters())
+        self._timed = bool(params) and comm_timing(params[0].device)
+        self._sync_clock: Optional[_SyncClock] = None
         self.ddp.register_comm_hook(state=process_group, hook=self._counting_hook)
         self._named = list(module.named_parameters())
         self._at_wrap = [p.requires_grad for _, p in self._named]  # what DDP synchronises
@@ -145,16 +175,31 @@ class NativeDDP(WrappedModel):
             self._check_requires_grad()
         if self._queued:  # a backward that raised never ran our callback
             self._end_backward()
+        self._account_sync()
         if self.ddp.will_sync_module_buffers():  # DDP re-broadcasts buffers in its forward
             self._stats["broadcasts"] += 1
             self._stats["broadcast_bytes"] += sum(b.numel() * b.element_size() for b in self.ddp.modules_buffers)
-        out = self.ddp(*args, **kwargs)
+        try:
+            out = self.ddp(*args, **kwargs)
+        except RuntimeError as exc:
+            if _REDUCTION_UNFINISHED in str(exc):
+                raise self._unused_from_torch(str(exc)) from exc
+            raise
         if torch.is_grad_enabled() and self.ddp.require_backward_grad_sync:
             self._armed = True  # DDP prepared its reducer: the next backward syncs
         return out
 
     def no_sync(self):
         return self.ddp.no_sync()
+
+    @property
+    def comm_stats(self) -> dict[str, Any]:
+        self._account_sync()
+        return super().comm_stats
+
+    def reset_comm_stats(self) -> None:
+        self._account_sync()
+        super().reset_comm_stats()
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("a 'native' wrapper cannot be pickled (it holds process groups and torch DDP's "
@@ -186,6 +231,7 @@ class NativeDDP(WrappedModel):
 
     # -- unused parameters without find_unused_parameters --------------------------------
     def _track_unused(self) -> None:
+        """Hooks for the first synced backward only (see the module docstring)."""
         self._armed = False
         self._queued = False
         self._tracked = [(n, p) for (n, p), t in zip(self._named, self._at_wrap) if t]
@@ -237,8 +283,36 @@ class NativeDDP(WrappedModel):
             if bad:
                 raise UnusedParameterError(unused_message(
                     self.strategy, [self._tracked[i][0] for i in bad], list(bad.values())))
+            self.close()  # checked on every rank; from now on torch's own check (see above)
         finally:
             self._end_backward()
+
+    def _unused_from_torch(self, text: str) -> UnusedParameterError:
+        """torch's "did not finish reduction" error, with parameter names for its indices."""
+        match = re.search(r"did not receive grad for rank (\d+): ([\d ]+)", text)
+        if not match:
+            return UnusedParameterError(
+                f"a trainable parameter got no gradient in the previous synchronised backward "
+                f"(strategy 'native', find_unused_parameters=False; torch DDP: {text.splitlines()[0]}). "
+                "Pass find_unused_parameters=True (config: parallel.find_unused_parameters: true)")
+        rank, indices = int(match.group(1)), [int(i) for i in match.group(2).split()]
+        names = [self._tracked[i][0] if i < len(self._tracked) else f"#{i}" for i in indices]
+        return UnusedParameterError(unused_message(self.strategy, names, [[rank]] * len(names)))
+
+    # -- timing: how much communication backward hid -------------------------------------
+    def _backward_ended(self) -> None:
+        clock = self._sync_clock
+        if clock is not None and clock.backward_end is None:
+            clock.backward_end = time.perf_counter()
+
+    def _account_sync(self) -> None:
+        """Add the last sync's times to comm_stats once every bucket of it has completed."""
+        clock = self._sync_clock
+        if clock is not None and clock.complete():
+            self._sync_clock = None
+            comm, exposed = split_comm_time(clock.backward_end, clock.spans())
+            self._stats["comm_s"] = self._stats.get("comm_s", 0.0) + comm
+            self._stats["exposed_comm_s"] = self._stats.get("exposed_comm_s", 0.0) + exposed
 
     def _counting_hook(self, state, bucket):  # no annotations: DDP checks them literally
         buffer = bucket.buffer()
@@ -248,16 +322,28 @@ class NativeDDP(WrappedModel):
         self._stats["allreduce_calls"] += 1
         self._stats["allreduce_bytes"] += nbytes
         self._calls_this_sync += 1
-        if bucket.is_last():
+        last = bucket.is_last()
+        if last:
             self._stats["syncs"] += 1
             self._stats["buckets"] = self._calls_this_sync
             self._calls_this_sync = 0
+        clock, slot = None, 0
+        if self._timed:
+            if index == 0:  # a new sync; DDP queues its finalize (the waiting) after this callback
+                self._account_sync()
+                self._sync_clock = _SyncClock()
+                _queue_callback(self._backward_ended)
+            clock = self._sync_clock
+            slot = clock.launched(last) if clock is not None else 0
         fut = self._inner_hook(state, bucket)
         rank, world, timeout = self.world_rank, self.world_size, self.collective_timeout_s
 
         def check(done: torch.futures.Future):
             try:
-                return done.value()
+                value = done.value()
+                if clock is not None:
+                    clock.completed(slot)
+                return value
             except Exception as exc:
                 lines = [ln for ln in str(exc).splitlines() if ln.strip()]
                 cause = next((ln for ln in lines if "timed out" in ln.lower()), lines[0] if lines else "")
@@ -275,3 +361,32 @@ class NativeDDP(WrappedModel):
         if lookup is None:
             lookup = self._name_of = {id(p): n for n, p in self.ddp.module.named_parameters()}
         return [lookup.get(id(p), "?") for p in bucket.parameters()]
+
+
+class _SyncClock:
+    """One DDP sync's bucket launches and completions (completions stamped on gloo's thread)."""
+
+    __slots__ = ("started", "ended", "expected", "backward_end")
+
+    def __init__(self) -> None:
+        self.started: list[float] = []
+        self.ended: list[float] = []
+        self.expected: Optional[int] = None  # known once the last bucket is launched
+        self.backward_end: Optional[float] = None
+
+    def launched(self, last: bool) -> int:
+        self.started.append(time.perf_counter())
+        self.ended.append(0.0)
+        if last:
+            self.expected = len(self.started)
+        return len(self.started) - 1
+
+    def completed(self, slot: int) -> None:
+        self.ended[slot] = time.perf_counter()
+
+    def complete(self) -> bool:
+        return (self.backward_end is not None and self.expected is not None
+                and all(self.ended[:self.expected]))
+
+    def spans(self) -> list[tuple[float, float]]:
+        return list(zip(self.started, self.ended))

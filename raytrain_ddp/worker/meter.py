@@ -14,7 +14,10 @@ all: Ray Train V2 keeps reported metrics only next to checkpoints.
 
 Train lines carry `step`, `epoch`, `time` (wall clock, epoch seconds), `loss`, `lr`,
 `samples_per_s`, `data_wait_fraction`, `allreduce_calls`, `allreduce_bytes` (per
-optimizer step, averaged over the steps since the previous line),
+optimizer step, averaged over the steps since the previous line), where the wrapper times
+its all-reduces (naive, bucketed, native on CPU) `comm_ms` (gradient communication per
+step), `exposed_comm_ms` (the part of it the step waited for after backward) and
+`comm_overlap_fraction` (the part backward hid, 0..1),
 `checkpoint_blocked_s` (seconds the step loop waited for checkpoints since the previous
 line), `nonfinite_steps` (cumulative) and `attempt`. Validation lines carry `step`,
 `epoch`, `time`, `val_loss` and, for classifiers, `val_accuracy`.
@@ -88,6 +91,13 @@ class StepMeter:
             "allreduce_calls": (comm.get("allreduce_calls", 0) - self._comm_start.get("allreduce_calls", 0)) / steps,
             "allreduce_bytes": (comm.get("allreduce_bytes", 0) - self._comm_start.get("allreduce_bytes", 0)) / steps,
         }
+        if "comm_s" in comm:  # the wrapper times its all-reduces (see WrappedModel.comm_stats)
+            comm_s = comm["comm_s"] - self._comm_start.get("comm_s", 0.0)
+            exposed_s = comm["exposed_comm_s"] - self._comm_start.get("exposed_comm_s", 0.0)
+            out["comm_ms"] = 1e3 * comm_s / steps
+            out["exposed_comm_ms"] = 1e3 * exposed_s / steps
+            if comm_s > 0:
+                out["comm_overlap_fraction"] = min(1.0, max(0.0, 1.0 - exposed_s / comm_s))
         self._start_window(wait_seconds, comm)
         return out
 
@@ -149,6 +159,7 @@ class RunLog:
         self.meter = StepMeter(job.cfg.train.global_batch_size, data.wait_seconds, state.wrapper.comm_stats)
         self.last_loss = math.nan
         self._blocked_s = 0.0  # checkpoint time the step loop waited for, since the previous line
+        self._tuning_said = False
 
     def _record_attempt(self) -> int:
         """Rank 0 registers this worker-group start with the driver; every rank learns the number."""
@@ -167,6 +178,7 @@ class RunLog:
     def step(self, result: Any, epoch: int, end_of_epoch: bool) -> None:
         self.meter.step_done()
         self.last_loss = result.loss
+        self._announce_tuning()
         step = self.state.progress.step
         if step % self.job.cfg.run.log_every_steps == 0 or step >= self.total_steps or end_of_epoch:
             self._line({"step": step, "epoch": epoch + 1, "time": time.time(), "loss": result.loss,
@@ -200,6 +212,15 @@ class RunLog:
             yield
         finally:
             self.meter.resume(self.data.wait_seconds)
+
+    def _announce_tuning(self) -> None:
+        """parallel.bucket_cap_mb/compress auto: rank 0 prints the layout once it is chosen."""
+        if self._tuning_said:
+            return
+        tuned = getattr(self.state.wrapper, "tuning", None)
+        if tuned is not None:
+            self._tuning_said = True
+            self.rank.say(f"parallel auto tuning at step {self.state.progress.step}: {tuned['text']}")
 
     def _line(self, record: dict[str, Any]) -> None:
         if self.rank.is_main:

@@ -129,6 +129,7 @@ def build_state(job: Job, rank: Rank, total_steps: int) -> TrainState:
     wrapper = wrap_model(
         module, cfg.parallel.strategy,
         bucket_cap_mb=cfg.parallel.bucket_cap_mb,
+        first_bucket_mb=cfg.parallel.first_bucket_mb,
         compress=cfg.parallel.compress,
         verify_init=cfg.parallel.verify_init,
         device_ids=[rank.device.index] if rank.device.type == "cuda" else None,
