@@ -56,9 +56,11 @@ def resolve_resume(cfg: Config, run_dir: Union[Path, Location]) -> Optional[Unio
     where = Location.parse(run_dir)
     if mode == "never":
         if where.exists() and not where.is_empty_dir():
+            resumable = ckpt.load_latest_valid(ckpt.find_checkpoints(where)) is not None
             raise ResumeError(
-                f"run.resume=never but run directory {where} already exists; "
-                "choose another name, delete it, or use run.resume=latest"
+                f"run.resume=never but run directory {where} already exists; start a new run under "
+                f"another name ({unused_name(cfg)}){', continue it (run.resume=latest)' if resumable else ''}"
+                ", or delete it"
             )
         return None
     if mode in (None, "latest"):
@@ -118,7 +120,8 @@ def check_resume_config(cfg: Config, state: dict[str, Any], path: Any) -> list[s
             f"name ({unused_name(cfg)})"
         )
     warned = [k for k in changed if not k.startswith(RESUME_FREE + RESUME_EPOCH_BOUNDARY)]
-    if warned:
+    finished = trained_to_the_end(cfg, int(progress.get("step", 0)), int(progress.get("epoch", 0)))
+    if warned and not finished:  # a finished run stops with "nothing to train" instead
         print(f"raytrain-ddp: warning: resuming {path} with a different optimisation "
               f"({shown(warned)}); the run will not follow the trajectory of an uninterrupted one",
               file=sys.stderr, flush=True)
@@ -155,17 +158,23 @@ def check_something_to_train(cfg: Config, resume_from: Any) -> None:
         return
     manifest = ckpt.read_manifest(resume_from)
     step, epoch = int(manifest.get("step", 0)), int(manifest.get("epoch", 0))
+    if not trained_to_the_end(cfg, step, epoch):
+        return
     max_steps, epochs = cfg.train.max_steps, cfg.train.epochs
-    if max_steps is not None and step < max_steps:
-        return
-    if max_steps is None and epoch < epochs:
-        return
     reached = f"train.max_steps={max_steps}" if max_steps is not None else f"train.epochs={epochs}"
     extend = f"train.max_steps={2 * max_steps}" if max_steps is not None else f"train.epochs={2 * epochs}"
     raise NothingToTrain(
         f"run {cfg.name!r} is already trained to {reached} (checkpoint {resume_from}: step {step}, "
         f"epoch {epoch}): nothing to train. Extend it ({extend}) or start a new run ({unused_name(cfg)})"
     )
+
+
+def trained_to_the_end(cfg: Config, step: int, epoch: int) -> bool:
+    """Where the worker loop would stop at once: `train.max_steps` reached, or (without it)
+    `train.epochs` epochs completed."""
+    if cfg.train.max_steps is not None:
+        return step >= cfg.train.max_steps
+    return epoch >= cfg.train.epochs
 
 
 def unused_name(cfg: Config) -> str:

@@ -184,7 +184,8 @@ def summarize_trace(path: os.PathLike | str) -> dict[str, Any]:
     while backward runs); `other` is the step minus data, forward, backward and
     optimizer (loss, clipping, the finiteness vote, scheduling, waiting for the last
     bucket when it is not inside backward). Also `top`: the 10 names with the most
-    total time, as (name, ms).
+    self time (their own, without the spans nested in them: torch's "Self CPU"), as
+    (name, ms over all recorded steps).
     """
     events = [e for e in json.loads(Path(path).read_text()).get("traceEvents", [])
               if e.get("ph") == "X" and "dur" in e]
@@ -204,13 +205,32 @@ def summarize_trace(path: os.PathLike | str) -> dict[str, Any]:
         "optimizer": total(lambda s: s.startswith(OPTIMIZER_PREFIXES)),
     }
     out["other"] = max(0.0, out["step"] - out["data"] - out["forward"] - out["backward"] - out["optimizer"])
-    by_name: dict[str, float] = {}
-    for e in events:
-        name = str(e.get("name", ""))
-        if not name.startswith("ProfilerStep#"):
-            by_name[name] = by_name.get(name, 0.0) + float(e["dur"]) / 1000.0
-    out["top"] = sorted(by_name.items(), key=lambda kv: kv[1], reverse=True)[:10]
+    out["top"] = _top_by_self_time(events)[:10]
     return out
+
+
+def _top_by_self_time(events: list[dict[str, Any]]) -> list[tuple[str, float]]:
+    """Per name, the time its spans spent outside their nested spans (thread by thread)."""
+    by_thread: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
+    for e in events:
+        by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    own: dict[str, float] = {}
+    for spans in by_thread.values():
+        spans.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))
+        stack: list[list[Any]] = []  # [end, name, self time so far]
+        for e in spans:
+            start, dur = float(e["ts"]), float(e["dur"])
+            while stack and stack[-1][0] <= start:
+                _, name, mine = stack.pop()
+                own[name] = own.get(name, 0.0) + mine
+            if stack:
+                stack[-1][2] -= dur  # a child's time is not its parent's own
+            stack.append([start + dur, str(e.get("name", "")), dur])
+        for _, name, mine in stack:
+            own[name] = own.get(name, 0.0) + mine
+    skip = ("ProfilerStep#", "PyTorch Profiler")  # the step and whole-trace spans
+    return sorted(((n, max(0.0, t) / 1000.0) for n, t in own.items() if not n.startswith(skip)),
+                  key=lambda kv: kv[1], reverse=True)
 
 
 def summary_markdown(summary: dict[str, Any]) -> str:

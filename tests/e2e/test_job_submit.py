@@ -160,6 +160,12 @@ def test_job_submit_with_token_trains_and_without_token_is_refused(ray_head, tmp
     assert Path(summary["checkpoint"]).parent == run_dir and (Path(summary["checkpoint"]) / "manifest.json").is_file()
     assert "val_accuracy" in summary["final_metrics"]
 
+    # A relative run.storage_path inside a job would land in Ray's upload cache: refused in one line.
+    relative = _submit(_clean_env(**ray_head["auth"], **{**base, "STORAGE": "runs"}), ray_head["address"],
+                       "name=relative", timeout_s=120)
+    text = relative.stdout + relative.stderr
+    assert relative.returncode != 0 and "run.storage_path='runs' is relative, and this is Ray job" in text, text[-3000:]
+
     # Bring your own model: both examples, tiny overrides, their data on shared storage.
     data = tmp_path / "data"
     subprocess.run([sys.executable, "examples/images/digits_png.py", str(data / "png")], cwd=REPO, check=True,

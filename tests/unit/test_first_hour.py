@@ -197,3 +197,17 @@ def test_user_errors_are_one_line_even_with_several_problems(tmp_path, capsys):
     broken.write_text("train: [1, 2\n")
     assert main(["config", str(broken)]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_resume_never_on_an_existing_run_hints_only_what_works(tmp_path):
+    run_dir = tmp_path / "tiny"
+    run_dir.mkdir()
+    (run_dir / CONFIG_FILE).write_text("a failed first attempt left this\n")
+    with pytest.raises(ResumeError) as refused:
+        resolve_resume(_cfg(tmp_path, "run.resume=never"), run_dir)
+    assert "name=tiny-2" in str(refused.value) and "run.resume=latest" not in str(refused.value)  # nothing to continue
+
+    checkpoint = _save(run_dir, _cfg(tmp_path), step=10, epoch=0, fit_id="c" * 32, into=10)
+    with pytest.raises(ResumeError, match=r"continue it \(run\.resume=latest\)"):
+        resolve_resume(_cfg(tmp_path, "run.resume=never"), run_dir)
+    assert resolve_resume(_cfg(tmp_path, "run.resume=latest"), run_dir) == checkpoint  # the hint works
