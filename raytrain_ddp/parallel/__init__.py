@@ -83,7 +83,7 @@ def wrap_model(
                          "auto" (bucketed): a few timed synced steps at the start pick it
                          for this model and network, the same on every rank
                          (`wrapper.tuning` says what was chosen).
-    first_bucket_mb      bucketed/native: cap of the first bucket (the output layers, whose
+    first_bucket_mb      bucketed/native/zero1: cap of the first bucket (the output layers, whose
                          gradients backward produces first), 1 MiB as in torch DDP, so
                          communication starts early.
     compress             None | "bf16": all-reduce bf16 copies of fp32 gradients (half the
@@ -155,7 +155,7 @@ def wrap_model(
                    broadcast_buffers=broadcast_buffers, find_unused_parameters=find_unused_parameters)
     if strategy == "fsdp":
         options["param_dtype"] = param_dtype
-    if strategy in ("bucketed", "native"):
+    if strategy in ("bucketed", "native", "zero1"):
         options["first_bucket_mb"] = first_bucket_mb
     wrapper = _build(module, strategy, bucket_cap_mb, compress, process_group, device_ids, options)
     _LIVE_WRAPPERS[module] = weakref.ref(wrapper)

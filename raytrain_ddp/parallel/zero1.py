@@ -96,16 +96,18 @@ class Zero1DDP(BucketedDDP):
     """Bucketed gradients reduce-scattered; each rank steps 1/W of the parameters; all-gather."""
 
     strategy = "zero1"
-    _transient = ("_handles", "_buckets", "_views", "_works", "_shards", "_optimizer_ref")
+    _transient = BucketedDDP._transient + ("_shards", "_slices", "_optimizer_ref")
 
     def __init__(self, module: nn.Module, process_group=None, *, bucket_cap_mb: float = 25.0,
-                 compress: Optional[str] = None, verify_init: bool = False,
+                 first_bucket_mb: float = 1.0, compress: Optional[str] = None, verify_init: bool = False,
                  collective_timeout_s: Optional[float] = None, broadcast_buffers: bool = True,
                  find_unused_parameters: bool = False) -> None:
+        if "auto" in (bucket_cap_mb, compress):
+            raise ValueError("zero1: bucket_cap_mb / compress 'auto' (timed tuning) is for 'bucketed' only")
         self._optimizer_ref: Optional[weakref.ref] = None
         self._synced = False  # a reduce-scatter ran since the last optimizer step
-        super().__init__(module, process_group, bucket_cap_mb=bucket_cap_mb, compress=compress,
-                         verify_init=verify_init, collective_timeout_s=collective_timeout_s,
+        super().__init__(module, process_group, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb,
+                         compress=compress, verify_init=verify_init, collective_timeout_s=collective_timeout_s,
                          broadcast_buffers=broadcast_buffers, find_unused_parameters=find_unused_parameters)
         for key in SHARD_STAT_KEYS:
             self._stats.setdefault(key, 0)
@@ -116,7 +118,7 @@ class Zero1DDP(BucketedDDP):
         self._views = [torch.empty(0)] * len(self._params)
         self._shards: list[_Shard] = []
         self._slices: list[_Slice] = []
-        for b, members in enumerate(assign_buckets(self._params, cap_bytes)):
+        for b, members in enumerate(assign_buckets(self._params, cap_bytes, self._first_cap_bytes)):
             first = self._params[members[0]]
             numel = sum(self._params[i].numel() for i in members)
             chunk = -(-numel // world)  # ceil: the bucket is padded to world * chunk
@@ -163,6 +165,7 @@ class Zero1DDP(BucketedDDP):
         send = bucket.buffer if self._wire_dtype is None else bucket.buffer.to(self._wire_dtype)
         out = shard.grad if self._wire_dtype is None else torch.empty(shard.size, dtype=self._wire_dtype,
                                                                       device=send.device)
+        # Not timed (comm_s): gloo's reduce-scatter work has no future to stamp completion.
         work = reduce_scatter_flat(out, send, group=self._pg, async_op=True)
         self._count(send)  # allreduce_*: the gradient-sync collectives, comparable across strategies
         self._stats["reduce_scatter_calls"] += 1

@@ -96,7 +96,8 @@ class TrainState:
 
     def components(self) -> dict[str, Any]:
         """Loaded in this order: `rng` reseeds from the loaded progress."""
-        parts = {"model": self.module, "optimizer": self.optimizer, "schedule": self.schedule,
+        # Through the wrapper: a sharded strategy (zero1, fsdp) consolidates its state here.
+        parts = {"model": self.wrapper, "optimizer": self.optimizer, "schedule": self.schedule,
                  "progress": self.progress, "rng": self.rng}
         if self.scaler.is_enabled():  # fp16 only; a GradScaler refuses an empty state
             parts["scaler"] = self.scaler
@@ -134,11 +135,12 @@ def build_state(job: Job, rank: Rank, total_steps: int) -> TrainState:
         verify_init=cfg.parallel.verify_init,
         device_ids=[rank.device.index] if rank.device.type == "cuda" else None,
         collective_timeout_s=cfg.parallel.collective_timeout_s,
+        param_dtype={"bf16": torch.bfloat16}.get(cfg.train.precision),  # fsdp's mixed precision
         broadcast_buffers=cfg.parallel.broadcast_buffers,
         find_unused_parameters=cfg.parallel.find_unused_parameters,
     )
     params = [p for p in wrapper.module.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, cfg.train)
+    optimizer = wrapper.make_optimizer(lambda trainable: build_optimizer(trainable, cfg.train))
     schedule = WarmupCosine.from_config(optimizer, cfg.train, total_steps)
     scaler = torch.amp.GradScaler(rank.device.type, enabled=cfg.train.precision == "fp16")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
