@@ -86,7 +86,8 @@ class Checkpointer:
                 f"s{progress.steps_into_epoch}_{self.job.fit_id[:8]}")
         started = time.perf_counter()
         with self.log.paused():
-            report_checkpoint(self.state.state_dict if self.rank.is_main else None,
+            state = self.state.state_dict()  # on every rank: zero1 / fsdp gather it here (a collective)
+            report_checkpoint((lambda: state) if self.rank.is_main else None,
                               {"step": progress.step, "epoch": progress.epoch, **metrics}, name,
                               asynchronous=self.upload == "async" and not durable)
         blocked = time.perf_counter() - started

@@ -48,7 +48,7 @@ def train_step(state: TrainState, window: list, accumulation_steps: int, train: 
         local_loss += loss.detach().float() * loss_scale
 
     state.scaler.unscale_(state.optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(state.params, train.clip_grad_norm or math.inf)
+    grad_norm = state.wrapper.clip_grad_norm_(train.clip_grad_norm or math.inf)  # global, even when sharded
     # fp16: an overflowing gradient is the GradScaler's business (it skips and rescales).
     bad = not torch.isfinite(local_loss) or (not state.scaler.is_enabled() and not torch.isfinite(grad_norm))
     loss_sum, bad_ranks = sum_over_ranks(torch.stack([local_loss, torch.tensor(float(bad), device=rank.device)]))
@@ -88,15 +88,16 @@ def validate(state: TrainState, data: Any, rank: Rank, spec: Any) -> dict[str, f
     """
     state.module.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=rank.device)  # loss sum, rows, correct, rows scored
-    for batch in data.val_batches():
-        with state.autocast():
-            output, loss = state.batch.run(state.module, batch)
-        n = state.batch.rows(batch)
-        totals[0] += loss.detach().double() * n
-        totals[1] += n
-        if spec.task == "classification" and isinstance(output, torch.Tensor):  # logits over classes
-            totals[2] += (output.argmax(dim=-1) == state.batch.target(batch)).sum()
-            totals[3] += n
+    with state.wrapper.summon_full_params():  # fsdp: gathered once, so no forward communicates
+        for batch in data.val_batches():
+            with state.autocast():
+                output, loss = state.batch.run(state.module, batch)
+            n = state.batch.rows(batch)
+            totals[0] += loss.detach().double() * n
+            totals[1] += n
+            if spec.task == "classification" and isinstance(output, torch.Tensor):  # logits over classes
+                totals[2] += (output.argmax(dim=-1) == state.batch.target(batch)).sum()
+                totals[3] += n
     loss_sum, count, correct, scored = sum_over_ranks(totals)
     state.module.train()
     if count == 0:
