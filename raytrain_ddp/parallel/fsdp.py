@@ -33,9 +33,10 @@ cpu_offload=True`), `{}` elsewhere; every rank loads the full state and keeps it
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from datetime import timedelta
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -161,6 +162,22 @@ class FullyShardedDP(WrappedModel):
             self._stats["syncs"] += 1
         self._buffers_due = synced
         return out
+
+    @contextlib.contextmanager
+    def summon_full_params(self) -> Iterator[None]:
+        """Every unit gathered once (a collective), kept through any number of forwards."""
+        if not self.units:
+            yield
+            return
+        for unit in self.units:
+            unit.unshard()
+            unit.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for unit in self.units:  # FSDP2's defaults: the root keeps its parameters after forward
+                unit.set_reshard_after_forward(unit is not self.wrapped, recurse=False)
+                unit.reshard()
 
     # -- checkpoints: full state through torch.distributed.checkpoint ---------------------
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
