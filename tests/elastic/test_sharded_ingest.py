@@ -84,3 +84,39 @@ def test_sharded_steps_keep_their_samples_across_a_kill_and_a_resize(ray_cluster
     expected = states_by_step(Path(ref["run_dir"]))[STEPS]
     assert final["run"]["world_size"] == 4 and final["progress"] == expected["progress"]
     assert max_difference(final["model"], expected["model"]) < ATOL
+
+
+def test_sharded_user_pipeline_runs_preprocess_once_and_reuses_its_store(ray_cluster, tmp_path):
+    """A user pipeline (`data.preprocess` on Ray Data's tasks, dict batches): the driver
+    writes what preprocess returned (here twice the rows and a new column) as the store;
+    a second prepare of the same inputs reuses it; workers read dict batches from it."""
+    import numpy as np
+    import torch
+
+    from raytrain_ddp.config import load_config
+    from raytrain_ddp.driver.datasets import prepare_datasets
+    from raytrain_ddp.user import UserCode
+    from raytrain_ddp.worker.shard import WorkerData
+
+    def twice_with_weight(batch):  # defined here: pickled by value to Ray Data's tasks
+        raw = np.stack(list(batch["x"])).astype(np.float32)  # a list column: an array per row
+        x = np.concatenate([raw, raw])
+        return {"x": x, "y": np.concatenate([batch["y"], batch["y"]]), "w": x.sum(axis=1)}
+
+    cfg = load_config(None, [f"run.storage_path={tmp_path}", "name=byo", "model.name=mlp", "data.inputs=[x]",
+                             "data.sharding=sharded", "train.global_batch_size=64", "train.micro_batch_size=16",
+                             "data.val_fraction=0.2", "scaling.num_workers=2"])
+    code = UserCode(preprocess=twice_with_weight)
+    prepared = prepare_datasets(cfg, code=code)
+    assert prepared.datasets == {} and prepared.spec.train_rows == 2 * 1438 and prepared.spec.val_rows == 2 * 359
+    part = tmp_path / "byo" / "data" / "train" / "part-00000.arrow"
+    written = part.stat().st_mtime_ns
+    again = prepare_datasets(cfg, code=code)
+    assert again.spec.train_rows == prepared.spec.train_rows and part.stat().st_mtime_ns == written  # reused
+
+    workers = [WorkerData(cfg, prepared.spec, rank, 2, torch.device("cpu")) for rank in range(2)]
+    window = next(workers[1].train_windows(epoch=0))
+    assert len(window) == 2 and set(window[0]) == {"x", "y", "w"}
+    assert torch.allclose(window[0]["w"], window[0]["x"].sum(dim=1))  # rows stay whole
+    val = sum(len(batch["y"]) for w in workers for batch in w.val_batches())
+    assert val == prepared.spec.val_rows
