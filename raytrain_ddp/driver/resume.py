@@ -233,7 +233,13 @@ def restore_config_if_untrained(run_dir: Any, fit_id: str) -> None:
     """
     from raytrain_ddp.rundir import CONFIG_FILE
 
-    found = ckpt.load_latest_valid(ckpt.find_checkpoints(run_dir))
+    candidates = ckpt.find_checkpoints(run_dir)
+    try:
+        if candidates and ckpt.read_manifest(candidates[0]).get("fit_id") == fit_id:
+            return  # the usual case: this fit wrote the newest checkpoint (no need to load it)
+    except CheckpointError:
+        pass
+    found = ckpt.load_latest_valid(candidates)
     if found is None:
         return
     state, _ = found
@@ -252,8 +258,11 @@ def prune_checkpoints(run_dir: Any, keep: int) -> list[str]:
     """
     import shutil
 
+    candidates = ckpt.find_checkpoints(run_dir)
+    if len(candidates) <= keep:  # the usual case after a fresh run: nothing to verify or remove
+        return []
     removed, valid = [], 0
-    for candidate in ckpt.find_checkpoints(run_dir):
+    for candidate in candidates:
         if valid >= keep:
             if isinstance(candidate, Path):
                 shutil.rmtree(candidate, ignore_errors=True)

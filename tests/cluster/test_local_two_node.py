@@ -7,15 +7,22 @@ with 2 workers of 2 CPUs each, so no node can hold both: Ray must spread them. R
 state API then says on which node each training worker actor ran. Also checked: the
 jobs API refuses a request without the token, the dashboard does not answer on the
 machine's routable address, and `down` leaves none of the cluster's processes behind.
+
+Waiting for resources (issue #17): a worker no node can hold is reported while it waits,
+ends as `unschedulable` at `scaling.placement_timeout_s`, is withdrawn on Ctrl-C, and
+fails at once when the cluster publishes node types (as an autoscaler does) none of which
+can hold it; nothing of the run is left waiting in the cluster afterwards.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -117,3 +124,98 @@ def test_training_spreads_over_both_nodes_and_completes(two_nodes):
         with socket.socket() as s:
             s.settimeout(5)
             assert s.connect_ex((routable, int(dashboard.rsplit(":", 1)[1]))) != 0
+
+
+# ------------------------------------------------------------------ issue #17: waiting for resources
+
+PLACEMENT_QUERY = r"""
+import json, ray
+from ray.util.state import list_actors
+ray.init(logging_level="ERROR", log_to_driver=False)
+groups = [g["state"] for g in ray.util.placement_group_table().values()]
+alive = [a.class_name for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+         if a.class_name in ("TrainController", "RayTrainWorker")]
+print(json.dumps({"pending_or_created": [s for s in groups if s in ("PENDING", "CREATED")], "train_actors": alive}))
+"""
+
+# What an autoscaler publishes in the GCS: its node types (here: none bigger than 3 CPUs).
+NODE_TYPES = r"""
+import sys, ray, ray._raylet as r
+from ray.core.generated import autoscaler_pb2
+from ray.experimental import internal_kv
+ray.init(logging_level="ERROR", log_to_driver=False)
+key, ns = r.GCS_AUTOSCALER_CLUSTER_CONFIG_KEY.encode(), r.GCS_AUTOSCALER_STATE_NAMESPACE.encode()
+if sys.argv[1] == "put":
+    config = autoscaler_pb2.ClusterConfig()
+    group = config.node_group_configs.add(name="cpu3", min_count=0, max_count=4)
+    group.resources["CPU"] = 3
+    internal_kv._internal_kv_put(key, config.SerializeToString(), overwrite=True, namespace=ns)
+else:
+    internal_kv._internal_kv_del(key, namespace=ns)
+"""
+
+
+def _placement_state(env: dict[str, str]) -> dict:
+    q = subprocess.run([sys.executable, "-c", PLACEMENT_QUERY], env=env, capture_output=True, text=True, timeout=120)
+    assert q.returncode == 0, q.stderr[-3000:]
+    return json.loads(q.stdout.strip().splitlines()[-1])
+
+
+def _train_cmd(runs: Path, name: str, *overrides: str) -> list[str]:
+    # 4 CPUs per worker: each node has 3, so no node can ever hold one worker.
+    return [sys.executable, "-m", "raytrain_ddp", "train", str(REPO / "examples/configs/tiny.yaml"), f"name={name}",
+            "train.max_steps=5", "scaling.cpus_per_worker=4", f"run.storage_path={runs}", *overrides]
+
+
+@pytest.mark.timeout(400)
+def test_a_worker_no_node_can_hold_is_unschedulable_not_a_silent_wait(two_nodes, tmp_path):
+    env, runs = _cluster_env(two_nodes), tmp_path / "runs"
+
+    # 1. A fixed cluster (no autoscaler): status lines while waiting, then 'unschedulable' at the timeout.
+    started = time.monotonic()
+    done = subprocess.run(_train_cmd(runs, "toobig", "scaling.placement_timeout_s=12"), env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=240)
+    elapsed = time.monotonic() - started
+    story = f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
+    assert done.returncode == 1, story
+    waiting = [line for line in done.stdout.splitlines() if line.startswith("raytrain-ddp: waiting")]
+    assert waiting and "{CPU: 4}" in waiting[0] and "scaling.cpus_per_worker" in waiting[0], story
+    assert "2 nodes" in waiting[0] and "no autoscaler" in waiting[0] and "giving up at 12s" in waiting[0], story
+    summary = json.loads((runs / "toobig" / "summary.json").read_text())
+    assert summary["status"] == "unschedulable" and summary["steps"] == 0, summary
+    assert "within 12s (scaling.placement_timeout_s)" in summary["error"] and "no node has CPU 4" in summary["error"]
+    assert elapsed < 120, f"{elapsed:.0f}s"
+    assert _placement_state(env) == {"pending_or_created": [], "train_actors": []}  # nothing left waiting
+
+    # 2. Ctrl-C while waiting (no timeout): exit 130, and the request is withdrawn.
+    proc = subprocess.Popen(_train_cmd(runs, "interrupted", "scaling.placement_timeout_s=0"), env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, seen = time.monotonic() + 180, ""
+        while "raytrain-ddp: waiting" not in seen and time.monotonic() < deadline and proc.poll() is None:
+            seen += proc.stdout.readline()
+        assert "waiting without limit (scaling.placement_timeout_s=0)" in seen, seen[-3000:]
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == 130, f"{seen}{out}\n{err}"
+    assert _placement_state(env) == {"pending_or_created": [], "train_actors": []}
+
+    # 3. Node types published (as an autoscaler does) and none can hold a worker: fails at once.
+    put = subprocess.run([sys.executable, "-c", NODE_TYPES, "put"], env=env, capture_output=True, text=True, timeout=120)
+    assert put.returncode == 0, put.stderr[-3000:]
+    try:
+        started = time.monotonic()
+        done = subprocess.run(_train_cmd(runs, "never", "scaling.placement_timeout_s=600"), env=env, cwd=REPO,
+                              capture_output=True, text=True, timeout=240)
+        elapsed = time.monotonic() - started
+    finally:
+        subprocess.run([sys.executable, "-c", NODE_TYPES, "del"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    summary = json.loads((runs / "never" / "summary.json").read_text())
+    assert summary["status"] == "unschedulable" and "no node type of this cluster can hold one worker" in summary["error"]
+    assert "cpu3 {CPU: 3}" in summary["error"] and "raytrain-ddp: waiting" not in done.stdout
+    assert elapsed < 120, f"{elapsed:.0f}s: not at once"
