@@ -211,3 +211,21 @@ def test_resume_never_on_an_existing_run_hints_only_what_works(tmp_path):
     with pytest.raises(ResumeError, match=r"continue it \(run\.resume=latest\)"):
         resolve_resume(_cfg(tmp_path, "run.resume=never"), run_dir)
     assert resolve_resume(_cfg(tmp_path, "run.resume=latest"), run_dir) == checkpoint  # the hint works
+
+
+def test_ray_token_notice_dropped_but_its_warning_kept_and_verbose_keeps_all(monkeypatch):
+    import logging
+
+    monkeypatch.delenv(ray_console.VERBOSE_ENV, raising=False)
+    monkeypatch.setenv("RAY_COLOR_PREFIX", "0")  # what before_init sets when piped; restored after the test
+    assert ray_console.before_init() == "WARNING"
+    logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+
+    def passes(message: str) -> bool:
+        record = logger.makeRecord(logger.name, logging.WARNING, __file__, 1, message, (), None)
+        return all(f.filter(record) for f in logger.filters)
+
+    assert not passes("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out.")
+    assert passes("Token authentication is disabled for this Ray cluster. Anyone with network access ...")
+    monkeypatch.setenv(ray_console.VERBOSE_ENV, "1")
+    assert ray_console.before_init() == "INFO"
