@@ -22,7 +22,8 @@ fills, overlapping the rest of backward.)
 One optimizer step:
   backward  a full bucket starts an async reduce-scatter (SUM of gradients pre-divided by
             W, bf16 on the wire with compress="bf16"): rank r receives the averaged
-            gradient of its chunk, into a chunk-sized buffer. Nothing else is sent.
+            gradient of its chunk, in place, into that chunk of the gradient buffer (as
+            with the all-gather, NCCL and gloo allow it). Nothing else is sent.
   clip      `clip_grad_norm_`: the norm of every rank's chunk, one all-reduce of a scalar:
             the global norm, the same on every rank (so is the non-finite verdict).
   step      the inner optimizer (built by the caller's factory: same class, groups and
@@ -35,11 +36,14 @@ Bytes per optimizer step: reduce-scatter = the (padded) gradient bytes, half wit
 all-gather = the (padded) parameter bytes. In a ring the two together move what one
 all-reduce of the gradients moves: ZeRO-1 saves memory, not bandwidth.
 
-After a synced backward `param.grad` holds this rank's own (pre-divided) contribution,
-not the average: only each chunk's owner receives the reduced gradient. Build the
-optimizer with `wrapper.make_optimizer(factory)` and clip with
-`wrapper.clip_grad_norm_(max_norm)`; the optimizer's `state_dict()` is a collective
-(consolidated on rank 0). Changing `requires_grad` after the optimizer exists raises
+After a synced backward `param.grad` holds the average only inside this rank's chunks;
+elsewhere it holds this rank's own (pre-divided) contribution: only each chunk's owner
+receives the reduced gradient. Build the optimizer with `wrapper.make_optimizer(factory)`
+and clip with `wrapper.clip_grad_norm_(max_norm)`; the optimizer's `state_dict()` is a
+collective (consolidated on rank 0). Clear the gradients after every optimizer step
+(`optimizer.zero_grad()`, as the product's step does): gradients carried into the next
+step's window would mix averaged and local values, so the next forward with grad
+enabled raises instead. Changing `requires_grad` after the optimizer exists raises
 `RequiresGradChangeError` (the shards would move under the optimizer's state).
 """
 
@@ -72,7 +76,7 @@ class _Shard:
     params: torch.Tensor  # the bucket's flat parameter buffer, N elements (params are views)
     lo: int  # this rank's chunk: [lo, lo + size) of the bucket
     size: int
-    grad: torch.Tensor  # the reduced (averaged) gradient of the chunk, `size` elements
+    grad: torch.Tensor  # the chunk of the gradient buffer: the reduce-scatter lands here (in place)
 
     @property
     def chunk(self) -> torch.Tensor:
@@ -106,6 +110,7 @@ class Zero1DDP(BucketedDDP):
             raise ValueError("zero1: bucket_cap_mb / compress 'auto' (timed tuning) is for 'bucketed' only")
         self._optimizer_ref: Optional[weakref.ref] = None
         self._synced = False  # a reduce-scatter ran since the last optimizer step
+        self._stale = False  # the optimizer stepped and the gradients were not cleared yet
         super().__init__(module, process_group, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb,
                          compress=compress, verify_init=verify_init, collective_timeout_s=collective_timeout_s,
                          broadcast_buffers=broadcast_buffers, find_unused_parameters=find_unused_parameters)
@@ -124,7 +129,7 @@ class Zero1DDP(BucketedDDP):
             chunk = -(-numel // world)  # ceil: the bucket is padded to world * chunk
             grads = torch.zeros(world * chunk, dtype=first.dtype, device=first.device)
             flat = torch.zeros(world * chunk, dtype=first.dtype, device=first.device)
-            shard = _Shard(flat, rank * chunk, chunk, torch.zeros(chunk, dtype=first.dtype, device=first.device))
+            shard = _Shard(flat, rank * chunk, chunk, grads[rank * chunk:(rank + 1) * chunk])
             offset = 0
             with torch.no_grad():
                 for i in members:
@@ -155,6 +160,17 @@ class Zero1DDP(BucketedDDP):
                 "wrap_model / make_optimizer, or build a new optimizer after re-wrapping"
             )
         super()._follow_requires_grad()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._stale and torch.is_grad_enabled():
+            if any(p.grad is not None for p in self._params):
+                raise RuntimeError(
+                    "zero1: the gradients of the last optimizer step were not cleared; call "
+                    "optimizer.zero_grad() after optimizer.step() (gradients carried into the next "
+                    "window would mix averaged and local values)"
+                )
+            self._stale = False
+        return super().forward(*args, **kwargs)
 
     # -- backward: reduce-scatter instead of all-reduce ------------------------------------
     def _launch(self, bucket: _Bucket) -> None:
@@ -341,9 +357,11 @@ class ZeroOptimizer:
             s.tensor.grad = s.grad if has else None
         self._inner.step()
         self._wrapper._synced = False
+        self._wrapper._stale = True
         self._wrapper._all_gather_params()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._wrapper._stale = False
         for p in self._wrapper._params:
             if set_to_none:
                 p.grad = None

@@ -167,6 +167,15 @@ def _checks(world_rank, world_size) -> dict:
         out["zero1/step_unsynced"] = None
     except RuntimeError as exc:
         out["zero1/step_unsynced"] = str(exc)
+    opt.zero_grad(set_to_none=True)
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()  # and no zero_grad: the next window would start from mixed gradients
+    try:
+        model(x)
+        out["zero1/not_cleared"] = None
+    except RuntimeError as exc:
+        out["zero1/not_cleared"] = str(exc)
+    opt.zero_grad(set_to_none=False)
     model.module[2].requires_grad_(True)
     try:
         model(x)
@@ -275,6 +284,7 @@ def test_sharded_strategies_match_one_process_and_resume_across_sizes():
     for strategy in SHARDED:
         assert all(torch.isnan(torch.tensor(r["checks"][f"{strategy}/nan_norm"])) for r in two), strategy
     assert "did not synchronise" in checks["zero1/step_unsynced"]
+    assert "were not cleared" in checks["zero1/not_cleared"]
     assert "changed after the zero1 optimizer was built" in checks["zero1/requires_grad"]
 
     checkpoints = {key: run["checkpoint"] for key, run in two[0]["runs"].items() if key[2] is None}
