@@ -40,12 +40,21 @@ class ByteGPT(nn.Module):
         self.position = nn.Parameter(torch.randn(context, width) * 0.02)
         self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
         self.norm = nn.LayerNorm(width)
+        self.apply(_init)  # GPT-2's: small weights, so the first loss is about ln(256), not 20+
+
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(input_ids) + self.position[: input_ids.shape[1]]
         for block in self.blocks:
             x = block(x)
         return self.norm(x) @ self.embed.weight.T  # (batch, length, 256) logits
+
+
+def _init(module: nn.Module) -> None:
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
 
 
 def build(spec, width: int = 128, layers: int = 4, heads: int = 4) -> ByteGPT:

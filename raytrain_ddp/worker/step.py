@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from raytrain_ddp.parallel.accumulate import accumulation_window
+from raytrain_ddp.parallel.base import broadcast_coalesced
 from raytrain_ddp.parallel.collectives import sum_over_ranks
 from raytrain_ddp.worker.context import Rank
 from raytrain_ddp.worker.state import TrainState
@@ -84,8 +85,12 @@ def validate(state: TrainState, data: Any, rank: Rank, spec: Any) -> dict[str, f
 
     The loss is each batch's mean weighted by its rows. Runs the bare module: ranks may
     hold different numbers of validation batches, and a wrapper's forward could take part
-    in a collective.
+    in a collective. Every rank first takes rank 0's buffers (BatchNorm running stats
+    drift apart after the last training forward), so what is validated is the model the
+    checkpoint saves.
     """
+    if rank.world_size > 1 and getattr(state.wrapper, "broadcast_buffers", True):
+        broadcast_coalesced(list(state.module.buffers()), None)
     state.module.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=rank.device)  # loss sum, rows, correct, rows scored
     with state.wrapper.summon_full_params():  # fsdp: gathered once, so no forward communicates
