@@ -191,6 +191,63 @@ def sharded_reader(root: Any, rows: int, chunk_rows: int, device: str, world: in
     return WorkerData(cfg, spec, rank, world, torch.device(device))
 
 
+_RSS_PROBE = """
+import json, sys, time
+import torch
+torch.set_num_threads(1)
+from raytrain_ddp.ops.bench.ingest import sharded_reader, sharded_iter
+from raytrain_ddp.rundir import Location
+from raytrain_ddp.store import read_manifest
+
+def rss_mb():
+    return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) / 1024
+
+root, world = Location.parse(sys.argv[1]), int(sys.argv[2])
+rows = read_manifest(root / "train").rows
+start = rss_mb()
+data = sharded_reader(root, rows, 64, "cpu", world)
+warm, peak, seen, began = None, 0.0, 0, time.perf_counter()
+for x, _y in sharded_iter(data, 0):
+    seen += len(x)
+    warm = warm or rss_mb()
+    peak = max(peak, rss_mb())
+print(json.dumps({"start_mb": start, "after_first_batch_mb": warm, "peak_mb": peak, "rows_read": seen,
+                  "samples_per_s": seen / (time.perf_counter() - began)}))
+"""
+
+
+def worker_memory(tmp: Path, rows: int, world: int = 2) -> dict[str, Any]:
+    """Resident memory of one rank (rank 0 of `world`, a fresh process) reading its share of a
+    `rows` x FEATURES float32 store for one epoch, next to the store's size on disk."""
+    import os
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+
+    from raytrain_ddp.rundir import Location
+    from raytrain_ddp.store import write_store
+
+    def tables():
+        rng = np.random.default_rng(0)
+        for start in range(0, rows, 8192):
+            n = min(8192, rows - start)
+            x = rng.standard_normal((n, FEATURES), dtype=np.float32)
+            yield pa.table({"x": pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), FEATURES),
+                            "y": rng.integers(0, CLASSES, size=n)})
+
+    root = Location.parse(tmp / "memory-store")
+    manifest = write_store(root / "train", tables(), 64, "bench-memory")
+    data_mb = sum(os.path.getsize(tmp / "memory-store" / "train" / f) for f in manifest.files) / 2**20
+    out = subprocess.run([sys.executable, "-c", _RSS_PROBE, str(root), str(world)], capture_output=True,
+                         text=True, timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if out.returncode != 0:
+        raise RuntimeError(f"memory probe failed: {out.stderr[-2000:]}")
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"rows": rows, "world_size": world, "store_mb": round(data_mb, 1),
+            **{k: round(v, 1) for k, v in found.items()}}
+
+
 def sharded_iter(data: Any, epoch: int) -> Iterable:
     for window in data.train_windows(epoch):
         yield from window
@@ -305,6 +362,8 @@ def run(sizes: Sizes, device: str = "cpu", log=print, train_shardings: tuple[str
         for name in ("sharded", "sharded_chunk256", "sharded_rank0_of_2"):
             section[f"{name}_over_in_memory"] = ratio(sps[name], sps["in_memory"])
         section["sharded_first_batch_s"] = section["readers"]["sharded"]["first_batch_s"]
+        log(f"  ingest: one rank's resident memory reading its share of a {4 * sizes.ingest_rows}-row store ...")
+        section["sharded_memory"] = worker_memory(tmp, 4 * sizes.ingest_rows)
         if "exact" in train_shardings and "sharded" not in train_shardings:  # full runs: all three modes
             train_shardings = (*train_shardings, "sharded")
         section["training"] = {}
@@ -321,3 +380,14 @@ def run(sizes: Sizes, device: str = "cpu", log=print, train_shardings: tuple[str
         section["data_wait_fraction"] = section["training"][first].get("data_wait_fraction", float("nan"))
         section["data_wait_sharding"] = first
     return section
+
+
+if __name__ == "__main__":  # the big memory case: python -m raytrain_ddp.ops.bench.ingest --memory-rows N
+    import argparse
+
+    parser = argparse.ArgumentParser(description="one rank's RSS reading its share of a large chunk store")
+    parser.add_argument("--memory-rows", type=int, required=True, help=f"rows of {FEATURES} float32 (1 KiB each)")
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="raytrain-ingest-") as name:
+        print(json.dumps(worker_memory(Path(name), args.memory_rows, args.workers), indent=1))
