@@ -8,7 +8,8 @@ state_dict API, converted to torch's plain formats so a checkpoint moves between
 strategies and worker counts. Must not touch: Ray, the training loop, files.
 
 What FSDP2 does (ZeRO stage 3): every parameter is a DTensor sharded on dim 0 over the
-ranks (padded to a multiple of W). Before a unit's forward its parameters are
+ranks (padded to a multiple of W; a parameter with fewer rows than ranks is sharded on a
+dimension W divides instead, so it does not sit on rank 0 alone). Before a unit's forward its parameters are
 all-gathered (in `param_dtype`); after it, non-root units free them again and re-gather
 them in backward; a unit's gradients are reduce-scattered (in the reduce dtype) as soon
 as its backward is done, so each rank keeps the averaged gradient of its shard only. The
@@ -71,6 +72,20 @@ def plan_units(module: nn.Module, cap_bytes: int) -> list[nn.Module]:
     return units
 
 
+def shard_placement(world_size: int) -> Callable[[nn.Parameter], Any]:
+    """FSDP2 shards dim 0; a parameter with fewer rows than ranks (a (1, T, C) position
+    table) would then sit on rank 0 alone, so it is sharded on a dimension W divides."""
+    from torch.distributed.tensor import Shard
+
+    def place(param: nn.Parameter):
+        if param.dim() == 0 or param.shape[0] >= world_size:
+            return None  # FSDP2's default, Shard(0)
+        dim = next((d for d, size in enumerate(param.shape) if size >= world_size and size % world_size == 0), None)
+        return None if dim is None else Shard(dim)
+
+    return place
+
+
 def _comms(stats: dict[str, Any]):
     """FSDP2 custom comms that count what they send, then do what FSDP2's defaults do."""
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -129,9 +144,10 @@ class FullyShardedDP(WrappedModel):
         own = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
         reduce_dtype = torch.bfloat16 if compress == "bf16" else (own if param_dtype is not None else None)
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        place = shard_placement(self.world_size)
         for unit in plan_units(module, int(bucket_cap_mb * 2**20)):
-            fully_shard(unit, mesh=mesh, mp_policy=policy)
-        fully_shard(module, mesh=mesh, mp_policy=policy)
+            fully_shard(unit, mesh=mesh, mp_policy=policy, shard_placement_fn=place)
+        fully_shard(module, mesh=mesh, mp_policy=policy, shard_placement_fn=place)
         self.units = [m for m in module.modules() if isinstance(m, FSDPModule)]
         gather, scatter = _comms(self._stats)
         gloo = dist.get_backend(process_group) == "gloo"

@@ -101,15 +101,28 @@ def _train(world_rank, world_size, strategy, optimizer, *, compress=None, param_
     return {"params": _full_params(model), "norms": norms, "checkpoint": checkpoint}
 
 
+class _AddPosition(nn.Module):
+    """A (1, T, C) table, as GPT's positions: one row, so FSDP2's dim-0 shards would put it
+    on rank 0 alone; the fsdp wrapper shards it on a dimension W divides."""
+
+    def __init__(self, length: int, width: int) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(1, length, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.pos
+
+
 def _memory(world_rank, world_size) -> dict[str, int]:
-    """AdamW state bytes on this rank after one step; dims divide by 2 and 3 (no padding)."""
+    """AdamW state bytes on this rank after one step; sizes divide by 2 and 3 (no padding)."""
     out = {}
     for strategy in ("bucketed",) + SHARDED:
         torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(64, 240), nn.ReLU(), nn.Linear(240, 240), nn.ReLU(), nn.Linear(240, 12))
+        net = nn.Sequential(nn.Linear(64, 240), _AddPosition(16, 240), nn.ReLU(), nn.Linear(240, 240), nn.ReLU(),
+                            nn.Linear(240, 12))
         model = wrap_model(net, strategy)
         opt = model.make_optimizer(lambda params: torch.optim.AdamW(params, lr=1e-3))
-        model(torch.randn(4, 64)).square().mean().backward()
+        model(torch.randn(4, 16, 64)).square().mean().backward()
         opt.step()
         out[strategy] = optimizer_state_bytes(opt)
     return out
