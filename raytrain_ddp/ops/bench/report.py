@@ -21,6 +21,15 @@ TARGETS = [
      lambda r: r["checkpoint"]["states"]["quickstart"]["async"]["median"], 0.05, "<="),
     ("max comm bytes / theoretical minimum", lambda r: max(x["bytes_over_min"] for x in r["accumulation"]["rows"]), 1.0, "=="),
     ("calls on non-final micro-steps", lambda r: sum(x["nonfinal_calls"] for x in r["accumulation"]["rows"]), 0, "=="),
+    # issue #16: the sharded strategies keep 1/W of the optimizer state, send gradient + parameter bytes
+    ("zero1/fsdp optimizer state per rank x W / bucketed's, max deviation",
+     lambda r: max(abs(s["optimizer_share_of_bucketed"] * r["memory"]["world_size"] - 1)
+                   for m in ("mlp", "gpt") if m in r["memory"]
+                   for k, s in r["memory"][m]["strategies"].items() if k != "bucketed"), 0.01, "<="),
+    ("zero1 bytes per step / (gradient + parameter bytes)",
+     lambda r: max((r["memory"][m]["strategies"]["zero1"]["wire"]["grad_sync_over_grad_bytes"]
+                    + r["memory"][m]["strategies"]["zero1"]["wire"]["all_gather_over_param_bytes"]) / 2
+                   for m in ("mlp", "gpt") if m in r["memory"]), 1.001, "<="),
     ("data wait / step time (training run)", lambda r: r["ingest"]["data_wait_fraction"], 0.10, "<="),
     ("Ray Data / in-memory samples/s", lambda r: r["ingest"]["ray_data_over_in_memory"], 0.9, ">="),
 ]
@@ -50,6 +59,27 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(_f(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def _memory_tables(mem: dict[str, Any]) -> list[str]:
+    """Per strategy: bytes per rank, wire bytes per step against theory, step time, what fits."""
+    out = [f"\n**Memory per rank and step time** ({mem['world_size']} ranks, {mem['optimizer']} "
+           f"{mem['dtype']}, {mem['micro_steps']} micro-steps per step; {mem['note']})\n"]
+    rows = []
+    for m in (k for k in ("mlp", "gpt") if k in mem):
+        for strategy, s in mem[m]["strategies"].items():
+            b, w, t = s["bytes_per_rank"], s["wire"], s["step_ms"]
+            rows.append([f"{m} ({mem[m]['params'] / 1e6:.2f} M)", strategy,
+                         *(f"{b[part] / 2**20:.2f}" for part in ("params", "grads", "optimizer")),
+                         f"{s['total_mb']:.2f}", _f(s["optimizer_share_of_bucketed"], 4),
+                         _f(w["grad_sync_over_grad_bytes"], 4), _f(w["all_gather_over_param_bytes"], 4),
+                         f"{t['median']:.1f} [{t['p25']:.1f}-{t['p75']:.1f}]",
+                         f"{s['fits_params'] / 1e9:.1f} B"])
+    out.append(_table(["model", "strategy", "params MB", "grads MB", "optimizer MB", "total MB",
+                       "optimizer / bucketed's", "grad-sync bytes / grad bytes",
+                       "all-gather bytes / param bytes", "step ms (median [p25-p75])",
+                       f"fits {mem['fit_device_gb']} GB x {mem['fit_workers']} workers (params)"], rows))
+    return out
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -85,6 +115,8 @@ def markdown(results: dict[str, Any]) -> str:
                  _f(r["ms_per_sample"], 3), _f(r["time_per_sample_vs_k1"], 2)] for r in acc["rows"]]
         out.append(_table(["strategy", "k", "all-reduce calls", "MB sent", "MB minimum", "sent / min",
                            "calls on non-final micro-steps", "ms / sample", "vs k=1"], rows))
+    if results.get("memory"):
+        out += _memory_tables(results["memory"])
     ray = results.get("ray_overhead")
     if ray:
         out.append(f"\n**Ray Train overhead** ({ray['world_size']} workers, {ray['model']} + {ray['strategy']}, "

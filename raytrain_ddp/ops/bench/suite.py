@@ -5,7 +5,8 @@ instance the Ray sections share, the `meta` block, and where results go.
 Must not touch: how each section measures (see strategies / accumulation /
 ray_overhead / ingest / gpu).
 
-Sections (top-level JSON keys): `strategies`, `accumulation`, `ray_overhead`,
+Sections (top-level JSON keys): `strategies`, `accumulation`, `memory` (bytes per rank,
+wire bytes and step time of bucketed / zero1 / fsdp), `ray_overhead`,
 `checkpoint` (how long a checkpoint holds the step loop, sync vs async upload), `ingest`
 on CPU; on CUDA `strategies` (world size 1: wrapper overhead, plus DataParallel), `gpt`
 (bf16 tokens/s, MFU) and `ingest` (Ray Data wait in a GPU training run). A failing
@@ -88,11 +89,13 @@ def _start_ray(num_cpus: int, num_gpus: Optional[int] = None) -> float:
 
 
 def run_cpu(sizes: Sizes) -> dict[str, Any]:
-    from raytrain_ddp.ops.bench import accumulation, checkpoint, ingest, ray_overhead, strategies
+    from raytrain_ddp.ops.bench import accumulation, checkpoint, ingest, memory, ray_overhead, strategies
 
     results: dict[str, Any] = {}
     _section(results, "strategies", lambda: strategies.run(sizes, log=_log))
     _section(results, "accumulation", lambda: accumulation.run(sizes, log=_log))
+    models = ("mlp",) if sizes.name == "smoke" else ("mlp", "gpt")
+    _section(results, "memory", lambda: memory.run(sizes, models=models, log=_log))
     import ray
 
     # Two workers + Ray Data's read tasks on 2 cores: more logical CPUs than cores, as the
