@@ -94,6 +94,10 @@ def test_quick_bench_writes_every_section(smoke_run):
         assert _positive(ingest["samples_per_s"][reader]), reader
         assert all(p["rows"] == ingest["rows"] for p in ingest["readers"][reader]["passes"])
     assert _positive(ingest["ray_data_over_in_memory"])
+    for reader in ("sharded", "sharded_chunk256", "sharded_rank0_of_2"):  # data.sharding: sharded's batch path
+        assert _positive(ingest["samples_per_s"][reader]) and _positive(ingest[f"{reader}_over_in_memory"]), reader
+    memory = ingest["sharded_memory"]
+    assert memory["rows_read"] > 0 and memory["peak_mb"] >= memory["start_mb"] > 0
     assert 0.0 <= ingest["data_wait_fraction"] <= 1.0
     assert ingest["training"]["streaming"]["status"] == "ok"
 
