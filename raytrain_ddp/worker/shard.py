@@ -123,8 +123,9 @@ class WorkerData:
                 for micro in range(self.accumulation_steps)]
 
     def _sharded_windows(self, epoch: int, skip_steps: int) -> Iterator[list[Any]]:
-        """Read this rank's chunks of each step on a reader thread, up to `ahead` steps ahead:
-        resident data is those windows (pinned on CUDA), never the data set."""
+        """Read this rank's chunks of each step on a reader thread, up to `ahead` steps ahead
+        (`data.prefetch_batches: 0`: in this thread): resident data is those windows (pinned
+        on CUDA), never the data set."""
         from concurrent.futures import ThreadPoolExecutor
 
         ahead = max(1, -(-self.cfg.data.prefetch_batches // self.accumulation_steps))
@@ -137,6 +138,13 @@ class WorkerData:
                 window.append(_pin(batch) if pinned else batch)
             return window
 
+        if self.cfg.data.prefetch_batches == 0:  # read in this thread, step by step
+            for step in range(skip_steps, self.steps_per_epoch):
+                start = time.perf_counter()
+                window = [to_device(batch, self.device) for batch in read(step)]
+                self.wait_seconds += time.perf_counter() - start
+                yield window
+            return
         pool = ThreadPoolExecutor(1, thread_name_prefix="raytrain-ddp-read")
         pending: list[Any] = []
         steps = iter(range(skip_steps, self.steps_per_epoch))

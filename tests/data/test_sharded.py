@@ -103,8 +103,8 @@ def test_resume_mid_epoch_skips_nothing_and_repeats_nothing(tmp_path):
         if step == 7:
             break
         head.append(sorted(i for w in window for micro in _ids(w) for i in micro))
-    # ... and 4 workers resume 7 steps into the epoch
-    again = _workers(cfg, root, 4)
+    # ... and 4 workers resume 7 steps into the epoch (reading in their own thread this time)
+    again = _workers(_cfg("data.prefetch_batches=0"), root, 4)
     tail = [sorted(i for w in window for micro in _ids(w) for i in micro)
             for window in zip(*(w.train_windows(epoch=0, skip_steps=7) for w in again))]
     assert len(head) == 7 and len(tail) == len(full) - 7
