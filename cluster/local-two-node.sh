@@ -13,6 +13,9 @@
 # this cluster (never ~/.ray/auth_token): nothing answers without it.
 # `down` kills only the two process groups recorded by `up` -- never `ray stop`, which
 # would stop every Ray instance on the machine by name.
+# The two nodes share no directory, as two machines would not: each runs in its own working
+# directory (<state>/head, <state>/node) with its own Ray temp dir (<state>/ray, <state>/ray-node),
+# so a run whose storage is not shared (run.storage_path=s3://...) is tested as on a real cluster.
 #
 # Knobs (environment): RT2N_HEAD_CPUS / RT2N_NODE_CPUS (default 3 each),
 # RT2N_OBJECT_STORE_BYTES (default 200 MB per node), RT2N_UP_TIMEOUT_S (default 90),
@@ -85,10 +88,12 @@ node_args() {
     --resources="{\"$resource\": 1}" --disable-usage-stats)
 }
 
-# Start "$@" in its own session (so it has its own process group) and print its pid.
+# Start "$@" in its own session (so it has its own process group), in working directory
+# $2, and print its pid.
 start_group() {
-  local log="$1"; shift
-  setsid "$@" >"$log" 2>&1 < /dev/null &
+  local log="$1" cwd="$2"; shift 2
+  mkdir -p "$cwd"
+  (cd "$cwd" && exec setsid "$@" >"$log" 2>&1 < /dev/null) &
   echo $!
 }
 
@@ -190,7 +195,7 @@ EOF
 
   local head_pid node_pid
   node_args node_a "$HEAD_CPUS" "$H_NM" "$H_OM" "$H_AG" "$H_AGG" "$H_RE" "$H_MET" "$H_WLO"
-  head_pid=$(start_group "$dir/head.log" "$RAY_BIN" start --head --block \
+  head_pid=$(start_group "$dir/head.log" "$dir/head" "$RAY_BIN" start --head --block \
     --port="$GCS" --temp-dir="$dir/ray" \
     --include-dashboard=true --dashboard-host=127.0.0.1 --dashboard-port="$DASH" \
     --ray-client-server-port="$CLIENT" "${NODE_ARGS[@]}")
@@ -201,8 +206,8 @@ EOF
   fi
 
   node_args node_b "$NODE_CPUS" "$N_NM" "$N_OM" "$N_AG" "$N_AGG" "$N_RE" "$N_MET" "$N_WLO"
-  node_pid=$(start_group "$dir/node.log" "$RAY_BIN" start --block --address="127.0.0.1:$GCS" \
-    "${NODE_ARGS[@]}")
+  node_pid=$(start_group "$dir/node.log" "$dir/node" "$RAY_BIN" start --block --address="127.0.0.1:$GCS" \
+    --temp-dir="$dir/ray-node" "${NODE_ARGS[@]}")
   echo "$node_pid" > "$dir/node.pgid"
 
   if ! wait_for_nodes "$dir" 2 >&2; then

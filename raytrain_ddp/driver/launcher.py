@@ -30,6 +30,12 @@ Decisions, and why:
 * The embedded instance is always a new one (`ray.init(address="local")`): a Ray address
   file left by a killed `ray start`, or another local cluster, is neither joined by
   accident nor a traceback. Joining is on purpose (`run.address`, $RAY_ADDRESS) and said.
+* Ray Train's controller takes one reported result per poll of the workers, every 2 s by
+  default; a checkpoint reported more often waits for it (a synchronous report blocks
+  the step loop, an asynchronous one queues, and the run's end waits for the queue).
+  The quickstart checkpoints every ~0.3 s of training, so the controller polls every
+  `CONTROLLER_POLL_S` (Ray's own `RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`, which a user's
+  setting overrides): a few small RPCs per second.
 * Ctrl-C during `fit` aborts Ray Train's controller (what Ray's own handler does, which
   would then `sys.exit(0)` silently), so the driver can still write `summary.json`
   (status `interrupted`) and say how to continue; `run_training`'s `finally` stops the
@@ -74,6 +80,8 @@ from raytrain_ddp.rundir import (
 )
 
 DATA_HEADROOM_CPUS = 2
+CONTROLLER_POLL_S = 0.25  # see the module docstring
+POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"  # propagated by Ray Train to its controller
 ENV_PREFIX = "RAYTRAIN_DDP_"
 
 
@@ -190,6 +198,7 @@ def prepare_job(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, A
     # Your fit runs outside our launcher: the records rank 0 sends are taken and written by
     # a recorder in the background until this process exits (printed and in metrics.jsonl).
     job = dataclasses.replace(job, mailbox=open_mailbox())
+    os.environ.setdefault(POLL_ENV, str(CONTROLLER_POLL_S))  # read by TorchTrainer.fit
     recorder = Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir)], job.mailbox,
                         write_metrics="jsonl" in cfg.run.loggers).__enter__()
     atexit.register(recorder.stop)  # runs before Ray's own exit handler (registered earlier)
@@ -232,6 +241,7 @@ def _fit(cfg: Config, run_dir: Location, resume_from: Any, checked: Any, code: A
 
     job, prepared, total_steps = _prepare(cfg, run_dir, resume_from, checked, code, given)
     job = dataclasses.replace(job, mailbox=open_mailbox())
+    os.environ.setdefault(POLL_ENV, str(CONTROLLER_POLL_S))
     env_vars = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}
     trainer = TorchTrainer(
         train_loop_per_worker,

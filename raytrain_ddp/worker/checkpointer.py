@@ -127,27 +127,51 @@ def report_checkpoint(state_dict: Optional[Any], metrics: dict[str, Any], name: 
 def find_resume_state(job: Job) -> Optional[tuple[dict, Any]]:
     """The state this worker group starts from, or None for a fresh start.
 
-    First the checkpoint Ray offers a restarted group (the latest this fit reported),
-    read from storage through its filesystem; if it is damaged, this fit's older ones
-    beside it. Then the one the driver chose from `run.resume`. Checkpoints of earlier
-    fits that Ray also offers (it reloads the run directory's snapshot when a name is
-    re-run) are ignored here: the driver already applied `run.resume` to them. Nothing
-    here opens the run directory as a local path: on a cluster it may be a bucket.
+    First the newest valid checkpoint this fit wrote: the one Ray offers a restarted
+    group, and the fit's others in the run directory, listed through Ray's storage
+    filesystem -- Ray registers a checkpoint only when its controller next polls (one
+    result per poll), so a worker lost right after a save leaves a complete, verified
+    checkpoint Ray does not offer. Then the one the driver chose from `run.resume`.
+    Checkpoints of earlier fits that Ray also offers (it reloads the run directory's
+    snapshot when a name is re-run) are ignored: the driver already applied `run.resume`
+    to them. Nothing here opens the run directory as a local path: it may be a bucket.
     """
     import ray.train
 
-    candidates: list[Location] = []
     offered = ray.train.get_checkpoint()
+    ours: list[Location] = []
     if offered is not None:
         here = _location_of(offered, job)
         if _fit_id_of(here) == job.fit_id:
-            candidates.append(here)
-            candidates += [p for p in ckpt.find_checkpoints(here.parent)
-                           if p.path != here.path and _fit_id_of(p) == job.fit_id]
-    if job.resume_from:
-        candidates.append(Location.parse(job.resume_from))
+            ours.append(here)
+    run_dir = _run_dir(job, ours[0].parent if ours else None)
+    ours += [p for p in ckpt.find_checkpoints(run_dir) if _fit_id_of(p) == job.fit_id and p.path not in
+             {o.path for o in ours}]
+    ours.sort(key=_step_of, reverse=True)  # newest first, Ray's offer or not
+    candidates = ours + ([Location.parse(job.resume_from)] if job.resume_from else [])
     found = ckpt.load_latest_valid(candidates)
     return (found[0], found[1].plain()) if found else None
+
+
+def _run_dir(job: Job, beside_offer: Optional[Location]) -> Location:
+    """The run directory on Ray's storage filesystem (what checkpoints were uploaded to)."""
+    if beside_offer is not None:
+        return beside_offer
+    try:
+        import ray.train
+
+        storage = ray.train.get_context().get_storage()
+        fs, path = storage.storage_filesystem, storage.experiment_fs_path
+        return Location(fs, path, path if isinstance(fs, pafs.LocalFileSystem) else str(job.run_dir))
+    except Exception:  # noqa: BLE001 - outside a Ray Train worker (tests): the driver's path
+        return Location.parse(job.run_dir)
+
+
+def _step_of(where: Location) -> int:
+    try:
+        return int(ckpt.read_manifest(where).get("step", -1))
+    except Exception:  # noqa: BLE001 - unreadable: last
+        return -1
 
 
 def _location_of(offered: Any, job: Job) -> Location:

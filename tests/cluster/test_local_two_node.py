@@ -1,12 +1,21 @@
 """A real two-node Ray cluster on this machine (cluster/local-two-node.sh) running real training.
 
 One cluster start for the module: the head (custom resource node_a) and a second node
-(node_b), each with 3 logical CPUs. The tiny config runs through the real CLI
-(`python -m raytrain_ddp train`, joining the cluster via RAY_ADDRESS with token auth)
-with 2 workers of 2 CPUs each, so no node can hold both: Ray must spread them. Ray's
-state API then says on which node each training worker actor ran. Also checked: the
-jobs API refuses a request without the token, the dashboard does not answer on the
-machine's routable address, and `down` leaves none of the cluster's processes behind.
+(node_b), each with 3 logical CPUs, each in its own working and Ray temp directory. The
+tiny config runs through the real CLI (`python -m raytrain_ddp train`, joining the
+cluster via RAY_ADDRESS with token auth) with 2 workers of 2 CPUs each, so no node can
+hold both: Ray must spread them. Ray's state API then says on which node each training
+worker actor ran. Also checked: the jobs API refuses a request without the token, the
+dashboard does not answer on the machine's routable address, a local run.storage_path
+on this multi-node cluster is warned about, and `down` leaves none of the cluster's
+processes behind.
+
+Object storage (issue #12): a real S3-compatible server (moto, 127.0.0.1) is started
+before the cluster, whose nodes get its endpoint and credentials in their environment
+(as cloud nodes get an instance profile). A run with `run.storage_path=s3://...` trains
+across both nodes, one worker is SIGKILLed mid-epoch, the run resumes from the
+bucket's checkpoint, and every metrics line, the attempts and the summary are in the
+bucket -- and nothing of the run on any local disk.
 
 Waiting for resources (issue #17): a worker no node can hold is reported while it waits,
 ends as `unschedulable` at `scaling.placement_timeout_s`, is withdrawn on Ctrl-C, and
@@ -28,6 +37,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from _moto import make_bucket, s3_server
+from raytrain_ddp import checkpoint as ckpt
+from raytrain_ddp.rundir import Location, read_jsonl, read_metrics
+from raytrain_ddp.testing.hooks import ENABLE
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
 
@@ -56,9 +70,29 @@ def _alive_members(pgid: int) -> list[str]:
     return [ln for ln in out.splitlines() if ln.split()[0] == str(pgid) and not ln.split()[1].startswith("Z")]
 
 
+BUCKET = "raytrain-two-node"
+
+
 @pytest.fixture(scope="module")
-def two_nodes():
-    up = subprocess.run([str(SCRIPT), "up"], env={**_base_env(), "RT2N_UP_TIMEOUT_S": "120"},
+def s3(tmp_path_factory):
+    """moto on 127.0.0.1; its endpoint and credentials are in this module's environment (and the cluster's)."""
+    with s3_server(tmp_path_factory.mktemp("moto")) as env:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            make_bucket(env, BUCKET)
+            yield env
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def two_nodes(s3):
+    up = subprocess.run([str(SCRIPT), "up"], env={**_base_env(), **s3, "RT2N_UP_TIMEOUT_S": "120"},
                         capture_output=True, text=True, timeout=200)
     assert up.returncode == 0, f"local-two-node.sh up failed:\n{up.stderr[-4000:]}"
     state = Path(up.stdout.strip().splitlines()[-1])
@@ -99,6 +133,9 @@ def test_training_spreads_over_both_nodes_and_completes(two_nodes):
     summary = json.loads((runs / "tiny" / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["workers"] == 2 and summary["steps"] == 10
     assert "raytrain-ddp: status ok" in train.stdout
+    assert train.stdout.count("[rank 0] attempt 1:") == 1, train.stdout  # once, though two nodes stream logs
+    assert "\x1b[" not in train.stdout + train.stderr and "core_worker.cc" not in train.stderr  # quiet, no colour
+    assert "is a local path, but the Ray cluster has 2 nodes" in train.stderr  # said, not silently scattered
 
     q = subprocess.run([sys.executable, "-c", QUERY], env=env, capture_output=True, text=True, timeout=120)
     assert q.returncode == 0, q.stderr[-3000:]
@@ -124,6 +161,61 @@ def test_training_spreads_over_both_nodes_and_completes(two_nodes):
         with socket.socket() as s:
             s.settimeout(5)
             assert s.connect_ex((routable, int(dashboard.rsplit(":", 1)[1]))) != 0
+
+
+@pytest.mark.timeout(400)
+def test_run_in_a_bucket_survives_a_sigkilled_worker_and_leaves_everything_in_the_bucket(two_nodes, s3, tmp_path):
+    state = two_nodes
+    pidfile = tmp_path / "rank1.pid"
+    env = {**_cluster_env(state), **s3, **ENABLE, "PYTHONUNBUFFERED": "1",
+           # rank 1 finishes step 12 (checkpoint at 10, epoch = 22 steps), parks and reports its pid
+           "RAYTRAIN_DDP_FAULT": f"rank=1,step=12,attempt=1,mode=hang,pidfile={pidfile}"}
+    driver_cwd = tmp_path / "driver"
+    driver_cwd.mkdir()
+    storage = f"s3://{BUCKET}/runs"
+    log = open(tmp_path / "train.log", "wb")
+    train = subprocess.Popen(
+        [sys.executable, "-m", "raytrain_ddp", "train", str(REPO / "examples/configs/tiny.yaml"), "name=tiny-s3",
+         "train.epochs=1", "run.log_every_steps=1", "scaling.cpus_per_worker=2", f"run.storage_path={storage}",
+         "run.resume=never"],
+        env=env, cwd=driver_cwd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (pidfile.exists() and pidfile.read_text()) and train.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert pidfile.exists(), (tmp_path / "train.log").read_text()[-4000:]
+        os.kill(int(pidfile.read_text()), signal.SIGKILL)  # from outside, no warning, no cleanup
+        train.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if train.poll() is None:
+            os.killpg(train.pid, signal.SIGKILL)  # the group this test started
+            train.wait(timeout=30)
+        log.close()
+    out = (tmp_path / "train.log").read_text()
+    assert train.returncode == 0, out[-4000:]
+
+    run_dir = Location.parse(f"{storage}/tiny-s3")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["attempts"] == 2 and summary["steps"] == 22, summary
+    assert summary["run_dir"] == run_dir.uri and summary["checkpoint"].startswith(f"{run_dir.uri}/checkpoint_")
+    lines = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in lines] == list(range(1, 23)), lines  # every line, each once
+    # attempt 2 resumed from the bucket's step-10 checkpoint: 11 and 12 were redone by it
+    assert [r["attempt"] for r in lines] == [1] * 10 + [2] * 12
+    assert all(isinstance(r["time"], float) and "checkpoint_blocked_s" in r for r in lines)
+    assert [r["val_accuracy"] > 0 for r in read_metrics(run_dir / "metrics.jsonl") if "val_loss" in r] == [True]
+    attempts = [r for r in read_jsonl(run_dir / "attempts.jsonl") if r["fit_id"] == summary["fit_id"]]
+    assert [(r["attempt"], r["world_size"]) for r in attempts] == [(1, 2), (2, 2)]
+    assert (run_dir / "config.yaml").read_text().startswith("name: tiny-s3")
+    state_22, where = ckpt.load_latest_valid(ckpt.find_checkpoints(run_dir))
+    assert state_22["progress"]["step"] == 22 and where.uri == summary["checkpoint"]
+
+    # Nothing of the run on a local disk: not in the driver's cwd, not in either node's working
+    # or temp directory (a URI mistaken for a local path would make a folder "s3:" there).
+    files = {"metrics.jsonl", "attempts.jsonl", "summary.json", "config.yaml", "state.pt", "manifest.json", "s3:"}
+    for root in (driver_cwd, state / "head", state / "node", state / "ray", state / "ray-node"):
+        stray = [p for p in root.rglob("*") if p.name in files]
+        assert not stray, stray
 
 
 # ------------------------------------------------------------------ issue #17: waiting for resources

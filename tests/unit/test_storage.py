@@ -200,7 +200,8 @@ def test_mlflow_sink_logs_params_and_metrics(tmp_path, monkeypatch):
     mlflow = pytest.importorskip("mlflow")  # heavy: only where installed (not a dev dependency)
     from raytrain_ddp.driver.sinks import MlflowSink
 
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())  # a local file store: no server,
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # and no database (mlflow-skinny has none)
     cfg = load_config(None, ["name=mlflow-run", "run.loggers=[jsonl,mlflow]"])
     sink = MlflowSink(cfg, Location.parse(tmp_path / "runs" / "mlflow-run"))
     run_id = sink.run.info.run_id
