@@ -13,7 +13,7 @@ import contextlib
 import time
 import zlib
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -261,6 +261,16 @@ class ScratchBase(WrappedModel):
     """
 
     _transient: tuple[str, ...] = ("_handles",)  # rebuilt by `_attach`, never pickled
+    # Set on every forward and backward, always plain Python values: assigned directly, as
+    # nn.Module.__setattr__ (isinstance checks against Parameter, Module and buffers) costs
+    # microseconds per assignment, many times per step. Subclasses extend the set.
+    _plain_state: frozenset[str] = frozenset({"_queued", "_sync_armed", "_buffers_due", "_used"})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._plain_state:
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
 
     def __init__(self, module: nn.Module, process_group, *, verify_init: bool,
                  collective_timeout_s: Optional[float], broadcast_buffers: bool,
@@ -389,7 +399,7 @@ class ScratchBase(WrappedModel):
         return set()
 
     # -- helpers -------------------------------------------------------------------------
-    def _wait(self, work, what: str) -> None:
+    def _wait(self, work, what: Union[str, Callable[[], str]]) -> None:
         wait_work(work, what, self.collective_timeout_s, self.world_rank, self.world_size)
 
     def _count(self, tensor: torch.Tensor) -> None:
@@ -525,8 +535,12 @@ def sync_initial_state(module: nn.Module, pg, *, verify: bool, world_size: int, 
 
 # -- waiting on collectives --------------------------------------------------------------
 
-def wait_work(work, what: str, timeout_s: Optional[float], world_rank: int, world_size: int) -> None:
+def wait_work(work, what: Union[str, Callable[[], str]], timeout_s: Optional[float], world_rank: int,
+              world_size: int) -> None:
     """Wait for an async collective; a timeout or failure becomes a `CollectiveTimeoutError`.
+
+    `what` names the operation; a callable is called only if it fails (the name of a bucket
+    costs string formatting, and a wait happens per bucket per step).
 
     gloo: `timeout_s=None` waits as long as the process group's own timeout (set at
     `init_process_group`) allows; a failure then is still reported with `what` in it.
@@ -550,6 +564,7 @@ def wait_work(work, what: str, timeout_s: Optional[float], world_rank: int, worl
             verdict = f"did not finish within {timeout_s:g}s"
         else:
             verdict = f"failed ({type(exc).__name__}: {text.strip().splitlines()[0] if text else ''})"
+        what = what() if callable(what) else what
         raise CollectiveTimeoutError(
             f"{what} {verdict} on rank {world_rank} of {world_size}; a peer rank probably died, "
             "hangs, or skipped this step (every rank must run the same synced backward passes)"

@@ -6,10 +6,11 @@ communication are timed).
 
 How it is measured, and why:
 - One launch of W gloo ranks holds every variant at once (the bare model, `naive`,
-  `bucketed` at several bucket caps, `native` (our wrapper around torch DDP, which adds a
-  Python comm hook to count bytes) and `torch_ddp` (torch DDP exactly as users run it, the
-  reference)), each a copy of the same seeded model with
-  its own optimizer. Rounds visit the variants round-robin, rotating the order each
+  `bucketed` at several bucket caps and with `bucket_cap_mb="auto"`, `native` (our wrapper
+  around torch DDP, which adds a Python comm hook to count bytes) and `torch_ddp` (torch DDP
+  as users run it: default bucket sizes, 25 MB with a 1 MB first bucket, and
+  `gradient_as_bucket_view=True`; the reference)), each a copy of the same seeded model
+  with its own optimizer. Rounds visit the variants round-robin, rotating the order each
   round, so slow drift of the machine (other processes, thermal) spreads over all of
   them instead of biasing whichever ran last.
 - `single` is the bare model stepped by every rank at the same time with no
@@ -17,7 +18,12 @@ How it is measured, and why:
   for memory bandwidth as the distributed variants, so `variant - single` is what
   synchronisation costs.
 - Warm-up steps are excluded; every step is timed on its own and the median with the
-  interquartile range and min/max is reported.
+  interquartile range and min/max is reported. `bucketed_auto` warms up until its tuning
+  has decided (about 20 synced steps), so its timed steps use the chosen layout.
+- Exposed communication (`comm`): each wrapper's own `comm_stats` over the timed steps
+  (`comm_s`, `exposed_comm_s`, see `parallel.base.WrappedModel`), per step, mean over
+  ranks: how long gradient all-reduces were in flight, how much of it came after backward
+  had finished, and the fraction backward hid. torch DDP has no such counter.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from raytrain_ddp.models import MLP, TinyGPT, cross_entropy
 MLP_SHAPE = dict(in_features=1024, hidden_sizes=[1024, 1024, 256], num_classes=256)
 GPT_SHAPE = dict(vocab_size=256, seq_len=64, d_model=128, n_layers=2, n_heads=4, dropout=0.0)
 BUCKET_CAPS_MB = (1.0, 25.0, 100.0)
+AUTO_WARMUP_LIMIT = 60  # synced steps bucketed_auto may take to decide (it needs about 20)
 
 
 def build_model(name: str, shape: Optional[dict] = None, seed: int = 0) -> nn.Module:
@@ -66,9 +73,10 @@ def grad_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
-def variant_specs(device: str, with_dp: bool) -> list[tuple[str, Optional[str], float]]:
-    specs: list[tuple[str, Optional[str], float]] = [("single", None, 0.0), ("naive", "naive", 25.0)]
+def variant_specs(device: str, with_dp: bool) -> list[tuple[str, Optional[str], Any]]:
+    specs: list[tuple[str, Optional[str], Any]] = [("single", None, 0.0), ("naive", "naive", 25.0)]
     specs += [(f"bucketed_{int(cap)}mb", "bucketed", cap) for cap in BUCKET_CAPS_MB]
+    specs.append(("bucketed_auto", "bucketed", "auto"))
     specs.append(("native", "native", 25.0))
     specs.append(("torch_ddp", "torch_ddp", 25.0))
     if with_dp:
@@ -76,7 +84,7 @@ def variant_specs(device: str, with_dp: bool) -> list[tuple[str, Optional[str], 
     return specs
 
 
-def _wrap(base: nn.Module, strategy: Optional[str], cap: float, device: torch.device) -> nn.Module:
+def _wrap(base: nn.Module, strategy: Optional[str], cap: Any, device: torch.device) -> nn.Module:
     from raytrain_ddp.parallel import wrap_model
 
     module = copy.deepcopy(base).to(device)
@@ -85,9 +93,9 @@ def _wrap(base: nn.Module, strategy: Optional[str], cap: float, device: torch.de
     if strategy == "dp":
         return nn.DataParallel(module)
     device_ids = [device.index or 0] if device.type == "cuda" and strategy in ("native", "torch_ddp") else None
-    if strategy == "torch_ddp":  # the reference users compare against: no counting hook
-        return nn.parallel.DistributedDataParallel(module, device_ids=device_ids, bucket_cap_mb=cap,
-                                                   gradient_as_bucket_view=True)
+    if strategy == "torch_ddp":  # the reference users compare against: no counting hook, and
+        # torch's default buckets (an explicit bucket_cap_mb, even 25, drops its 1 MB first bucket)
+        return nn.parallel.DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True)
     return wrap_model(module, strategy, bucket_cap_mb=cap, device_ids=device_ids)
 
 
@@ -117,23 +125,39 @@ def time_variants(world_rank: int, world_size: int, model_name: str, sizes: Size
         cross_entropy(model(x), y).backward()
         opt.step()
 
-    for _, model, opt in variants:
+    tuned: dict[str, Any] = {}
+    for label, model, opt in variants:
         for _ in range(sizes.warmup_steps):
             step(model, opt)
+        auto = getattr(model, "bucket_cap_mb", None) == "auto" and world_size > 1
+        for _ in range(AUTO_WARMUP_LIMIT if auto else 0):
+            if model.tuning is not None:
+                break
+            step(model, opt)  # the tuning steps (same count on every rank: they are collectives)
+        if auto:
+            tuned[label] = model.tuning
     _sync(device)
     times: dict[str, list[float]] = {label: [] for label, _, _ in variants}
+    comm: dict[str, dict[str, float]] = {}
     for r in range(sizes.rounds):
         shift = r % len(variants)
         for label, model, opt in variants[shift:] + variants[:shift]:
             dist.barrier()
             step(model, opt)  # one untimed step after switching variants (caches, buckets)
             _sync(device)
+            before = dict(getattr(model, "comm_stats", {}))
             for _ in range(sizes.steps_per_round):
                 start = time.perf_counter()
                 step(model, opt)
                 _sync(device)
                 times[label].append((time.perf_counter() - start) * 1e3)
-    return {"times_ms": times, "grad_bytes": grad_bytes(base),
+            after = getattr(model, "comm_stats", {})
+            if "comm_s" in after:
+                acc = comm.setdefault(label, {"comm_s": 0.0, "exposed_comm_s": 0.0, "steps": 0})
+                for key in ("comm_s", "exposed_comm_s"):
+                    acc[key] += after[key] - before.get(key, 0.0)
+                acc["steps"] += sizes.steps_per_round
+    return {"times_ms": times, "grad_bytes": grad_bytes(base), "comm": comm, "tuned": tuned,
             "params": sum(p.numel() for p in base.parameters()), "batch": batch,
             "threads": torch.get_num_threads()}
 
@@ -163,8 +187,30 @@ def summarise(model_name: str, rank_results: list[dict], world_size: int) -> dic
             "bucketed_over_single": ratio(med["bucketed_25mb"], med["single"]),
         },
     }
+    if "bucketed_auto" in med:
+        out["ratios"]["bucketed_auto_over_torch_ddp"] = ratio(med["bucketed_auto"], med["torch_ddp"])
     if "data_parallel" in med:
         out["ratios"]["data_parallel_over_native"] = ratio(med["data_parallel"], med["native"])
+    out["comm"] = comm_summary(rank_results)
+    tuned = first.get("tuned", {}).get("bucketed_auto")
+    if tuned is not None:
+        out["auto"] = {"bucket_cap_mb": tuned["bucket_cap_mb"], "compress": tuned["compress"],
+                       "buckets": tuned["buckets"], "tuning_steps": tuned["steps"], "ms": tuned["ms"],
+                       "text": tuned["text"]}
+    return out
+
+
+def comm_summary(rank_results: list[dict]) -> dict[str, dict[str, float]]:
+    """Per variant: ms of communication and of exposed communication per step (mean over
+    ranks), and the fraction of communication backward hid."""
+    out = {}
+    for label in rank_results[0].get("comm", {}):
+        rows = [r["comm"][label] for r in rank_results if label in r.get("comm", {})]
+        steps = sum(row["steps"] for row in rows)
+        comm = sum(row["comm_s"] for row in rows)
+        exposed = sum(row["exposed_comm_s"] for row in rows)
+        out[label] = {"comm_ms": 1e3 * comm / steps, "exposed_ms": 1e3 * exposed / steps,
+                      "overlap_fraction": 1.0 - exposed / comm if comm > 0 else float("nan")}
     return out
 
 
