@@ -165,7 +165,7 @@ def main(quick: bool, out: Optional[str], device: str) -> int:
         if preset not in ("quick", "full", "smoke"):
             raise UserError(f"{SIZE_ENV}={preset!r} is not one of 'quick', 'full', 'smoke'")
     sizes = {"quick": QUICK, "full": FULL, "smoke": SMOKE}.get(preset, QUICK)
-    out_path = Path(out) if out else DEFAULT_OUT_DIR / f"bench-{preset}.json"  # never the cwd by surprise
+    out_path = Path(out) if out else default_out(preset)  # never the cwd by surprise
     out_path.parent.mkdir(parents=True, exist_ok=True)
 
     results: dict[str, Any] = {"meta": _meta(preset, device)}
