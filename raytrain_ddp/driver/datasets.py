@@ -278,12 +278,17 @@ def write_stores(cfg: Config, datasets: dict[str, Any], inputs: Optional[list[An
 
     root = run_dir_of(cfg) / STORE_DIR
     chunk = cfg.chunk_rows()
+    what = cfg.data.model_dump(mode="json", exclude={"prefetch_batches", "chunk_rows"})  # may change on resume
     rows: dict[str, int] = {}
     for name, ds in datasets.items():
         where = root / name
-        fp = fingerprint(inputs, name, chunk, cfg.data.model_dump(mode="json"), cfg.train.seed)
+        fp = fingerprint(inputs, name, what, cfg.train.seed)
         old = read_manifest(where)
-        if inputs is not None and old is not None and old.fingerprint == fp and old.chunk_rows == chunk:
+        # data.chunk_rows unset: a resume with another micro batch keeps the store's chunks
+        # (the order of every epoch depends on them) when they still divide the micro batch.
+        same_chunks = old is not None and (old.chunk_rows == chunk or (
+            cfg.data.chunk_rows is None and cfg.train.micro_batch_size % old.chunk_rows == 0))
+        if inputs is not None and old is not None and old.fingerprint == fp and same_chunks:
             rows[name] = old.rows
             continue
         if name == TRAIN and cfg.data.shuffle:  # once: rows of a chunk are random neighbours

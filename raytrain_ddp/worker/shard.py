@@ -67,6 +67,9 @@ class WorkerData:
 
             self._store = StoreReader(spec.store / TRAIN)
             self._val_store = StoreReader(spec.store / VAL) if read_manifest(spec.store / VAL) else None
+            if self.micro_batch_size % self._store.manifest.chunk_rows:
+                raise DataError(f"{spec.store}: its chunks of {self._store.manifest.chunk_rows} rows do not divide "
+                                f"train.micro_batch_size={self.micro_batch_size}")
             self.steps_per_epoch = self._store.manifest.rows // self.global_batch_size
         elif cfg.data.sharding == "exact":
             self._train_columns = self._materialize(self._train_shard)

@@ -103,9 +103,10 @@ def test_sharded_user_pipeline_runs_preprocess_once_and_reuses_its_store(ray_clu
         x = np.concatenate([raw, raw])
         return {"x": x, "y": np.concatenate([batch["y"], batch["y"]]), "w": x.sum(axis=1)}
 
-    cfg = load_config(None, [f"run.storage_path={tmp_path}", "name=byo", "model.name=mlp", "data.inputs=[x]",
-                             "data.sharding=sharded", "train.global_batch_size=64", "train.micro_batch_size=16",
-                             "data.val_fraction=0.2", "scaling.num_workers=2"])
+    overrides = [f"run.storage_path={tmp_path}", "name=byo", "model.name=mlp", "data.inputs=[x]",
+                 "data.sharding=sharded", "train.global_batch_size=64", "data.val_fraction=0.2",
+                 "scaling.num_workers=2"]
+    cfg = load_config(None, [*overrides, "train.micro_batch_size=16"])
     code = UserCode(preprocess=twice_with_weight)
     prepared = prepare_datasets(cfg, code=code)
     assert prepared.datasets == {} and prepared.spec.train_rows == 2 * 1438 and prepared.spec.val_rows == 2 * 359
@@ -113,6 +114,11 @@ def test_sharded_user_pipeline_runs_preprocess_once_and_reuses_its_store(ray_clu
     written = part.stat().st_mtime_ns
     again = prepare_datasets(cfg, code=code)
     assert again.spec.train_rows == prepared.spec.train_rows and part.stat().st_mtime_ns == written  # reused
+    # what a resume may change: the micro batch (the store keeps its 16-row chunks), prefetch
+    resized = load_config(None, [*overrides, "train.micro_batch_size=32", "data.prefetch_batches=3"])
+    prepare_datasets(resized, code=code)
+    assert part.stat().st_mtime_ns == written
+    assert next(WorkerData(resized, again.spec, 0, 2, torch.device("cpu")).train_windows(epoch=0))[0]["x"].shape[0] == 32
 
     workers = [WorkerData(cfg, prepared.spec, rank, 2, torch.device("cpu")) for rank in range(2)]
     window = next(workers[1].train_windows(epoch=0))
