@@ -2,11 +2,16 @@
 
 Every strategy, SGD+momentum and AdamW, W in {2, 3}, float64, tiny buckets (several per
 model), a frozen layer, ranks starting from different random weights (the wrap-time
-broadcast must fix that), zero_grad(set_to_none=True) between steps. Plus, on W=2, the
-communication accounting and bf16 compression. One spawn per world size.
+broadcast must fix that), zero_grad(set_to_none=True) between steps. bucketed also with a
+first bucket of one parameter and with bucket_cap_mb="auto" (the layout changes from step
+to step while tuning, then the choice holds; every rank must choose the same). Plus, on
+W=2, the communication accounting, the exposed-communication timing and bf16 compression
+(and compress="auto"). One spawn per world size.
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -22,17 +27,27 @@ from raytrain_ddp.parallel import STRATEGIES, accumulation_window, wrap_model
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
 STEPS, MICRO, ACCUM = 3, 3, 2
+AUTO_STEPS = 10  # the tiny model's tuning decides by synced step 7 (see _tiny_tuning), then 3 more
 
 
-def _train(world_rank, world_size, strategy, optimizer, compress=None, sizes=None):
-    """Train STEPS steps; `sizes[r][j]` = samples of rank r's micro-batch j (default MICRO)."""
-    model = wrap_model(make_model(seed=world_rank + 1), strategy, bucket_cap_mb=TINY_BUCKET_MB,
-                       compress=compress)
+def _tiny_tuning():
+    """Make `auto` tune the tiny model: candidates down to bytes, one round each."""
+    from raytrain_ddp.parallel import tuning
+
+    tuning.MIN_CAP_MB, tuning.STEPS, tuning.ROUNDS = 1e-6, 4, 1
+
+
+def _train(world_rank, world_size, strategy, optimizer, compress=None, sizes=None, steps=STEPS, **options):
+    """Train `steps` steps; `sizes[r][j]` = samples of rank r's micro-batch j (default MICRO).
+    Returns the parameters, the samples per step, and the buckets each step used."""
+    options.setdefault("bucket_cap_mb", TINY_BUCKET_MB)
+    model = wrap_model(make_model(seed=world_rank + 1), strategy, compress=compress, **options)
     opt = make_optimizer(optimizer, model.parameters())
     sizes = sizes or [[MICRO] * ACCUM for _ in range(world_size)]
     starts = [sum(map(sum, sizes[:r])) for r in range(world_size)]
     total = sum(map(sum, sizes))
-    for s in range(STEPS):
+    layouts = []
+    for s in range(steps):
         x, y = step_data(s, total)
         lo = starts[world_rank]
         micro = []
@@ -44,13 +59,16 @@ def _train(world_rank, world_size, strategy, optimizer, compress=None, sizes=Non
         for (xb, yb), scale in window:
             (nn.functional.mse_loss(model(xb), yb) * scale).backward()
         assert window.should_step
+        layouts.append(model.comm_stats["buckets"])
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return [p.detach().clone() for p in model.module.parameters()], total
+    tuned = getattr(model, "tuning", None)
+    return [p.detach().clone() for p in model.module.parameters()], total, (layouts, tuned)
 
 
 def _comm_checks(world_rank, world_size):
-    """What each strategy sends: nothing under no_sync, one call per bucket, exact bytes."""
+    """What each strategy sends: nothing under no_sync, one call per bucket, exact bytes; and
+    the timing of it (`comm_s`, `exposed_comm_s`) next to the wall time of the step."""
     out = {}
     x = torch.randn(4, 5)
     for strategy, compress in [("naive", None), ("bucketed", None), ("bucketed", "bf16"),
@@ -61,7 +79,9 @@ def _comm_checks(world_rank, world_size):
         with model.no_sync():
             model(x).sum().backward()
         quiet = model.comm_stats
+        started = time.perf_counter()
         model(x).sum().backward()
+        step_s = time.perf_counter() - started
         synced = model.comm_stats
         views = None
         if strategy == "bucketed":  # grads live in the flat buffer, even after set_to_none
@@ -72,7 +92,7 @@ def _comm_checks(world_rank, world_size):
             views = len(storages)
         model.reset_comm_stats()
         out[f"{strategy}/{compress}"] = dict(quiet=quiet, synced=synced, after_reset=model.comm_stats,
-                                             storages=views)
+                                             storages=views, step_s=step_s)
     return out
 
 
@@ -86,6 +106,13 @@ def _run_all(world_rank, world_size):
     for strategy in ("naive", "bucketed"):
         results[(strategy, "adamw", "k1")] = _train(world_rank, world_size, strategy, "adamw",
                                                      sizes=[[MICRO]] * world_size)
+    # Every bucket layout trains the same: a first bucket of one parameter (l3.bias, 24 B;
+    # test_local checks the layout), and auto, whose layout changes while it tunes.
+    results[("bucketed", "sgd", "first-24B")] = _train(world_rank, world_size, "bucketed", "sgd",
+                                                       first_bucket_mb=24 / 2**20)
+    _tiny_tuning()
+    results[("bucketed", "adamw", "auto")] = _train(world_rank, world_size, "bucketed", "adamw",
+                                                    steps=AUTO_STEPS, bucket_cap_mb="auto")
     if world_size > 2:  # the rest does not depend on W: run it once, on W=2
         return results, None
     results[("bucketed", "adamw", "bf16")] = _train(world_rank, world_size, "bucketed", "adamw", "bf16")
@@ -95,6 +122,8 @@ def _run_all(world_rank, world_size):
     # Uneven micro-batches (count= weights by samples): still one process's mean over all samples.
     results[("bucketed", "sgd", "uneven")] = _train(world_rank, world_size, "bucketed", "sgd",
                                                     sizes=[[3, 1], [2, 4]])
+    results[("bucketed", "sgd", "bf16-auto")] = _train(world_rank, world_size, "bucketed", "sgd", "auto",
+                                                       steps=AUTO_STEPS, bucket_cap_mb="auto")
     return results, _comm_checks(world_rank, world_size)
 
 
@@ -102,12 +131,17 @@ def _run_all(world_rank, world_size):
 def test_strategies_match_single_process(world_size):
     per_rank = run_ranks(_run_all, world_size, timeout_s=100)
     runs = per_rank[0][0]
-    for key, (params, total) in runs.items():
+    for key, (params, total, (layouts, tuned)) in runs.items():
         strategy, optimizer, variant = key
-        reference = reference_params(optimizer, STEPS, [total] * STEPS)
+        steps = len(layouts)
+        reference = reference_params(optimizer, steps, [total] * steps)
         for rank, (rank_runs, _) in enumerate(per_rank):  # every rank ends identical
             for p, q in zip(params, rank_runs[key][0]):
                 assert torch.equal(p, q), f"{key}: rank {rank} differs from rank 0"
+            assert rank_runs[key][2] == (layouts, tuned), f"{key}: rank {rank} chose another layout"
+        if variant and variant.endswith("auto"):  # tuned: several layouts, then one choice
+            assert tuned is not None and len(set(layouts[:5])) > 1, (key, layouts, tuned)
+            assert set(layouts[-3:]) == {tuned["buckets"]}, (key, layouts, tuned)
         err = max((p - r).abs().max().item() for p, r in zip(params, reference))
         if variant and variant.startswith("bf16"):  # lossy on the wire: close, not exact
             assert 0 < err < 5e-2, f"{key}: bf16 run off by {err}"
@@ -134,3 +168,12 @@ def test_strategies_match_single_process(world_size):
             assert comm[name]["storages"] == 1  # every grad is a view into the one flat buffer
         for name in ("native/None", "native/bf16"):
             assert comm[name]["synced"]["allreduce_calls"] == comm[name]["synced"]["buckets"] >= 1
+        # Exposed communication (CPU: every strategy times it): sane, no timing asserted.
+        for name, stats in comm.items():
+            synced = stats["synced"]
+            assert "comm_s" not in stats["quiet"] or stats["quiet"]["comm_s"] == 0, name  # no_sync: nothing
+            assert 0 < synced["comm_s"] and 0 <= synced["exposed_comm_s"] <= synced["comm_s"], (name, synced)
+            assert synced["exposed_comm_s"] <= stats["step_s"], (name, synced, stats["step_s"])
+            assert stats["after_reset"]["comm_s"] == stats["after_reset"]["exposed_comm_s"] == 0, name
+        naive = comm["naive/None"]["synced"]  # all of naive's communication follows backward
+        assert naive["exposed_comm_s"] == naive["comm_s"], naive

@@ -15,6 +15,8 @@ from _workloads import make_model, make_optimizer, reference_params, step_data
 from raytrain_ddp.parallel import (
     STRATEGIES, LocalModel, WrappedModel, accumulation_window, chunked, wrap_model,
 )
+from raytrain_ddp.parallel import tuning
+from raytrain_ddp.parallel.base import split_comm_time
 from raytrain_ddp.parallel.bucketed import assign_buckets
 
 pytestmark = pytest.mark.timeout(60)
@@ -77,6 +79,51 @@ def test_assign_buckets_reverse_order_caps_and_dtypes():
     assert assign_buckets(ps, cap_bytes=10**6) == [[0, 1, 3, 4], [2]]
 
 
+def test_first_bucket_cap_and_the_tiny_models_layout():
+    """The equivalence suite's tiny model (float64, reverse order: 24, 192, 64, 320 bytes)."""
+    ps = [torch.zeros(3, dtype=torch.float64), torch.zeros(24, dtype=torch.float64),
+          torch.zeros(8, dtype=torch.float64), torch.zeros(40, dtype=torch.float64)]
+    assert assign_buckets(ps, cap_bytes=256) == [[0, 1], [2], [3]]  # TINY_BUCKET_MB: 3 buckets
+    assert assign_buckets(ps, cap_bytes=256, first_cap_bytes=24) == [[0], [1, 2], [3]]
+
+
+def test_exposed_communication_is_the_union_of_spans_after_backward():
+    # two overlapping all-reduces [0, 3] and [2, 5], one later [7, 8]; backward ended at 4
+    comm, exposed = split_comm_time(4.0, [(2.0, 5.0), (0.0, 3.0), (7.0, 8.0)])
+    assert comm == 6.0 and exposed == 2.0  # union 0-5 and 7-8; after 4: 4-5 and 7-8
+    assert split_comm_time(10.0, [(0.0, 1.0)]) == (1.0, 0.0)  # all hidden
+    assert split_comm_time(0.0, [(1.0, 2.0), (1.5, 2.5)]) == (1.5, 1.5)  # all exposed (naive)
+    assert split_comm_time(0.0, []) == (0.0, 0.0)
+
+
+def test_auto_tuner_visits_every_candidate_then_keeps_the_fastest():
+    options = [tuning.Candidate(1.0, None, 4), tuning.Candidate(25.0, None, 1), tuning.Candidate(1.0, "bf16", 4)]
+    tuner = tuning.AutoTuner(options, rounds=2)
+    assert tuner.steps == 1 + 2 * 3 and tuner.choice is None and tuner.summary is None
+    cost = {options[0]: 10.0, options[1]: 8.0, options[2]: 7.9}  # bf16 1% faster: not worth it
+    seen = []
+    for _ in range(tuner.steps):
+        current = tuner.current
+        seen.append(current)
+        tuner.record(cost[current])  # no process group: the local medians decide
+    assert set(seen) == set(options) and seen.count(options[0]) == 3  # the warm-up uses the first
+    assert tuner.choice == options[1] and tuner.current == options[1]
+    assert tuner.summary["ms"] == {"1 MB": 10e3, "25 MB": 8e3, "1 MB bf16": 7.9e3}
+    assert "25 MB (1 bucket)" in tuner.describe()
+    fast = tuning.AutoTuner(options, rounds=1)
+    for _ in range(fast.steps):
+        fast.record({options[0]: 10.0, options[1]: 8.0, options[2]: 5.0}[fast.current])
+    assert fast.choice == options[2]  # bf16 saves 37%: kept
+    alone = tuning.AutoTuner(options[:1])
+    assert alone.steps == 0 and alone.choice == options[0] and "same buckets" in alone.describe()
+
+
+def test_auto_candidates_scale_with_the_gradient():
+    assert tuning.candidate_caps(9446400) == (0.56, 1.1, 2.3, 4.5, 25.0)  # the bench MLP, 9 MB
+    assert tuning.candidate_caps(4 * 10**9) == (25.0, 100.0)  # 4 GB: capped at 100 MB
+    assert tuning.candidate_caps(1000) == (25.0,)  # tiny: one layout whatever the cap
+
+
 def test_wrap_model_rejects_bad_options():
     with pytest.raises(ValueError, match="'naive'"):
         wrap_model(nn.Linear(2, 2), "naive", compress="bf16")
@@ -86,6 +133,13 @@ def test_wrap_model_rejects_bad_options():
         wrap_model(nn.Linear(2, 2), "bucketed", compress="fp8")
     with pytest.raises(ValueError, match="already wrapped"):
         wrap_model(wrap_model(nn.Linear(2, 2), "bucketed"), "naive")
+    for strategy in ("naive", "native", "zero1"):  # timed tuning is bucketed's
+        with pytest.raises(ValueError, match="bucket_cap_mb='auto' .* 'bucketed' only"):
+            wrap_model(nn.Linear(2, 2), strategy, bucket_cap_mb="auto")
+    with pytest.raises(ValueError, match="compress='auto' .* 'bucketed' only"):
+        wrap_model(nn.Linear(2, 2), "native", compress="auto")
+    with pytest.raises(ValueError, match="first_bucket_mb=0 must be > 0"):
+        wrap_model(nn.Linear(2, 2), "bucketed", first_bucket_mb=0)
     for strategy in ("bucketed", "native"):  # bf16 on 16-bit parameters: same bytes, less precision
         for dtype in (torch.float16, torch.bfloat16):
             with pytest.raises(ValueError, match="parameter 'weight' .* is already 16-bit"):

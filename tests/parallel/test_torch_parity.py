@@ -324,6 +324,18 @@ def _unused_step(kind, case, world_rank):
     loss_of("branchy", model(x, use_solo), y).backward()
 
 
+def _native_unused_later(world_rank):
+    """native checks with its own hooks on the first synced backward only; a parameter left
+    unused later (here `solo`, on every rank at step 2) gets torch's check at the next
+    forward, re-raised naming it."""
+    module = build("branchy", seed=1)
+    module.dead.requires_grad_(False)
+    model = wrap_model(module, "native", process_group=dist.new_group(), collective_timeout_s=20)
+    for s in range(3):
+        x, y = batch("branchy", s, 0, world_rank)
+        loss_of("branchy", model(x, s == 0), y).backward()
+
+
 def _native_requires_grad_change(case, opts, world_rank):
     """native (torch DDP) cannot follow a requires_grad change without find_unused_parameters
     (freeze) or at all (unfreeze): the next forward must raise, naming the parameter."""
@@ -344,6 +356,7 @@ def _errors(world_rank, world_size):
     for kind in OURS:
         for case in ("dead", "solo"):
             out[(kind, case)] = _raises(lambda: _unused_step(kind, case, world_rank))
+    out[("native", "later")] = _raises(lambda: _native_unused_later(world_rank))
     out[("native", "freeze")] = _raises(lambda: _native_requires_grad_change("freeze", {}, world_rank))
     for opts in ({}, {"find_unused_parameters": True}):
         out[("native", "unfreeze", bool(opts))] = _raises(
@@ -353,8 +366,9 @@ def _errors(world_rank, world_size):
 
 def test_unused_or_changed_parameters_raise_by_name_without_hanging():
     """Items 3 and 4: without find_unused_parameters, an unused parameter (on every rank or on
-    one) fails the first backward on every rank, naming it, in seconds; native names a
-    requires_grad change it cannot follow."""
+    one) fails the first backward on every rank, naming it, in seconds (native: one left
+    unused at a later step fails the next forward, named); native names a requires_grad
+    change it cannot follow."""
     per_rank = run_ranks(_errors, 2, timeout_s=120, pg_timeout_s=40)
     for rank, out in enumerate(per_rank):
         for kind in OURS:
@@ -363,6 +377,9 @@ def test_unused_or_changed_parameters_raise_by_name_without_hanging():
                 assert name in msg and "find_unused_parameters" in msg, f"{kind}/{case} rank {rank}: {msg}"
                 assert elapsed < 15, f"{kind}/{case} rank {rank}: took {elapsed:.1f}s ({msg})"
             assert "on rank(s) [1]" in out[(kind, "solo")][0], out[(kind, "solo")][0]
+        msg, elapsed = out[("native", "later")]
+        assert msg.startswith("UnusedParameterError") and "'solo.weight'" in msg, f"later rank {rank}: {msg}"
+        assert "find_unused_parameters" in msg and elapsed < 15, (rank, elapsed, msg)
         for key in (("native", "freeze"), ("native", "unfreeze", False), ("native", "unfreeze", True)):
             msg, _ = out[key]
             assert "lin1.weight" in msg and "requires_grad" in msg, f"{key} rank {rank}: {msg}"

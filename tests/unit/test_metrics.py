@@ -56,6 +56,24 @@ def test_step_meter_averages_over_the_window_and_ignores_paused_time():
     assert again["allreduce_calls"] == 0 and again["samples_per_s"] == 0
 
 
+def test_step_meter_reports_exposed_communication_where_the_wrapper_times_it():
+    """comm_ms, exposed_comm_ms and comm_overlap_fraction per step, from comm_stats' seconds."""
+    start = {"allreduce_calls": 0, "allreduce_bytes": 0}
+    meter = StepMeter(global_batch_size=8, wait_seconds=0.0, comm=start)  # no sync yet: no timing keys
+    for _ in range(2):
+        time.sleep(0.01)
+        meter.step_done()
+    out = meter.summarize(0.0, {**start, "comm_s": 0.006, "exposed_comm_s": 0.002})
+    step_ms = 1e3 * 8 / out["samples_per_s"]
+    assert out["comm_ms"] == pytest.approx(3.0) and out["exposed_comm_ms"] == pytest.approx(1.0)
+    assert out["comm_overlap_fraction"] == pytest.approx(2 / 3)
+    assert 0.0 <= out["comm_overlap_fraction"] <= 1.0 and out["exposed_comm_ms"] <= step_ms
+    meter.step_done()
+    again = meter.summarize(0.0, {**start, "comm_s": 0.006, "exposed_comm_s": 0.002})
+    assert again["comm_ms"] == 0.0 and "comm_overlap_fraction" not in again  # nothing sent: no fraction
+    assert "comm_ms" not in meter.summarize(0.0, start)  # a wrapper that does not time (zero1, GPU)
+
+
 def test_format_and_progress_printer_prints_each_record_as_it_arrives():
     out = io.StringIO()
     printer = ProgressPrinter(total_steps=20, out=out)
