@@ -76,6 +76,14 @@ def test_quick_bench_writes_every_section(smoke_run):
     calls = {row["strategy"]: row["allreduce_calls_per_step"] for row in acc["rows"] if row["k"] == 1}
     assert calls["naive"] == 6  # one per parameter tensor of the 3-layer MLP (3 weights + 3 biases)
 
+    mem = results["memory"]  # issue #16; the smoke preset measures the MLP only
+    for strategy, row in mem["mlp"]["strategies"].items():
+        assert _positive(row["step_ms"]["median"]) and _positive(row["fits_params"]), strategy
+    shares = {k: row["optimizer_share_of_bucketed"] for k, row in mem["mlp"]["strategies"].items()}
+    assert abs(shares["zero1"] * 2 - 1) < 0.01 and abs(shares["fsdp"] * 2 - 1) < 0.01, shares
+    wire = mem["mlp"]["strategies"]["zero1"]["wire"]
+    assert wire["grad_sync_over_grad_bytes"] == wire["all_gather_over_param_bytes"] == 1.0, wire
+
     ray = results["ray_overhead"]
     for key in ("plain_step_ms", "ray_step_ms", "ray_over_plain", "plain_startup_s", "ray_startup_s", "ray_init_s"):
         assert _positive(ray[key]), key
@@ -102,7 +110,7 @@ def test_quick_bench_writes_every_section(smoke_run):
     assert ingest["training"]["streaming"]["status"] == "ok"
 
     names = {v["target"] for v in results["targets"]}
-    assert "Ray Train / plain torch.distributed step" in names and len(names) == 9
+    assert "Ray Train / plain torch.distributed step" in names and len(names) == 11
     assert "quickstart checkpoint blocks the step loop (s, async upload)" in names
     assert "**Checkpoint: time the step loop is blocked**" in proc.stdout
 
