@@ -22,13 +22,16 @@ How it is measured:
   its full size on every rank) or sharded (about 1/W), the largest fp32 AdamW model whose
   parameters + gradients + optimizer state fit one device of a given size at a given
   worker count. Activations and temporary buffers (fsdp's gathered units) are not in it.
+
+Part of `raytrain-ddp bench`; alone: `python -m raytrain_ddp.ops.bench.memory [--quick]`.
 """
 
 from __future__ import annotations
 
 import copy
+import sys
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -158,3 +161,27 @@ def run(sizes: Sizes, world_size: int = 2, models: tuple[str, ...] = ("mlp", "gp
         ranks = run_ranks(memory_rank, world_size, name, sizes, timeout_s=600)
         section[name] = summarise(name, ranks, world_size)
     return section
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """`python -m raytrain_ddp.ops.bench.memory [--quick] [--out PATH]`: this section alone."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from raytrain_ddp.ops.bench import report
+    from raytrain_ddp.ops.bench.common import FULL, QUICK
+
+    parser = argparse.ArgumentParser(prog="python -m raytrain_ddp.ops.bench.memory", description=main.__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer rounds (the --quick preset)")
+    parser.add_argument("--out", default=None, help="also write the section's JSON here")
+    args = parser.parse_args(argv)
+    section = run(QUICK if args.quick else FULL, log=lambda m: print(m, file=sys.stderr, flush=True))
+    if args.out:
+        Path(args.out).write_text(json.dumps(section, indent=2, default=float) + "\n")
+    print("\n".join(report._memory_tables(section)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
