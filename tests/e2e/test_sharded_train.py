@@ -3,7 +3,7 @@ workers and checkpoints a consolidated optimizer state; a second fit resumes it 
 (another strategy, the same checkpoint format) and finishes the run.
 
 Two fits on the session's local Ray instance; the numerical equivalence of both
-strategies is checked without Ray in tests/parallel/test_sharded.py.
+strategies is checked without Ray in tests/parallel/test_zero_fsdp.py.
 """
 
 from __future__ import annotations
