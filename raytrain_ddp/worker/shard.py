@@ -172,7 +172,7 @@ class WorkerData:
         """An Arrow table's columns as tensors (fixed-size lists without a numpy detour per row)."""
         import torch
 
-        return {name: torch.from_numpy(array)
+        return {name: torch.from_numpy(array if array.flags.writeable else array.copy())  # views of Arrow's buffers
                 for name, array in column_arrays(arrow_numpy(table), self.cfg, self.spec).items()}
 
     def _streaming_windows(self, epoch: int, skip_steps: int) -> Iterator[list[Any]]:
