@@ -151,7 +151,8 @@ class Zero1DDP(BucketedDDP):
             self._buckets.append(_Bucket(b, members, [self._names[i] for i in members], grads))
 
     def _follow_requires_grad(self) -> None:
-        if self._optimizer_ref is not None and self._optimizer_ref() is not None:
+        ref = getattr(self, "_optimizer_ref", None)  # transient: gone after unpickling
+        if ref is not None and ref() is not None:
             names = [n for (n, p), was in zip(self.wrapped.named_parameters(), self._trainable)
                      if p.requires_grad != was]
             raise RequiresGradChangeError(
