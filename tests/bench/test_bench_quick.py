@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-VARIANTS = ("single", "naive", "bucketed_1mb", "bucketed_25mb", "bucketed_100mb", "native", "torch_ddp")
+VARIANTS = ("single", "naive", "bucketed_1mb", "bucketed_25mb", "bucketed_100mb", "bucketed_auto", "native",
+            "torch_ddp")
+TIMED = ("naive", "bucketed_1mb", "bucketed_25mb", "bucketed_100mb", "bucketed_auto", "native")  # comm_stats timing
 
 
 def _positive(value) -> bool:
@@ -61,6 +63,17 @@ def test_quick_bench_writes_every_section(smoke_run):
             assert spread["min"] <= spread["p25"] <= spread["median"] <= spread["p75"] <= spread["max"]
         for name in ("bucketed_over_native", "naive_over_bucketed", "bucketed_over_torch_ddp"):
             assert _positive(section["ratios"][name]), (model, name)
+        # Exposed communication from the wrappers' own timing (#19): sane, no timing asserted.
+        for variant in TIMED:
+            c = section["comm"][variant]
+            assert 0.0 <= c["exposed_ms"] <= c["comm_ms"] and 0.0 <= c["overlap_fraction"] <= 1.0, (model, c)
+            assert c["exposed_ms"] <= section["spread_ms"][variant]["max"], (model, variant, c)
+        assert section["comm"]["naive"]["overlap_fraction"] == 0.0  # all after backward
+        assert "torch_ddp" not in section["comm"]  # torch DDP has no counter
+        auto = section["auto"]  # bucketed_auto decided during its warm-up
+        assert auto["bucket_cap_mb"] > 0 and auto["buckets"] >= 1 and auto["compress"] is None, auto
+        assert _positive(section["ratios"]["bucketed_auto_over_torch_ddp"])
+    assert "**Exposed communication**" in proc.stdout and "`bucketed_auto` on mlp:" in proc.stdout
 
     acc = results["accumulation"]
     seen = {(row["strategy"], row["k"]) for row in acc["rows"]}

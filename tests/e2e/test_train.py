@@ -73,6 +73,9 @@ def test_tiny_run_directory_is_complete_and_metrics_make_sense(finished_run):
         assert 0.0 <= r["data_wait_fraction"] <= 1.0
         # bucketed, one bucket, accumulation 2 with no_sync: one fp32 all-reduce per step
         assert r["allreduce_calls"] == 1 and r["allreduce_bytes"] == 4 * n_params
+        # exposed communication, timed by the wrapper (#19): sane, no timing asserted
+        assert 0.0 <= r["exposed_comm_ms"] <= r["comm_ms"] and 0.0 <= r["comm_overlap_fraction"] <= 1.0
+        assert r["exposed_comm_ms"] <= 1e3 * cfg.train.global_batch_size / r["samples_per_s"]
         assert r["nonfinite_steps"] == 0
     assert train[-1]["loss"] < train[0]["loss"]
     assert [(r["step"], r["epoch"]) for r in val] == [(22, 1), (44, 2)]

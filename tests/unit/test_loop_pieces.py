@@ -144,6 +144,22 @@ def test_checkpoint_is_one_entry_per_component_and_round_trips(group, tmp_path):
     assert RunLog(job, RANK, parts, _Data(), 10).attempt == 1 and RunLog(job, RANK, parts, _Data(), 10).attempt == 2
 
 
+def test_rank0_says_the_auto_layout_once_it_is_chosen(group, capsys):
+    """parallel.bucket_cap_mb=auto: the wrapper decides after its tuning steps; RunLog prints it once."""
+    cfg = _cfg()
+    parts = _build(cfg)
+    log = RunLog(Job(cfg=cfg, spec=SPEC, run_dir="/nonexistent", fit_id="f" * 32), RANK, parts, _Data(), 10)
+    result = train_step(parts, _window(), 2, cfg.train, RANK)
+    parts.progress.step_done()
+    log.step(result, 0, False)  # not decided yet: nothing said
+    parts.wrapper.tuning = {"text": "1.1 MB (5 buckets); synced backward ms ..."}
+    for _ in range(2):
+        parts.progress.step_done()
+        log.step(result, 0, False)
+    said = [line for line in capsys.readouterr().out.splitlines() if "auto tuning" in line]
+    assert said == ["[rank 0] parallel auto tuning at step 2: 1.1 MB (5 buckets); synced backward ms ..."]
+
+
 def test_resolve_resume_modes(tmp_path):
     run_dir = tmp_path / "run"
     assert resolve_resume(_cfg(), run_dir) is None  # fresh

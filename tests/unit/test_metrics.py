@@ -74,6 +74,20 @@ def test_step_meter_reports_exposed_communication_where_the_wrapper_times_it():
     assert "comm_ms" not in meter.summarize(0.0, start)  # a wrapper that does not time (zero1, GPU)
 
 
+def test_plan_says_when_the_bucket_layout_is_tuned(tmp_path, capsys):
+    from raytrain_ddp.config import load_config
+    from raytrain_ddp.driver.console import print_plan
+    from raytrain_ddp.job import DataSpec
+
+    spec = DataSpec("classification", (8,), 3, 64, 16, "test")
+    for overrides, expected in (([], None), (["parallel.bucket_cap_mb=auto"], "bucket_cap_mb auto"),
+                                (["parallel.bucket_cap_mb=auto", "parallel.compress=auto"],
+                                 "bucket_cap_mb auto and compress auto")):
+        print_plan(load_config(None, ["model.name=mlp", *overrides]), spec, tmp_path, 10, 20, None, params=100)
+        lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  parallel")]
+        assert lines == ([] if expected is None else [lines[0]]) and (expected is None or expected in lines[0])
+
+
 def test_format_and_progress_printer_prints_each_record_as_it_arrives():
     out = io.StringIO()
     printer = ProgressPrinter(total_steps=20, out=out)
