@@ -308,7 +308,9 @@ class ZeroOptimizer:
         self._slices = [s for s in wrapper._slices if id(s.param) in numbering]
         for s in self._slices:
             s.index = numbering[id(s.param)]
-        self._index_of = {id(s.param): s.index for s in self._slices}
+        # Every parameter's index, not only those with a slice here: rank 0 consolidates the
+        # state of parameters that lie wholly in other ranks' chunks too.
+        self._index_of = numbering
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in template.param_groups]
         # Reuse the factory's object (its class, defaults and hooks); only its groups change.
         template.param_groups.clear()
