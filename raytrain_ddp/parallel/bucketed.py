@@ -8,9 +8,9 @@ Must not touch: Ray, optimizers, the training loop. torch and torch.distributed 
 
 torch-reducer style. Parameters, in REVERSE registration order (roughly the order
 backward produces their gradients), are packed per (dtype, device) into one flat buffer;
-buckets are consecutive slices of it of at most `bucket_cap_mb` (the first bucket at most
-`first_bucket_mb`, 1 MiB by default as in torch DDP, so communication starts early; a single
-parameter larger than the cap gets a bucket of its own). `param.grad` is a view into the
+buckets are consecutive slices of it, cut as torch DDP cuts them (`assign_buckets`: a
+bucket closes once it reaches `bucket_cap_mb`, the first one `first_bucket_mb`, 1 MiB by
+default as in torch DDP, so communication starts early). `param.grad` is a view into the
 flat buffer, so autograd accumulates straight into what is sent: no packing copy, and a new
 layout (bucket_cap_mb="auto" tries several) only moves the slice boundaries. A
 post-accumulate-grad hook marks a parameter ready; when every parameter of a bucket is
@@ -71,8 +71,13 @@ def assign_buckets(params: list[torch.Tensor], cap_bytes: int,
                    first_cap_bytes: int = _FIRST_BUCKET_BYTES) -> list[list[int]]:
     """Group parameter indices (already in the order to send them) into buckets.
 
-    One open bucket per (dtype, device); a parameter joins it if it still fits (or the
-    bucket is empty). Buckets are returned in the order of their first parameter.
+    torch DDP's rule (`_compute_bucket_assignment_by_size`), so both strategies cut the same
+    buckets: one open bucket per (dtype, device); each parameter joins it, and the bucket
+    closes once it holds at least its limit (`first_cap_bytes` for the first bucket of a
+    kind, then `cap_bytes`). The parameter that crosses the limit stays with the ones before
+    it: in reverse registration order a layer's bias comes just before its (larger) weight,
+    and backward produces both at once, so cutting between them would only make the next
+    bucket, launched later, larger. Buckets are returned in the order of their first parameter.
     """
     open_: dict[tuple, list[int]] = {}
     sizes: dict[tuple, int] = {}
@@ -80,15 +85,13 @@ def assign_buckets(params: list[torch.Tensor], cap_bytes: int,
     done: list[list[int]] = []
     for i, p in enumerate(params):
         key = (p.dtype, p.device)
-        nbytes = p.numel() * p.element_size()
-        cap = cap_bytes if key in started else min(cap_bytes, first_cap_bytes)
-        if key in open_ and sizes[key] + nbytes > cap:
-            done.append(open_.pop(key))
-            started.add(key)
         if key not in open_:
             open_[key], sizes[key] = [], 0
         open_[key].append(i)
-        sizes[key] += nbytes
+        sizes[key] += p.numel() * p.element_size()
+        if sizes[key] >= (cap_bytes if key in started else min(cap_bytes, first_cap_bytes)):
+            done.append(open_.pop(key))
+            started.add(key)
     done.extend(open_.values())
     return sorted(done, key=lambda members: members[0])
 

@@ -162,7 +162,7 @@ def test_collective_timeout_names_the_operation():
         assert "on rank 0 of 2" in msg, (strategy, msg)
     kind, msg, _ = out["bucketed"]
     assert kind == "CollectiveTimeoutError", msg
-    assert "all-reduce of bucket 1/3" in msg and "params: 4.bias, 4.weight" in msg, msg
+    assert "all-reduce of bucket 1/2" in msg and "params: 4.bias, 4.weight, 0.bias" in msg, msg
     assert f"did not finish within {TIMEOUT_S:g}s" in msg, msg
     kind, msg, _ = out["naive"]
     assert kind == "CollectiveTimeoutError", msg

@@ -74,16 +74,27 @@ def test_accumulation_window_syncs_last_and_scales():
 def test_assign_buckets_reverse_order_caps_and_dtypes():
     ps = [torch.zeros(256), torch.zeros(256), torch.zeros(10, dtype=torch.float64), torch.zeros(256),
           torch.zeros(600)]
-    # caps in bytes: 2 KB (first bucket per dtype 1 KB); a tensor larger than the cap gets its own
+    # caps in bytes: 2 KB (first bucket per dtype 1 KB); a bucket closes once it holds its cap
     assert assign_buckets(ps, cap_bytes=2048, first_cap_bytes=1024) == [[0], [1, 3], [2], [4]]
     assert assign_buckets(ps, cap_bytes=10**6) == [[0, 1, 3, 4], [2]]
+
+
+def test_buckets_are_cut_as_torch_ddp_cuts_them():
+    """The bench models: torch DDP's buckets after its rebuild (`_get_ddp_logging_data()`'s
+    rebuilt_bucket_sizes with default options), byte for byte."""
+    from raytrain_ddp.ops.bench.strategies import build_model
+
+    for name, torch_sizes in (("mlp", [1049600, 8396800]), ("gpt", [1187840, 694272])):
+        params = list(reversed(list(build_model(name).parameters())))
+        buckets = assign_buckets(params, cap_bytes=25 * 2**20)
+        assert [sum(params[i].numel() * 4 for i in b) for b in buckets] == torch_sizes, name
 
 
 def test_first_bucket_cap_and_the_tiny_models_layout():
     """The equivalence suite's tiny model (float64, reverse order: 24, 192, 64, 320 bytes)."""
     ps = [torch.zeros(3, dtype=torch.float64), torch.zeros(24, dtype=torch.float64),
           torch.zeros(8, dtype=torch.float64), torch.zeros(40, dtype=torch.float64)]
-    assert assign_buckets(ps, cap_bytes=256) == [[0, 1], [2], [3]]  # TINY_BUCKET_MB: 3 buckets
+    assert assign_buckets(ps, cap_bytes=256) == [[0, 1, 2], [3]]  # TINY_BUCKET_MB: closes at >= 256 B
     assert assign_buckets(ps, cap_bytes=256, first_cap_bytes=24) == [[0], [1, 2], [3]]
 
 
