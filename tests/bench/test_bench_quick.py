@@ -109,6 +109,8 @@ def test_quick_bench_writes_every_section(smoke_run):
         for mode in ("sync", "async"):
             assert _positive(section[mode]["median"]) and section[mode]["n"] == ck["per_mode"], (state, mode)
     assert ck["kept"] == ck["kept_verified"] == 2  # num_to_keep, every kept one verifies after async uploads
+    default = ck["ray_default_poll"]
+    assert default["poll_s"] == 2.0 and _positive(default["quickstart"]["sync"]["median"])
 
     ingest = results["ingest"]
     for reader in ("ray_data", "ray_data_materialized", "dataloader_stream", "dataloader_rows", "in_memory"):

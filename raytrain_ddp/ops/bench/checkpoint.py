@@ -9,9 +9,12 @@ parameter model). Must not touch: the training loop, the run directory of any ru
 
 How: one run, both states, synchronous and asynchronous uploads interleaved
 (sync, async, sync, ...) so drift on a shared machine hits both alike. Between two
-checkpoints every worker "trains" for `gap_s` (sleeps): that is the time a background
-upload has, as it would behind real steps; the quickstart checkpoints once per epoch,
-every ~0.3 s of training on this machine, larger runs far less often. Storage is a local
+checkpoints every worker "trains" (sleeps) for the state's gap: the quickstart
+checkpoints once per epoch, every ~0.25 s of training on this machine; a 100 MB model
+far less often (2 s here). Ray Train's controller takes one reported result per poll,
+so the poll interval decides how long a synchronous report of a frequent checkpoint
+waits: the first run uses the launcher's (`CONTROLLER_POLL_S`), a second one repeats
+the quickstart at Ray's default (2 s), as runs were before issue #12. Storage is a local
 temporary directory (an upload is a copy). `fit_s` is the whole run, including Ray's
 wait for the last uploads before the workers finish.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -28,7 +32,8 @@ from typing import Any, Optional
 from raytrain_ddp.ops.bench.common import Sizes, ratio, stats
 
 LARGE_FEATURES = 5120  # Linear(5120, 5120): 26.2 M parameters, 105 MB in fp32
-GAP_S = 1.0
+GAPS_S = {"quickstart": 0.25, "large": 2.0}  # training time between two checkpoints
+RAY_DEFAULT_POLL_S = 2.0
 
 
 def _quickstart_state(step: int) -> dict[str, Any]:
@@ -71,7 +76,7 @@ def train_fn(config: dict) -> None:
     blocked: dict[str, dict[str, list[float]]] = {}
     sizes: dict[str, int] = {}
     index = 0
-    for state_name in config["states"]:
+    for state_name, gap_s in config["states"].items():
         state = STATES[state_name](0) if main else None  # built once: the model does not change
         if main:
             buffer = io.BytesIO()
@@ -80,7 +85,7 @@ def train_fn(config: dict) -> None:
             del buffer
         for i in range(2 * config["per_mode"]):
             mode = "sync" if i % 2 == 0 else "async"
-            time.sleep(config["gap_s"])  # the steps between two checkpoints
+            time.sleep(gap_s)  # the steps between two checkpoints
             index += 1
             started = time.perf_counter()
             report_checkpoint((lambda: state) if main else None, {"step": index},
@@ -91,37 +96,60 @@ def train_fn(config: dict) -> None:
         Path(config["out"]).write_text(json.dumps({"blocked_s": blocked, "state_bytes": sizes}))
 
 
-def run(sizes: Sizes, world_size: int = 2, log=print) -> dict[str, Any]:
-    """Needs `ray.init` done by the caller."""
+def _fit(states: dict[str, float], per_mode: int, world_size: int, poll_s: float, tmp: Path) -> dict[str, Any]:
     from ray.train import CheckpointConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from raytrain_ddp import checkpoint as ckpt
+    from raytrain_ddp.driver.launcher import POLL_ENV
 
-    per_mode = {"smoke": 1, "quick": 3}.get(sizes.name, 6)
-    log(f"  checkpoint: blocked time per checkpoint, sync vs async upload, {per_mode} of each per state "
-        f"(quickstart, {LARGE_FEATURES ** 2 * 4 / 1e6:.0f} MB) ...")
-    with tempfile.TemporaryDirectory(prefix="raytrain-bench-ckpt-") as tmp:
-        config = {"states": list(STATES), "per_mode": per_mode, "gap_s": GAP_S, "out": str(Path(tmp) / "out.json")}
+    name = f"checkpoint-poll-{poll_s:g}"
+    config = {"states": states, "per_mode": per_mode, "out": str(tmp / f"{name}.json")}
+    before = os.environ.get(POLL_ENV)
+    os.environ[POLL_ENV] = str(poll_s)  # TorchTrainer.fit hands it to its controller
+    try:
         started = time.perf_counter()
         TorchTrainer(
             train_fn, train_loop_config=config,
             scaling_config=ScalingConfig(num_workers=world_size, use_gpu=False, resources_per_worker={"CPU": 1}),
             torch_config=TorchConfig(backend="gloo"),
-            run_config=RunConfig(storage_path=str(Path(tmp) / "storage"), name="checkpoint",
+            run_config=RunConfig(storage_path=str(tmp / "storage"), name=name,
                                  checkpoint_config=CheckpointConfig(num_to_keep=2)),
         ).fit()
         fit_s = time.perf_counter() - started
-        data = json.loads(Path(config["out"]).read_text())
-        kept = ckpt.find_checkpoints(Path(tmp) / "storage" / "checkpoint")
-        verified = sum(1 for p in kept if ckpt.load_latest_valid([p]) is not None)
-    states = {}
-    for name, modes in data["blocked_s"].items():
+    finally:
+        if before is None:
+            os.environ.pop(POLL_ENV, None)
+        else:
+            os.environ[POLL_ENV] = before
+    data = json.loads(Path(config["out"]).read_text())
+    kept = ckpt.find_checkpoints(tmp / "storage" / name)
+    out: dict[str, Any] = {"poll_s": poll_s, "fit_s": fit_s, "kept": len(kept),
+                           "kept_verified": sum(1 for p in kept if ckpt.load_latest_valid([p]) is not None)}
+    for state, modes in data["blocked_s"].items():
         sync, async_ = stats(modes["sync"]), stats(modes["async"])
-        states[name] = {"state_mb": data["state_bytes"][name] / 1e6, "sync": sync, "async": async_,
-                        "async_over_sync": ratio(async_["median"], sync["median"])}
-    return {"world_size": world_size, "gap_s": GAP_S, "per_mode": per_mode, "states": states, "fit_s": fit_s,
-            "kept_verified": verified, "kept": len(kept),
+        out[state] = {"state_mb": data["state_bytes"][state] / 1e6, "gap_s": states[state], "sync": sync,
+                      "async": async_, "async_over_sync": ratio(async_["median"], sync["median"])}
+    return out
+
+
+def run(sizes: Sizes, world_size: int = 2, log=print) -> dict[str, Any]:
+    """Needs `ray.init` done by the caller."""
+    from raytrain_ddp.driver.launcher import CONTROLLER_POLL_S
+
+    per_mode = {"smoke": 1, "quick": 3}.get(sizes.name, 6)
+    log(f"  checkpoint: blocked time per checkpoint, sync vs async upload, {per_mode} of each per state "
+        f"(quickstart, {LARGE_FEATURES ** 2 * 4 / 1e6:.0f} MB), controller poll {CONTROLLER_POLL_S} s and "
+        f"Ray's default {RAY_DEFAULT_POLL_S} s ...")
+    with tempfile.TemporaryDirectory(prefix="raytrain-bench-ckpt-") as name:
+        tmp = Path(name)
+        ours = _fit(GAPS_S, per_mode, world_size, CONTROLLER_POLL_S, tmp)
+        ray_default = _fit({"quickstart": GAPS_S["quickstart"]}, per_mode, world_size, RAY_DEFAULT_POLL_S, tmp)
+    return {"world_size": world_size, "per_mode": per_mode, "poll_s": CONTROLLER_POLL_S,
+            "states": {k: ours[k] for k in GAPS_S}, "fit_s": ours["fit_s"], "kept": ours["kept"],
+            "kept_verified": ours["kept_verified"],
+            "ray_default_poll": {"poll_s": RAY_DEFAULT_POLL_S, "quickstart": ray_default["quickstart"],
+                                 "fit_s": ray_default["fit_s"]},
             "note": "seconds ray.train.report (with the state's serialisation) held rank 0's step loop; "
                     "medians over interleaved sync/async checkpoints; storage is a local directory"}
 

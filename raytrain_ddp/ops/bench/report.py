@@ -153,13 +153,16 @@ def markdown(results: dict[str, Any]) -> str:
     ck = results.get("checkpoint")
     if ck:
         out.append(f"\n**Checkpoint: time the step loop is blocked** ({ck['world_size']} workers, "
-                   f"{ck['per_mode']} checkpoint(s) per mode and state, {ck['gap_s']:.1f} s of steps between; "
-                   "seconds, median [min-max])\n")
-        rows = [[name, _f(st["state_mb"], 1),
-                 f"{st['sync']['median']:.3f} [{st['sync']['min']:.3f}-{st['sync']['max']:.3f}]",
-                 f"{st['async']['median']:.3f} [{st['async']['min']:.3f}-{st['async']['max']:.3f}]",
-                 _f(st["async_over_sync"], 3)] for name, st in ck["states"].items()]
-        out.append(_table(["state", "MB", "sync upload", "async upload", "async / sync"], rows))
+                   f"{ck['per_mode']} checkpoint(s) per mode and state; seconds, median [min-max])\n")
+        rows = [(f"{name} (controller poll {ck['poll_s']:g} s)", st) for name, st in ck["states"].items()]
+        default = ck.get("ray_default_poll")
+        if default:
+            rows.append((f"quickstart (Ray's default poll {default['poll_s']:g} s)", default["quickstart"]))
+        out.append(_table(["state", "MB", "training between (s)", "sync upload", "async upload", "async / sync"], [
+            [label, _f(st["state_mb"], 1), _f(st["gap_s"], 2),
+             f"{st['sync']['median']:.3f} [{st['sync']['min']:.3f}-{st['sync']['max']:.3f}]",
+             f"{st['async']['median']:.3f} [{st['async']['min']:.3f}-{st['async']['max']:.3f}]",
+             _f(st["async_over_sync"], 3)] for label, st in rows]))
     ing = results.get("ingest")
     if ing:
         out.append(f"\n**Ingest** ({ing['rows']:,} rows x {ing['features']} float32, batch {ing['batch']})\n")
