@@ -3,12 +3,17 @@
 Owns: taking the model and a few real rows of a config's data, training a few steps on 2
 local gloo ranks in float64 with every strategy and with torch's
 `DistributedDataParallel` (same options), plus one process on all the rows, and printing
-per strategy how far it is from torch DDP (gradients every step, parameters and buffers at
-the end, on every rank), from one process, what it sent, how long a step took and how much
-of its communication backward hid (where the wrapper times it); exit 1
-on any difference above 1e-9, naming the parameter.
+per strategy how far it is from torch DDP (gradients, parameters and buffers every step, on
+every rank), from one process, what it sent, how long a step took and how much of its
+communication backward hid (where the wrapper times it); exit 1 on any difference above
+1e-9, naming the parameter. The sharded strategies (`SHARDED_STRATEGIES`: zero1, fsdp) build
+their optimizer through `wrapper.make_optimizer` (every wrapper offers it) and are compared
+on parameters and buffers after every step, not gradients: zero1's `.grad` is averaged only
+inside the rank's chunk, fsdp's are shards; fsdp's full parameters are read inside
+`summon_full_params()` (its gathers there are not counted as sent). What they send is
+reduce-scatter + all-gather bytes, shown against gradient + parameter bytes.
 Must not touch: Ray (ranks come from `ops.ranks`, no cluster), the run directory, the
-wrappers themselves (it only calls `wrap_model`).
+wrappers themselves (it only calls `wrap_model` and the wrappers' public methods).
 
     raytrain-ddp verify examples/configs/quickstart.yaml [key=value ...]
     raytrain_ddp.parallel.verify("examples/configs/quickstart.yaml")   # the same, from Python
@@ -46,12 +51,14 @@ class Finding:
 
     strategy: str
     error: Optional[str] = None
-    grad: tuple[float, str] = (0.0, "")  # max |grad - torch DDP's| over steps and ranks, where
+    grad: Optional[tuple[float, str]] = (0.0, "")  # max |grad - torch DDP's| over steps and ranks,
+    # where; None: sharded, gradients are not comparable (parameters are, every step)
     param: tuple[float, str] = (0.0, "")
     buffer: tuple[float, str] = (0.0, "")
     single: Optional[tuple[float, str]] = None  # max |param - one process's|; None: not comparable
     allreduce_bytes_per_step: float = 0.0
     broadcast_bytes_per_step: float = 0.0
+    all_gather_bytes_per_step: Optional[float] = None  # sharded: parameter all-gathers (allreduce_*: reduce-scatters)
     ms_per_step: float = 0.0
     comm_ms_per_step: Optional[float] = None  # gradient all-reduces in flight (where the wrapper times them)
     exposed_ms_per_step: Optional[float] = None  # ... of which after backward had finished
@@ -60,7 +67,8 @@ class Finding:
         if self.error:
             return [f"{self.strategy}: {self.error}"]
         out = []
-        for what, (diff, where) in (("gradient", self.grad), ("parameter", self.param), ("buffer", self.buffer)):
+        for what, found in (("gradient", self.grad), ("parameter", self.param), ("buffer", self.buffer)):
+            diff, where = found or (0.0, "")
             if not diff <= TOLERANCE:
                 out.append(f"{self.strategy}: {what} '{where}' differs from torch DDP by {diff:.3g}")
         if self.single is not None and not self.single[0] <= TOLERANCE:
@@ -75,6 +83,7 @@ class Report:
 
     findings: list[Finding]
     grad_bytes: int
+    param_bytes: int
     frozen: list[str]
     tied: list[list[str]]
     unused: dict[str, list[int]]  # parameter -> ranks where it got no gradient in step 1
@@ -101,12 +110,13 @@ class Report:
 
 def verify(config: Any = None, overrides: Optional[Sequence[str]] = None, *, strategies: Sequence[str] = (),
            out: Callable[[str], None] = print, timeout_s: float = 120.0) -> Report:
-    """Verify every strategy (or `strategies`) on the model and data of `config` (a path, a
-    loaded `Config`, or None for the defaults, plus `key=value` overrides); print the table
-    through `out` and return the `Report` (`report.ok`, `report.problems`)."""
+    """Verify every strategy, replicated and sharded (or `strategies`), on the model and data
+    of `config` (a path, a loaded `Config`, or None for the defaults, plus `key=value`
+    overrides); print the table through `out` and return the `Report` (`report.ok`,
+    `report.problems`)."""
     from raytrain_ddp.config import Config, load_config
     from raytrain_ddp.ops.ranks import RankError, run_ranks
-    from raytrain_ddp.parallel import STRATEGIES
+    from raytrain_ddp.parallel import SHARDED_STRATEGIES, STRATEGIES
 
     start = time.monotonic()
     path = None
@@ -115,10 +125,11 @@ def verify(config: Any = None, overrides: Optional[Sequence[str]] = None, *, str
     else:
         path = None if config is None else str(config)
         cfg = load_config(path, list(overrides or []))
-    kinds = tuple(strategies) or STRATEGIES
-    unknown = sorted(set(kinds) - set(STRATEGIES))
+    every = STRATEGIES + SHARDED_STRATEGIES
+    kinds = tuple(strategies) or every
+    unknown = sorted(set(kinds) - set(every))
     if unknown:
-        raise UserError(f"verify: unknown strategies {unknown}; choose from {STRATEGIES}")
+        raise UserError(f"verify: unknown strategies {unknown}; choose from {every}")
     x, y, spec, source = _rows(cfg)
     job = dict(cfg=cfg, config_path=path, spec=spec, x=x, y=y, kinds=kinds)
     try:
@@ -185,11 +196,15 @@ def _merge(cfg: Any, per_rank: list[dict], kinds: Sequence[str]) -> Report:
             f.error = "; ".join(errors)
         else:
             for key in ("grad", "param", "buffer"):
-                f.__dict__[key] = max((run[key] for run in runs), key=lambda d: d[0])
+                found = [run[key] for run in runs if run[key] is not None]
+                f.__dict__[key] = max(found, key=lambda d: d[0]) if found else None
             singles = [run["single"] for run in runs]
             f.single = None if any(s is None for s in singles) else max(singles, key=lambda d: d[0])
             f.allreduce_bytes_per_step = runs[0]["allreduce_bytes"] / STEPS
             f.broadcast_bytes_per_step = runs[0]["broadcast_bytes"] / STEPS
+            if runs[0]["all_gather_bytes"] is not None:
+                f.allreduce_bytes_per_step = runs[0]["reduce_scatter_bytes"] / STEPS
+                f.all_gather_bytes_per_step = runs[0]["all_gather_bytes"] / STEPS
             f.ms_per_step = max(run["ms"] for run in runs)
             if all(run.get("comm_s") is not None for run in runs):  # mean over ranks
                 f.comm_ms_per_step = 1e3 * sum(run["comm_s"] for run in runs) / len(runs) / STEPS
@@ -200,7 +215,7 @@ def _merge(cfg: Any, per_rank: list[dict], kinds: Sequence[str]) -> Report:
     for rank, r in enumerate(per_rank):
         for name in r["facts"]["unused"]:
             unused.setdefault(name, []).append(rank)
-    report = Report(findings, facts["grad_bytes"], facts["frozen"], facts["tied"], unused,
+    report = Report(findings, facts["grad_bytes"], facts["param_bytes"], facts["frozen"], facts["tied"], unused,
                     notes=list(facts["notes"]))
     report.find_unused = cfg.parallel.find_unused_parameters
     return report
@@ -243,7 +258,7 @@ def _render(cfg: Any, path: Optional[str], report: Report, rank0: dict, source: 
         + ("; ".join(" = ".join(group) for group in report.tied) if report.tied else "none"),
         "",
         f"{'strategy':<9} {'grad diff':>9} {'param diff':>10} {'buffer diff':>11} {'vs 1 proc':>9}  "
-        f"{'all-reduce B/step':>17} {'= grad B':>8}  {'bcast B/step':>12} {'ms/step':>7} "
+        f"{'sent B/step':>17} {'/ theory':>8}  {'bcast B/step':>12} {'ms/step':>7} "
         f"{'comm ms':>7} {'exposed':>7} {'hidden':>6}",
     ]
     for f in report.findings:
@@ -253,18 +268,30 @@ def _render(cfg: Any, path: Optional[str], report: Report, rank0: dict, source: 
             continue
         ref = f.strategy == REFERENCE
         single = "n/a" if f.single is None else f"{f.single[0]:.1e}"
-        ratio = f.allreduce_bytes_per_step / report.grad_bytes if report.grad_bytes else 0.0
+        grad = "(ref)" if ref else "-" if f.grad is None else f"{f.grad[0]:.1e}"
+        sent, theory = f.allreduce_bytes_per_step, report.grad_bytes
+        if f.all_gather_bytes_per_step is not None:  # sharded: reduce-scatter + all-gather
+            sent, theory = sent + f.all_gather_bytes_per_step, theory + report.param_bytes
+        ratio = sent / theory if theory else 0.0
         lines.append(
-            f"{name:<9} {'(ref)' if ref else f'{f.grad[0]:.1e}':>9} {'(ref)' if ref else f'{f.param[0]:.1e}':>10} "
+            f"{name:<9} {grad:>9} {'(ref)' if ref else f'{f.param[0]:.1e}':>10} "
             f"{'(ref)' if ref else f'{f.buffer[0]:.1e}':>11} {single:>9}  "
-            f"{f.allreduce_bytes_per_step:>17,.0f} {ratio:>7.2f}x  {f.broadcast_bytes_per_step:>12,.0f} "
+            f"{sent:>17,.0f} {ratio:>7.2f}x  {f.broadcast_bytes_per_step:>12,.0f} "
             f"{f.ms_per_step:>7.1f} {_comm_columns(f)}"
         )
-    lines.append(f"(gradient bytes per step: {report.grad_bytes:,}; diffs are max |a - b| over "
-                 f"{WORLD} ranks, gradients every step; tolerance {TOLERANCE:g}; comm ms: gradient "
+    lines.append(f"(gradient bytes per step: {report.grad_bytes:,}, parameter bytes: {report.param_bytes:,}; "
+                 "theory: all-reduce = gradient bytes; sharded (grad diff '-': compared on parameters "
+                 "every step): reduce-scatter + all-gather = gradient + parameter bytes; "
+                 f"diffs: max |a - b| over {WORLD} ranks and every step; tolerance {TOLERANCE:g}; comm ms: gradient "
                  "all-reduces in flight per step, exposed: the part after backward had finished, "
                  "hidden: the fraction backward hid; mean over ranks, '-' where not timed)")
     lines += [f"note: {n}" for n in report.notes]
+    for f in report.findings:
+        gathers = (f.all_gather_bytes_per_step or 0.0) / report.param_bytes if report.param_bytes else 0.0
+        if not f.error and f.strategy == "fsdp" and gathers > 1.005:
+            lines.append(f"note: fsdp all-gathered {gathers:.2f}x the parameter bytes per step: FSDP2 gathers a "
+                         f"unit before every forward ({MICRO_STEPS} micro-batches per step here) and non-root "
+                         "units again in backward; zero1 gathers once, after the optimizer step")
     if report.ok:
         lines.append(f"verdict: OK, every strategy trains like torch DDP on this model ({report.seconds:.0f} s)")
     else:
@@ -277,6 +304,7 @@ def _render(cfg: Any, path: Optional[str], report: Report, rank0: dict, source: 
 
 def _rank_main(world_rank: int, world_size: int, job: dict) -> dict:
     import torch
+    from raytrain_ddp.parallel import SHARDED_STRATEGIES
 
     cfg, spec = job["cfg"], job["spec"]
     x = torch.from_numpy(np.ascontiguousarray(job["x"]))
@@ -306,15 +334,19 @@ def _rank_main(world_rank: int, world_size: int, job: dict) -> dict:
         if "error" in run or "error" in ref:
             results[kind] = {"error": run.get("error") or f"torch DDP failed: {ref['error']}"}
             continue
+        stats = run["stats"]
         results[kind] = {
-            "grad": max((_max_diff(g, rg) for g, rg in zip(run["grads"], ref["grads"])), key=lambda d: d[0]),
-            "param": _max_diff(run["params"], ref["params"]),
-            "buffer": _max_diff(run["buffers"], ref["buffers"]),
-            "single": None if single is None else _max_diff(run["params"], single),
-            "allreduce_bytes": run["stats"].get("allreduce_bytes", 0),
-            "broadcast_bytes": run["stats"].get("broadcast_bytes", 0),
-            "comm_s": run["stats"].get("comm_s"),
-            "exposed_comm_s": run["stats"].get("exposed_comm_s"),
+            "grad": None if run["grads"] is None else
+            max((_max_diff(g, rg) for g, rg in zip(run["grads"], ref["grads"])), key=lambda d: d[0]),
+            "param": _worst(run["steps"], ref["steps"], "params"),
+            "buffer": _worst(run["steps"], ref["steps"], "buffers"),
+            "single": None if single is None else _max_diff(run["steps"][-1]["params"], single),
+            "reduce_scatter_bytes": stats.get("reduce_scatter_bytes", 0),
+            "all_gather_bytes": stats.get("all_gather_bytes") if kind in SHARDED_STRATEGIES else None,
+            "allreduce_bytes": stats.get("allreduce_bytes", 0),
+            "broadcast_bytes": stats.get("broadcast_bytes", 0),
+            "comm_s": stats.get("comm_s"),
+            "exposed_comm_s": stats.get("exposed_comm_s"),
             "ms": run["ms"],
         }
     if not facts["single_ok"]:
@@ -376,6 +408,7 @@ def _facts(model, batches) -> dict:
     return {
         "n_params": sum(p.numel() for _, p in named), "n_tensors": len(named),
         "grad_bytes": sum(p.numel() * p.element_size() for _, p in named if p.requires_grad),
+        "param_bytes": sum(p.numel() * p.element_size() for _, p in named),
         "n_buffers": len(buffers), "buffer_bytes": sum(b.numel() * b.element_size() for b in buffers),
         "frozen": [n for n, p in named if not p.requires_grad],
         "tied": [group for group in names_of.values() if len(group) > 1],
@@ -407,11 +440,15 @@ def _single(cfg: Any, build, micro, world_size: int) -> dict:
     return _state(model)["params"]
 
 
+def _worst(steps: list[dict], ref_steps: list[dict], key: str) -> tuple[float, str]:
+    return max((_max_diff(s[key], r[key]) for s, r in zip(steps, ref_steps)), key=lambda d: d[0])
+
+
 def _run(kind: str, build, micro, world_rank: int, cfg: Any, find_unused: bool) -> dict:
-    """Train STEPS steps with one strategy (or torch DDP) on a fresh group; its end state."""
+    """Train STEPS steps with one strategy (or torch DDP) on a fresh group; its state after each."""
     import torch
     import torch.distributed as dist
-    from raytrain_ddp.parallel import wrap_model
+    from raytrain_ddp.parallel import SHARDED_STRATEGIES, wrap_model
     from raytrain_ddp.parallel.native import make_ddp
 
     p = cfg.parallel
@@ -428,8 +465,12 @@ def _run(kind: str, build, micro, world_rank: int, cfg: Any, find_unused: bool) 
             model = wrap_model(module, kind, process_group=pg, bucket_cap_mb=cap, first_bucket_mb=p.first_bucket_mb,
                                broadcast_buffers=p.broadcast_buffers, find_unused_parameters=find_unused,
                                collective_timeout_s=20)
-        opt = _optimizer(cfg, model.parameters())
-        grads, times, broadcast_bytes = [], [], 0
+        sharded = kind in SHARDED_STRATEGIES
+        if kind == REFERENCE:
+            opt = _optimizer(cfg, model.parameters())
+        else:  # every wrapper builds it; a sharded one steps this rank's shard
+            opt = model.make_optimizer(lambda params: _optimizer(cfg, params))
+        grads, steps, times, broadcast_bytes, summon_bytes = [], [], [], 0, 0
         buffer_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
         for step in range(STEPS):
             start = time.perf_counter()
@@ -440,15 +481,23 @@ def _run(kind: str, build, micro, world_rank: int, cfg: Any, find_unused: bool) 
                     broadcast_bytes += buffer_bytes
                 with model.no_sync() if j < MICRO_STEPS - 1 else contextlib.nullcontext():
                     (_loss(model(xb), yb) / MICRO_STEPS).backward()
-            grads.append({n: (q.grad.detach().clone() if q.grad is not None else None)
-                          for n, q in module.named_parameters()})
+            if not sharded:
+                grads.append({n: (q.grad.detach().clone() if q.grad is not None else None)
+                              for n, q in module.named_parameters()})
             opt.step()
             opt.zero_grad(set_to_none=True)
             times.append(time.perf_counter() - start)
-        out = _state(module)
-        out["grads"] = grads
-        out["ms"] = statistics.median(times) * 1e3
-        out["stats"] = {} if kind == REFERENCE else model.comm_stats
+            if kind == "fsdp":  # full parameters (a gather, not part of training: not counted)
+                before = model.comm_stats.get("all_gather_bytes", 0)
+                with model.summon_full_params():
+                    steps.append(_state(module))
+                summon_bytes += model.comm_stats.get("all_gather_bytes", 0) - before
+            else:
+                steps.append(_state(module))
+        out = {"steps": steps, "grads": None if sharded else grads, "ms": statistics.median(times) * 1e3}
+        out["stats"] = {} if kind == REFERENCE else dict(model.comm_stats)
+        if summon_bytes:
+            out["stats"]["all_gather_bytes"] -= summon_bytes
         if kind == REFERENCE:  # torch DDP all-reduces every trainable gradient once per sync
             out["stats"] = {"allreduce_bytes": _torch_bytes(module) * STEPS, "broadcast_bytes": broadcast_bytes}
         return out
