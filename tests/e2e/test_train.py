@@ -100,7 +100,7 @@ def test_resume_latest_continues_from_the_checkpoint_step(finished_run):
     assert steps[:10] == [5, 10, 15, 20, 22, 25, 30, 35, 40, 44]  # the first fit's history is kept
     assert steps[10:] == [45, 50, 55, 60, 65, 66]
     state = ckpt.load_checkpoint(summary["checkpoint"])
-    assert state["step"] == 66 and state["fit_id"] == summary["fit_id"] != first["fit_id"]
+    assert state["progress"]["step"] == 66 and state["run"]["fit_id"] == summary["fit_id"] != first["fit_id"]
 
 
 def test_worker_killed_on_first_attempt_restarts_from_checkpoint(ray_cluster, tmp_path, monkeypatch):
