@@ -111,6 +111,10 @@ def time_variants(world_rank: int, world_size: int, model_name: str, sizes: Size
     if device.type == "cuda":
         torch.cuda.set_device(device)
     base = build_model(model_name, shape)
+    if sizes.name == "smoke":  # the test suite's preset: checks the code paths, so tune briefly
+        from raytrain_ddp.parallel import tuning
+
+        tuning.STEPS, tuning.ROUNDS = 4, 1  # this rank process only
     batch = sizes.mlp_batch if model_name == "mlp" else sizes.gpt_batch
     x, y = make_batch(base, model_name, batch, seed=1000 + world_rank, device=device)
     specs = variant_specs(device_name, with_dp)
