@@ -61,27 +61,6 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
-def _memory_tables(mem: dict[str, Any]) -> list[str]:
-    """Per strategy: bytes per rank, wire bytes per step against theory, step time, what fits."""
-    out = [f"\n**Memory per rank and step time** ({mem['world_size']} ranks, {mem['optimizer']} "
-           f"{mem['dtype']}, {mem['micro_steps']} micro-steps per step; {mem['note']})\n"]
-    rows = []
-    for m in (k for k in ("mlp", "gpt") if k in mem):
-        for strategy, s in mem[m]["strategies"].items():
-            b, w, t = s["bytes_per_rank"], s["wire"], s["step_ms"]
-            rows.append([f"{m} ({mem[m]['params'] / 1e6:.2f} M)", strategy,
-                         *(f"{b[part] / 2**20:.2f}" for part in ("params", "grads", "optimizer")),
-                         f"{s['total_mb']:.2f}", _f(s["optimizer_share_of_bucketed"], 4),
-                         _f(w["grad_sync_over_grad_bytes"], 4), _f(w["all_gather_over_param_bytes"], 4),
-                         f"{t['median']:.1f} [{t['p25']:.1f}-{t['p75']:.1f}]",
-                         f"{s['fits_params'] / 1e9:.1f} B"])
-    out.append(_table(["model", "strategy", "params MB", "grads MB", "optimizer MB", "total MB",
-                       "optimizer / bucketed's", "grad-sync bytes / grad bytes",
-                       "all-gather bytes / param bytes", "step ms (median [p25-p75])",
-                       f"fits {mem['fit_device_gb']} GB x {mem['fit_workers']} workers (params)"], rows))
-    return out
-
-
 def _comm_tables(strat: dict[str, Any], models: list[str]) -> list[str]:
     """Exposed communication per variant (from the wrappers' comm_stats) and the auto choice."""
     labels = [label for label in strat[models[0]]["step_ms"] if any(label in strat[m].get("comm", {}) for m in models)]
@@ -101,6 +80,27 @@ def _comm_tables(strat: dict[str, Any], models: list[str]) -> list[str]:
     for m in models:
         if strat[m].get("auto"):
             out.append(f"\n`bucketed_auto` on {m}: {strat[m]['auto']['text']}")
+    return out
+
+
+def _memory_tables(mem: dict[str, Any]) -> list[str]:
+    """Per strategy: bytes per rank, wire bytes per step against theory, step time, what fits."""
+    out = [f"\n**Memory per rank and step time** ({mem['world_size']} ranks, {mem['optimizer']} "
+           f"{mem['dtype']}, {mem['micro_steps']} micro-steps per step; {mem['note']})\n"]
+    rows = []
+    for m in (k for k in ("mlp", "gpt") if k in mem):
+        for strategy, s in mem[m]["strategies"].items():
+            b, w, t = s["bytes_per_rank"], s["wire"], s["step_ms"]
+            rows.append([f"{m} ({mem[m]['params'] / 1e6:.2f} M)", strategy,
+                         *(f"{b[part] / 2**20:.2f}" for part in ("params", "grads", "optimizer")),
+                         f"{s['total_mb']:.2f}", _f(s["optimizer_share_of_bucketed"], 4),
+                         _f(w["grad_sync_over_grad_bytes"], 4), _f(w["all_gather_over_param_bytes"], 4),
+                         f"{t['median']:.1f} [{t['p25']:.1f}-{t['p75']:.1f}]",
+                         f"{s['fits_params'] / 1e9:.1f} B"])
+    out.append(_table(["model", "strategy", "params MB", "grads MB", "optimizer MB", "total MB",
+                       "optimizer / bucketed's", "grad-sync bytes / grad bytes",
+                       "all-gather bytes / param bytes", "step ms (median [p25-p75])",
+                       f"fits {mem['fit_device_gb']} GB x {mem['fit_workers']} workers (params)"], rows))
     return out
 
 
