@@ -63,7 +63,21 @@ def test_gpu_request_on_this_machine_exits_2_at_once_naming_the_key(tmp_path):
     assert not (tmp_path / "quickstart").exists()  # refused before anything was written
 
 
-def test_too_many_cpus_for_this_machine_names_the_keys(tmp_path, capsys):
+@pytest.fixture
+def no_ray(monkeypatch):
+    """An embedded start, even when this test session already has Ray up (`ray_cluster` is
+    session-scoped): in-process `main` would otherwise join that instance. Reaching Ray
+    at all fails the test: these refusals come before it."""
+    from raytrain_ddp.driver import launcher
+
+    def _reached(*_args, **_kwargs):
+        raise AssertionError("reached Ray: the refusal should have come before it")
+
+    monkeypatch.setattr(preflight, "_joins_a_cluster", lambda cfg: False)
+    monkeypatch.setattr(launcher, "connect_ray", _reached)
+
+
+def test_too_many_cpus_for_this_machine_names_the_keys(tmp_path, capsys, no_ray):
     assert main(["train", str(TINY), f"run.storage_path={tmp_path}", "scaling.cpus_per_worker=4096"]) == 2
     assert "scaling.cpus_per_worker=4096" in capsys.readouterr().err
     assert main(["train", str(TINY), f"run.storage_path={tmp_path}", "scaling.num_workers=64",
@@ -94,7 +108,7 @@ def test_relative_storage_path_is_refused_inside_a_ray_job(tmp_path, monkeypatch
         preflight.check_storage_under_job(_cfg(Path("runs")))
 
 
-def test_finished_run_rerun_exits_3_before_ray_and_keeps_its_config(tmp_path, capsys):
+def test_finished_run_rerun_exits_3_before_ray_and_keeps_its_config(tmp_path, capsys, no_ray):
     trained = _cfg(tmp_path)
     run_dir = tmp_path / "tiny"
     _save(run_dir, trained, step=44, epoch=2, fit_id="a" * 32)
@@ -104,7 +118,6 @@ def test_finished_run_rerun_exits_3_before_ray_and_keeps_its_config(tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "nothing to train" in err and "train.epochs=4" in err and "name=tiny-2" in err
     assert (run_dir / CONFIG_FILE).read_text() == trained.to_yaml()  # still what the checkpoint was trained with
-    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
 
     # Both hinted commands get past the check.
     extended = _cfg(tmp_path, "train.epochs=4")
