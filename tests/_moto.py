@@ -5,6 +5,8 @@ until it answers, and yields the environment a client needs (endpoint, dummy
 credentials, region) -- pyarrow, boto3 and Ray's storage layer all read these
 variables, as they read an instance profile's on a cloud node. On exit it stops exactly
 that process group (by pid, never by name). Bounded: 30 s to come up, 10 s to go down.
+`s3_bucket()` is the fixtures' whole story: a server, one bucket, and those variables in
+this process's environment for as long as it lasts (restored, or removed, on exit).
 """
 
 from __future__ import annotations
@@ -67,3 +69,20 @@ def make_bucket(env: dict[str, str], name: str) -> None:
     boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
                  aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name=env["AWS_DEFAULT_REGION"]
                  ).create_bucket(Bucket=name)
+
+
+@contextlib.contextmanager
+def s3_bucket(log_dir: Path, bucket: str) -> Iterator[dict[str, str]]:
+    """`s3_server` with `bucket` created and its environment set in os.environ until exit."""
+    with s3_server(log_dir) as env:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            make_bucket(env, bucket)
+            yield env
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 
-from _moto import make_bucket, s3_server
+from _moto import s3_bucket
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.rundir import Location, read_jsonl, read_metrics
 from raytrain_ddp.testing.hooks import ENABLE
@@ -76,18 +76,8 @@ BUCKET = "raytrain-two-node"
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
     """moto on 127.0.0.1; its endpoint and credentials are in this module's environment (and the cluster's)."""
-    with s3_server(tmp_path_factory.mktemp("moto")) as env:
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            make_bucket(env, BUCKET)
-            yield env
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+    with s3_bucket(tmp_path_factory.mktemp("moto"), BUCKET) as env:
+        yield env
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import struct
 import types
 from pathlib import Path
@@ -20,7 +19,7 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from _moto import make_bucket, s3_server
+from _moto import s3_bucket
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import load_config
 from raytrain_ddp.driver.console import ProgressPrinter
@@ -72,18 +71,8 @@ def _events(payload: bytes) -> dict[str, list[tuple[int, float]]]:
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
     """A bucket on a moto server; the environment points pyarrow at it for this module only."""
-    with s3_server(tmp_path_factory.mktemp("moto")) as env:
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            make_bucket(env, BUCKET)
-            yield env
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+    with s3_bucket(tmp_path_factory.mktemp("moto"), BUCKET) as env:
+        yield env
 
 
 def _recorder_story(run_dir: Location, out: io.StringIO) -> Recorder:
