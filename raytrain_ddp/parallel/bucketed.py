@@ -271,12 +271,7 @@ class BucketedDDP(ScratchBase):
     def _finish(self) -> None:
         backward_end = time.perf_counter()
         try:
-            missing = self._fill_missing()
-            if self._next < len(self._buckets):
-                for b in range(self._next, len(self._buckets)):
-                    self._pending[b] = 0
-                self._launch_ready()
-            pending = self._start_unused_check()
+            missing, pending = self._flush_remaining()
             n = len(self._buckets)
             for bucket, work, send in self._works:
                 self._wait(work, lambda bucket=bucket, send=send: (
@@ -297,6 +292,17 @@ class BucketedDDP(ScratchBase):
         finally:
             self._reset_backward()
             self._end_sync()
+
+    def _flush_remaining(self) -> tuple[list[int], tuple]:
+        """End of backward: launch every bucket the hooks did not complete (parameters without a
+        gradient take part as `_fill_missing` says), then the unused-parameter check. Returns
+        the indices whose `.grad` is None and what `_settle_unused` takes."""
+        missing = self._fill_missing()
+        if self._next < len(self._buckets):
+            for b in range(self._next, len(self._buckets)):
+                self._pending[b] = 0
+            self._launch_ready()
+        return missing, self._start_unused_check()
 
     def _next_candidate(self, seconds: float) -> None:
         """Tuning: record this synced backward, then cut the buckets for the next candidate."""

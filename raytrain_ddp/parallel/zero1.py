@@ -191,12 +191,7 @@ class Zero1DDP(BucketedDDP):
 
     def _finish(self) -> None:
         try:
-            missing = self._fill_missing()
-            if self._next < len(self._buckets):
-                for b in range(self._next, len(self._buckets)):
-                    self._pending[b] = 0
-                self._launch_ready()
-            pending = self._start_unused_check()
+            missing, pending = self._flush_remaining()
             n = len(self._buckets)
             for bucket, work, out in self._works:
                 nbytes = bucket.buffer.numel() * (out.element_size())
