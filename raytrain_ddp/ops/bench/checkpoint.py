@@ -160,18 +160,19 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     import ray
 
-    from raytrain_ddp.ops.bench import report, suite
+    from raytrain_ddp.ops.bench import report
     from raytrain_ddp.ops.bench.common import FULL, QUICK
+    from raytrain_ddp.ops.bench.session import log, meta, start_ray
 
     parser = argparse.ArgumentParser(prog="python -m raytrain_ddp.ops.bench.checkpoint")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None, help="JSON results file")
     args = parser.parse_args(argv)
     preset = "quick" if args.quick else "full"
-    results: dict[str, Any] = {"meta": suite._meta(preset, "cpu")}
-    suite._start_ray(num_cpus=4)
+    results: dict[str, Any] = {"meta": meta(preset, "cpu")}
+    start_ray(num_cpus=4)
     try:
-        results["checkpoint"] = run(QUICK if args.quick else FULL, log=suite._log)
+        results["checkpoint"] = run(QUICK if args.quick else FULL, log=log)
     finally:
         ray.shutdown()
     results["targets"] = report.verdicts(results)

@@ -1,7 +1,8 @@
 """`raytrain-ddp bench`: run every section, write the JSON and PNG, print the tables.
 
-Owns: the order of sections, presets (`--quick`, full, `--device cuda`), the Ray
-instance the Ray sections share, the `meta` block, and where results go.
+Owns: the order of sections, presets (`--quick`, full, `--device cuda`), when the Ray
+instance the Ray sections share starts, and where results go (`session` starts Ray
+and writes the `meta` block).
 Must not touch: how each section measures (see strategies / accumulation /
 ray_overhead / ingest / gpu).
 
@@ -16,16 +17,14 @@ section is recorded as `{"error": ...}`, the others still run, and the exit stat
 from __future__ import annotations
 
 import json
-import logging
 import os
-import platform
-import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from raytrain_ddp.ops.bench.common import FULL, QUICK, Sizes
+from raytrain_ddp.ops.bench.session import log, meta, start_ray
 from raytrain_ddp.errors import UserError
 
 SIZE_ENV = "RAYTRAIN_DDP_BENCH_SIZE"  # "smoke": the test suite's even smaller preset
@@ -35,10 +34,6 @@ SMOKE = Sizes("smoke", rounds=2, steps_per_round=3, warmup_steps=1, mlp_batch=64
               train_steps=10)
 
 
-def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def _section(results: dict, name: str, fn: Callable[[], dict]) -> None:
     started = time.perf_counter()
     try:
@@ -46,67 +41,28 @@ def _section(results: dict, name: str, fn: Callable[[], dict]) -> None:
         results[name]["section_s"] = time.perf_counter() - started
     except Exception as exc:  # noqa: BLE001 - record it, run the remaining sections
         results[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-        _log(f"  {name}: FAILED:\n{traceback.format_exc()}")
-
-
-def _meta(preset: str, device: str) -> dict[str, Any]:
-    import ray
-    import torch
-
-    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
-    return {
-        "preset": preset, "device": device, "cpu_count": os.cpu_count(), "platform": platform.platform(),
-        "python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__,
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "load_avg_at_start": list(load),
-        "threads_note": "CPU: 2 gloo ranks x torch.set_num_threads(1) on this machine's cores",
-        "ray_worker_niceness": os.environ.get("RAY_worker_niceness", "0 (set by the bench)"),
-    }
-
-
-def _start_ray(num_cpus: int, num_gpus: Optional[int] = None) -> float:
-    """A local instance whose workers run at the driver's priority.
-
-    Ray starts worker processes at niceness 15 unless told otherwise (`ray job submit`
-    resets it to 0 for its jobs). The plain torch.distributed processes we compare with run
-    at 0, so on a machine shared with anything else the default would measure scheduling
-    priority, not orchestration: we set RAY_worker_niceness=0 for a fair A/B.
-    """
-    import ray
-
-    os.environ.setdefault("RAY_worker_niceness", "0")
-    started = time.perf_counter()
-    kwargs: dict[str, Any] = {}
-    if num_gpus is not None:
-        kwargs["num_gpus"] = num_gpus
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False, configure_logging=True, logging_level="WARNING", **kwargs)
-    import ray.data
-
-    # Keep stderr readable: Ray Data logs every execution plan and progress at INFO.
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    logging.getLogger("ray.data").setLevel(logging.WARNING)
-    return time.perf_counter() - started
+        log(f"  {name}: FAILED:\n{traceback.format_exc()}")
 
 
 def run_cpu(sizes: Sizes) -> dict[str, Any]:
     from raytrain_ddp.ops.bench import accumulation, checkpoint, ingest, memory, ray_overhead, strategies
 
     results: dict[str, Any] = {}
-    _section(results, "strategies", lambda: strategies.run(sizes, log=_log))
-    _section(results, "accumulation", lambda: accumulation.run(sizes, log=_log))
+    _section(results, "strategies", lambda: strategies.run(sizes, log=log))
+    _section(results, "accumulation", lambda: accumulation.run(sizes, log=log))
     models = ("mlp",) if sizes.name == "smoke" else ("mlp", "gpt")
-    _section(results, "memory", lambda: memory.run(sizes, models=models, log=_log))
+    _section(results, "memory", lambda: memory.run(sizes, models=models, log=log))
     import ray
 
     # Two workers + Ray Data's read tasks on 2 cores: more logical CPUs than cores, as the
     # launcher does, or Ray Data's tasks starve behind the training workers.
-    ray_init_s = _start_ray(num_cpus=4)
+    ray_init_s = start_ray(num_cpus=4)
     try:
         rounds = 1 if sizes.name in ("quick", "smoke") else 2
-        _section(results, "ray_overhead", lambda: ray_overhead.run(sizes, rounds=rounds, ray_init_s=ray_init_s, log=_log))
-        _section(results, "checkpoint", lambda: checkpoint.run(sizes, log=_log))
+        _section(results, "ray_overhead", lambda: ray_overhead.run(sizes, rounds=rounds, ray_init_s=ray_init_s, log=log))
+        _section(results, "checkpoint", lambda: checkpoint.run(sizes, log=log))
         shardings = ("streaming", "exact") if sizes.name == "full" else ("streaming",)
-        _section(results, "ingest", lambda: ingest.run(sizes, log=_log, train_shardings=shardings))
+        _section(results, "ingest", lambda: ingest.run(sizes, log=log, train_shardings=shardings))
     finally:
         ray.shutdown()
     return results
@@ -124,16 +80,16 @@ def run_cuda(dry: bool) -> dict[str, Any]:
     if dry:
         results["dry_run_note"] = f"{gpu.DRYRUN_ENV}=1: CUDA code paths run on the CPU; numbers are meaningless"
     _section(results, "strategies", lambda: strategies.run(
-        sizes, device=device, world_size=1, backend=backend, with_dp=True, threads=1 if dry else 4, log=_log))
+        sizes, device=device, world_size=1, backend=backend, with_dp=True, threads=1 if dry else 4, log=log))
     shape = gpu.DRYRUN_GPT if dry else gpu.GPU_GPT
-    _section(results, "gpt", lambda: gpu.gpt_section(sizes, shape, device, backend, log=_log))
+    _section(results, "gpt", lambda: gpu.gpt_section(sizes, shape, device, backend, log=log))
     import ray
 
     gpus = 0 if dry else torch.cuda.device_count()
-    ray_init_s = _start_ray(num_cpus=max(4, os.cpu_count() or 1), num_gpus=gpus)
+    ray_init_s = start_ray(num_cpus=max(4, os.cpu_count() or 1), num_gpus=gpus)
     try:
         _section(results, "ingest", lambda: ingest.run(
-            sizes, device="cpu" if dry else "cuda", log=_log, train_shardings=("streaming", "exact"), workers=1,
+            sizes, device="cpu" if dry else "cuda", log=log, train_shardings=("streaming", "exact"), workers=1,
             micro=16 if dry else 512))
         results["ingest"]["ray_init_s"] = ray_init_s
     finally:
@@ -168,8 +124,8 @@ def main(quick: bool, out: Optional[str], device: str) -> int:
     out_path = Path(out) if out else default_out(preset)  # never the cwd by surprise
     out_path.parent.mkdir(parents=True, exist_ok=True)
 
-    results: dict[str, Any] = {"meta": _meta(preset, device)}
-    _log(f"raytrain-ddp bench: preset {preset}, device {device}; results -> {out_path}")
+    results: dict[str, Any] = {"meta": meta(preset, device)}
+    log(f"raytrain-ddp bench: preset {preset}, device {device}; results -> {out_path}")
     started = time.perf_counter()
     results.update(run_cuda(dry) if device == "cuda" else run_cpu(sizes))
     results["meta"]["duration_s"] = time.perf_counter() - started
@@ -178,9 +134,9 @@ def main(quick: bool, out: Optional[str], device: str) -> int:
     out_path.write_text(json.dumps(results, indent=2, default=float) + "\n")
     png = report.plot(results, out_path.with_suffix(".png"))
     print(report.markdown(results))
-    _log(f"wrote {out_path} and {png}")
+    log(f"wrote {out_path} and {png}")
     failed = [k for k, v in results.items() if isinstance(v, dict) and "error" in v]
     if failed:
-        _log(f"sections failed: {failed} (see 'error' in the JSON)")
+        log(f"sections failed: {failed} (see 'error' in the JSON)")
         return 1
     return 0
