@@ -73,16 +73,11 @@ def make_bucket(env: dict[str, str], name: str) -> None:
 
 @contextlib.contextmanager
 def s3_bucket(log_dir: Path, bucket: str) -> Iterator[dict[str, str]]:
-    """`s3_server` with `bucket` created and its environment set in os.environ until exit."""
-    with s3_server(log_dir) as env:
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            make_bucket(env, bucket)
-            yield env
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+    """`s3_server` with `bucket` created and its environment in os.environ until exit (then restored)."""
+    import pytest
+
+    with s3_server(log_dir) as env, pytest.MonkeyPatch.context() as patch:
+        for key, value in env.items():
+            patch.setenv(key, value)
+        make_bucket(env, bucket)
+        yield env
