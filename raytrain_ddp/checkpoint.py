@@ -14,7 +14,8 @@ Layout of a checkpoint directory:
 
     state.pt        torch.save of {component name: its state_dict()} (tensors and plain
                     Python values only; see `worker/state.py` for the components)
-    manifest.json   {"format", "step", "epoch", "fit_id", "files": {name: {sha256, size}}}
+    manifest.json   {"format", "step", "epoch", "fit_id", "files": {name: {sha256, size}},
+                    and "origin" for a survivor's copy of the last step (worker/replica.py)}
 
 Why a manifest written last: a directory holding `manifest.json` whose sizes and sha256
 match is a complete checkpoint; anything else (a crash mid-write, an upload to storage
@@ -66,11 +67,12 @@ Where = Union[str, os.PathLike, Location]
 # ---------------------------------------------------------------- save / load
 
 
-def save_checkpoint(dirpath: PathLike, state: dict[str, Any]) -> Path:
+def save_checkpoint(dirpath: PathLike, state: dict[str, Any], origin: Optional[str] = None) -> Path:
     """Write `state` into `dirpath` (created if needed); returns the directory.
 
     The state must hold only tensors, containers and primitives (see `rng_state`), so
-    that `load_checkpoint` can read it back with `weights_only=True`.
+    that `load_checkpoint` can read it back with `weights_only=True`. `origin`, when
+    given, is recorded in the manifest (a survivor's copy of the last step says so).
     """
     missing = [k for k in REQUIRED_KEYS if k not in state]
     if missing:
@@ -88,6 +90,7 @@ def save_checkpoint(dirpath: PathLike, state: dict[str, Any]) -> Path:
         "fit_id": state["run"].get("fit_id"),
         "created": time.time(),
         "files": {STATE_FILE: {"sha256": hashlib.sha256(payload).hexdigest(), "size": len(payload)}},
+        **({"origin": origin} if origin else {}),
     }
     _atomic_write(dirpath / MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
     _fsync_dir(dirpath)

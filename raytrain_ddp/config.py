@@ -351,6 +351,13 @@ class RunConfig(_Section):
         "directory), tensorboard (event files in <run dir>/tensorboard), mlflow (the tracking "
         "server of $MLFLOW_TRACKING_URI; needs the mlflow package).",
     )
+    recovery: Literal["replica", "checkpoint"] = Field(
+        "replica", description="When a worker dies mid-run: replica (the surviving workers, which "
+        "hold identical copies of the model and optimizer, write the last completed step as their "
+        "collective fails, and the restarted group resumes from it: at most the step in flight is "
+        "redone; strategies naive, bucketed, native) or checkpoint (resume from the newest durable "
+        "checkpoint only). See docs/reliability.md.",
+    )
     num_to_keep: int = Field(2, ge=1, description="Checkpoints kept on disk.")
     max_failures: int = Field(1, ge=-1, description="Worker-group restarts allowed; -1 is unlimited.")
     max_preemption_failures: int = Field(

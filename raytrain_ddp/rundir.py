@@ -257,6 +257,15 @@ class JsonlFile:
         if len(kept) != len(self.records):
             self.records, self._pending, self._rewrite = kept, [], True
 
+    def amend_last(self, fields: dict[str, Any]) -> None:
+        """Add `fields` to the newest record (an attempt's line learns where it resumed from)."""
+        if not self.records:
+            return
+        last = self.records[-1]
+        last.update({k: _plain(v) for k, v in fields.items()})
+        if not any(record is last for record in self._pending):
+            self._rewrite = True  # already in the file
+
     @property
     def dirty(self) -> bool:
         return bool(self._pending) or self._rewrite

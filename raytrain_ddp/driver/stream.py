@@ -19,7 +19,8 @@ counted from the attempt's start, which restore that order should Ray deliver tw
 of an async actor out of order):
     {"kind": "attempt",   "record": {...}}   a worker group started (attempts.jsonl)
     {"kind": "metrics",   "record": {...}}   a train or validation line (metrics.jsonl)
-    {"kind": "resumed",   "step": N}         lines past step N are redone: drop them
+    {"kind": "resumed",   "step": N, "origin": {...}}  lines past step N are redone: drop them;
+                                             the attempt's line records where it started from
     {"kind": "abort",     "record": {...}}   every rank stopped together (abort.json)
     {"kind": "checkpoint", "step": N, "name": ..., "blocked_s": ...}
 """
@@ -183,6 +184,7 @@ class Recorder:
         elif kind == "resumed":
             step = int(event["step"])
             self.metrics.keep(lambda r: r.get("step", 0) <= step)
+            self.attempts.amend_last({"resumed_step": step, **event.get("origin", {})})
             self.last_step = step
         elif kind == "abort":
             self.abort = event["record"]

@@ -13,7 +13,10 @@ raises; `hang` stops that rank taking part in collectives (it sleeps until kille
 first writing its pid to `pidfile` if given, so a test can SIGKILL it from outside;
 `nan` instead makes that rank's forward output NaN during step `step` (a forward hook on
 the model, as Lightning's tests inject faults from the model), which exercises the
-non-finite path.
+non-finite path; `midstep` SIGKILLs the rank from inside the first forward pass of step
+`step + 1` (also a forward hook), so its peers lose it in the middle of a step. `exit`
+and `midstep` first write the time of death (`time.time()`) to `mark=PATH` if given,
+which the recovery tests and `raytrain-ddp bench`'s recovery section measure from.
 
     RAYTRAIN_DDP_PREEMPT="step=6,attempt=1,ranks=1,deadline_s=none"
 
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +61,7 @@ class FaultPlan:
     attempt: int = 1  # 0: every attempt
     mode: str = "exit"
     pidfile: Optional[str] = None
+    mark: Optional[str] = None  # exit / midstep: where to write the time of death
 
     @classmethod
     def from_env(cls) -> Optional["FaultPlan"]:
@@ -66,9 +71,9 @@ class FaultPlan:
         attempt = fields.get("attempt", "1")
         plan = cls(rank=int(fields.get("rank", 0)), step=int(fields["step"]),
                    attempt=0 if attempt == "any" else int(attempt), mode=fields.get("mode", "exit"),
-                   pidfile=fields.get("pidfile"))
-        if plan.mode not in ("exit", "raise", "nan", "hang"):
-            raise ValueError(f"{FAULT_ENV}: mode must be exit|raise|nan|hang, got {plan.mode!r}")
+                   pidfile=fields.get("pidfile"), mark=fields.get("mark"))
+        if plan.mode not in ("exit", "raise", "nan", "hang", "midstep"):
+            raise ValueError(f"{FAULT_ENV}: mode must be exit|raise|nan|hang|midstep, got {plan.mode!r}")
         return plan
 
     def hits(self, world_rank: int, step: int, attempt: int) -> bool:
@@ -77,16 +82,23 @@ class FaultPlan:
     def strike(self, world_rank: int, step: int) -> None:
         """Carry out an exit / raise / hang plan (never returns for exit and hang)."""
         print(f"[fault injection] rank {world_rank} {self.mode} after step {step}", flush=True)
+        if self.mark:
+            _write_atomically(self.mark, repr(time.time()))
+        if self.mode == "midstep":
+            os.kill(os.getpid(), signal.SIGKILL)
         if self.mode == "exit":
             os._exit(1)
         if self.mode == "hang":
             if self.pidfile:
-                tmp = f"{self.pidfile}.tmp"
-                Path(tmp).write_text(str(os.getpid()))
-                os.replace(tmp, self.pidfile)
+                _write_atomically(self.pidfile, str(os.getpid()))
             while True:  # never returns: peers are left waiting in their next collective
                 time.sleep(1)
         raise RuntimeError(f"injected fault on rank {world_rank} after step {step} ({FAULT_ENV})")
+
+
+def _write_atomically(path: str, text: str) -> None:
+    Path(f"{path}.tmp").write_text(text)
+    os.replace(f"{path}.tmp", path)
 
 
 @dataclass(frozen=True)
@@ -137,6 +149,8 @@ class TestHooks(Hooks):
         self.world_size, self.rows = rank.world_size, []
         if self.fault is not None and self.fault.mode == "nan":
             module.register_forward_hook(self._poison)
+        if self.fault is not None and self.fault.mode == "midstep":
+            module.register_forward_hook(self._die_midstep)
         if os.environ.get(SAMPLE_LOG_ENV):
             module.register_forward_pre_hook(self._record, with_kwargs=True)
 
@@ -165,11 +179,17 @@ class TestHooks(Hooks):
             return output * math.nan
         return output
 
+    def _die_midstep(self, module: Any, inputs: Any, output: Any) -> Any:
+        if module.training and self.fault.hits(self.world_rank, self.next_step - 1, self.attempt):
+            self.fault.strike(self.world_rank, self.next_step - 1)
+        return output
+
     def after_step(self, step: int) -> None:
         self.next_step = step + 1
         if os.environ.get(SAMPLE_LOG_ENV):
             self._write_samples(step)
-        if self.fault is not None and self.fault.mode != "nan" and self.fault.hits(self.world_rank, step, self.attempt):
+        if (self.fault is not None and self.fault.mode not in ("nan", "midstep")
+                and self.fault.hits(self.world_rank, step, self.attempt)):
             self.fault.strike(self.world_rank, step)
 
     def preemption_source(self, real: Callable[[int], Any]) -> Optional[tuple[Callable[[int], Any], float]]:

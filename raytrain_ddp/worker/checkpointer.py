@@ -27,11 +27,12 @@ training function returns, Ray waits for the uploads still running.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import pyarrow.fs as pafs
 
@@ -42,6 +43,7 @@ from raytrain_ddp.rundir import Location
 from raytrain_ddp.worker.context import Rank
 from raytrain_ddp.worker.meter import RunLog
 from raytrain_ddp.worker.preemption import PreemptionGuard
+from raytrain_ddp.worker.replica import is_peer_loss, write_last_step, written_by_survivor
 from raytrain_ddp.worker.state import TrainState
 
 
@@ -51,17 +53,69 @@ class Checkpointer:
         self.every = job.cfg.run.checkpoint_every_steps
         self.upload = getattr(job.cfg.run, "checkpoint_upload", "async")
         self.guard = PreemptionGuard.for_worker(job.cfg, rank, hooks)  # spot reclaims
+        self.saved_step = 0  # the newest step in a checkpoint: a survivor's copy must be newer
+
+    @classmethod
+    def resume(cls, job: Job, rank: Rank, state: TrainState, log: RunLog, hooks: Any,
+               accumulation_steps: int) -> "Checkpointer":
+        """A checkpointer for this worker group, with `state` restored from where the fit stands."""
+        checkpointer = cls(job, rank, state, log, hooks)
+        checkpointer.restore(accumulation_steps)
+        return checkpointer
 
     def restore(self, accumulation_steps: int) -> None:
         """Load the newest valid checkpoint of this fit (or the driver's choice) into every component."""
         found = find_resume_state(self.job)
         if found is not None:
             self.state.load_state_dict(found[0])
-        self.log.resumed_at(self.state.progress.step)
-        check_same(self.state.progress.step, "the step to resume from", self.rank.device)
-        where = f"checkpoint {found[1]} (step {self.state.progress.step})" if found else "scratch"
+        step = self.state.progress.step
+        survivor = written_by_survivor(_manifest_of(found[1])) if found else None
+        origin = {"resumed_from": "scratch"} if found is None else {
+            "resumed_from": "checkpoint" if survivor is None else "replica", "checkpoint": found[1].name}
+        self.log.resumed_at(step, origin)
+        check_same(step, "the step to resume from", self.rank.device)
+        self.saved_step = step
+        if found is None:
+            where = "scratch"
+        elif survivor is not None:
+            where = f"step {step}, the last completed one, written by surviving rank {survivor} ({found[1]})"
+        else:
+            where = f"checkpoint {found[1]} (step {step})"
+            if self.log.attempt > 1 and self.state.last_step is not None:
+                where = ("the newest durable " + where + ", falling back: no survivor wrote a later step "
+                         "(every worker was lost, or none finished writing before Ray stopped it)")
         self.rank.say(f"attempt {self.log.attempt}: {self.rank.world_size} workers on {self.rank.device}, "
                       f"{accumulation_steps} micro-steps per optimizer step, starting from {where}")
+
+    @contextlib.contextmanager
+    def last_step_on_peer_loss(self) -> Iterator[None]:
+        """Around the step loop: a failure that looks like a lost peer first writes the last step."""
+        try:
+            yield
+        except BaseException as exc:
+            self.after_failure(exc)
+            raise
+
+    def after_failure(self, exc: BaseException) -> None:
+        """This rank's step loop failed: if a peer was lost, write the last completed step.
+
+        Every survivor of a lost worker lands here as its next collective fails; what it
+        writes is what the restarted group resumes from (`replica.py`: why, and when it
+        cannot). Never raises: the original failure is what Ray must see.
+        """
+        step = self.state.progress.step
+        if self.state.last_step is None or not is_peer_loss(exc) or step <= self.saved_step:
+            return
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+        try:
+            where, took = write_last_step(self.state, _run_dir(self.job, None), self.job.fit_id,
+                                          self.rank.world_rank)
+        except Exception as write_exc:  # noqa: BLE001 - the durable checkpoint is the fallback
+            print(f"[rank {self.rank.world_rank}] a collective failed ({first}); could not write the last "
+                  f"completed step {step}: {write_exc}", flush=True)
+            return
+        print(f"[rank {self.rank.world_rank}] a collective failed ({first}): a peer was lost; wrote the last "
+              f"completed step {step} to {where} in {took:.2f}s", flush=True)
 
     def after_step(self, end_of_epoch: bool) -> None:
         """Periodic and just-in-time saves, at a step boundary that is not the run's last."""
@@ -91,6 +145,7 @@ class Checkpointer:
                               {"step": progress.step, "epoch": progress.epoch, **metrics}, name,
                               asynchronous=self.upload == "async" and not durable)
         blocked = time.perf_counter() - started
+        self.saved_step = progress.step
         self.log.checkpoint_saved(progress.step, name, blocked)
         # What the preemption policy plans with. Asynchronous saves block for less than
         # a synchronous just-in-time save takes; its own duration replaces this one.
@@ -184,7 +239,11 @@ def _location_of(offered: Any, job: Job) -> Location:
 
 
 def _fit_id_of(where: Location) -> Optional[str]:
+    return _manifest_of(where).get("fit_id")
+
+
+def _manifest_of(where: Any) -> dict[str, Any]:
     try:
-        return ckpt.read_manifest(where).get("fit_id")
+        return ckpt.read_manifest(where)
     except Exception:  # noqa: BLE001 - unreadable manifests are simply not ours
-        return None
+        return {}

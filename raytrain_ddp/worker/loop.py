@@ -42,26 +42,26 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     state = build_state(job, rank, total_steps)
     log = RunLog(job, rank, state, data, total_steps)  # records this attempt
     hooks.on_attempt(rank, log.attempt, state.module)
-    checkpointer = Checkpointer(job, rank, state, log, hooks)
-    checkpointer.restore(data.accumulation_steps)
+    checkpointer = Checkpointer.resume(job, rank, state, log, hooks, data.accumulation_steps)
     progress = state.progress
     profiler = StepProfiler(job, rank, state, total_steps)  # run.profile: a trace of a few steps
-    try:
-        for epoch in range(progress.epoch, math.ceil(total_steps / data.steps_per_epoch)):
-            if progress.step >= total_steps:  # resuming a finished run: nothing left to do
-                break
-            for window in profiler.steps(data.train_windows(epoch, skip_steps=progress.steps_into_epoch)):
-                result = train_step(state, window, data.accumulation_steps, cfg.train, rank)
-                progress.step_done()
-                hooks.after_step(progress.step)
-                log.step(result, epoch, end_of_epoch := progress.steps_into_epoch >= data.steps_per_epoch)
-                if progress.step >= total_steps:
+    with checkpointer.last_step_on_peer_loss():  # a worker dies: the survivors write the last step
+        try:
+            for epoch in range(progress.epoch, math.ceil(total_steps / data.steps_per_epoch)):
+                if progress.step >= total_steps:  # resuming a finished run: nothing left to do
                     break
-                checkpointer.after_step(end_of_epoch)
-            if progress.step < total_steps or progress.steps_into_epoch >= data.steps_per_epoch:
-                progress.next_epoch(epoch)  # exhausted (see the invariants above)
-            with log.paused():
-                val = log.validation(epoch, validate(state, data, rank, job.spec))
-            checkpointer.save({"loss": log.last_loss, **val})
-    except NonFiniteAbort as exc:
-        log.abort(str(exc))
+                for window in profiler.steps(data.train_windows(epoch, skip_steps=progress.steps_into_epoch)):
+                    result = train_step(state, window, data.accumulation_steps, cfg.train, rank)
+                    state.step_done()
+                    hooks.after_step(progress.step)
+                    log.step(result, epoch, progress.epoch_ended(data.steps_per_epoch))
+                    if progress.step >= total_steps:
+                        break
+                    checkpointer.after_step(progress.epoch_ended(data.steps_per_epoch))
+                if progress.step < total_steps or progress.epoch_ended(data.steps_per_epoch):
+                    progress.next_epoch(epoch)  # exhausted (see the invariants above)
+                with log.paused():
+                    val = log.validation(epoch, validate(state, data, rank, job.spec))
+                checkpointer.save({"loss": log.last_loss, **val})
+        except NonFiniteAbort as exc:
+            log.abort(str(exc))

@@ -169,9 +169,13 @@ class RunLog:
                                                 "time": time.time()})
         return from_main(number, self.rank.device)
 
-    def resumed_at(self, step: int) -> None:
-        """Steps past the checkpoint are redone: the driver drops their lines (one history)."""
-        self.outbox.send("resumed", step=step)
+    def resumed_at(self, step: int, origin: Optional[dict[str, Any]] = None) -> None:
+        """Steps past the checkpoint are redone: the driver drops their lines (one history).
+
+        `origin` ({"resumed_from": "scratch" | "checkpoint" | "replica", "checkpoint": name})
+        joins this attempt's line in attempts.jsonl.
+        """
+        self.outbox.send("resumed", step=step, origin=origin or {})
         self.meter = StepMeter(self.job.cfg.train.global_batch_size, self.data.wait_seconds,
                                self.state.wrapper.comm_stats)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Optional
 
 import numpy as np
 import torch
@@ -28,6 +28,7 @@ from raytrain_ddp.batch import BatchFormat
 from raytrain_ddp.job import Job
 from raytrain_ddp.worker.context import Rank
 from raytrain_ddp.worker.optim import WarmupCosine, build_optimizer
+from raytrain_ddp.worker.replica import REPLICATED, LastStep
 
 
 @dataclass
@@ -43,6 +44,9 @@ class Progress:
     def step_done(self) -> None:
         self.step += 1
         self.steps_into_epoch += 1
+
+    def epoch_ended(self, steps_per_epoch: int) -> bool:
+        return self.steps_into_epoch >= steps_per_epoch
 
     def next_epoch(self, epoch: int) -> None:
         self.epoch, self.steps_into_epoch = epoch + 1, 0
@@ -89,6 +93,7 @@ class TrainState:
     progress: Progress = field(default_factory=Progress)
     rng: Any = None
     run: dict = field(default_factory=dict)  # world size, config and fit id, for the driver
+    last_step: Optional[LastStep] = None  # run.recovery=replica: what a survivor writes (replica.py)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -106,10 +111,27 @@ class TrainState:
     def state_dict(self) -> dict[str, Any]:
         return {**{name: part.state_dict() for name, part in self.components().items()}, "run": dict(self.run)}
 
+    def step_done(self) -> None:
+        """An optimizer step completed: count it, and keep its boundary for a survivor's copy."""
+        self.progress.step_done()
+        if self.last_step is not None:
+            self.last_step.mark()
+
+    def last_step_state_dict(self) -> dict[str, Any]:
+        """The state at the last completed step, from this rank alone (no collective).
+
+        Called after a step failed part-way: buffers and RNG come from the boundary
+        snapshot; parameters, optimizer, schedule and progress had not moved yet.
+        """
+        self.last_step.put_back()
+        return {**self.state_dict(), "rng": self.last_step.rng}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, part in self.components().items():
             if name in state and state[name]:
                 part.load_state_dict(state[name])
+        if self.last_step is not None:
+            self.last_step.mark()  # the loaded state is the boundary now
 
 
 def seed_everything(seed: int) -> None:
@@ -151,8 +173,10 @@ def build_state(job: Job, rank: Rank, total_steps: int) -> TrainState:
         return torch.autocast(device_type=rank.device.type, dtype=dtype)
 
     progress = Progress()
+    survivors_copy = cfg.run.recovery == "replica" and cfg.parallel.strategy in REPLICATED
     return TrainState(wrapper, optimizer, schedule, scaler, code.batch_format(cfg), autocast, params,
                       progress=progress, rng=RngStreams(rank, progress),
                       run={"world_size": rank.world_size, "config": cfg.to_yaml(), "fit_id": job.fit_id,
-                           "spec": job.spec.state_dict()})
+                           "spec": job.spec.state_dict()},
+                      last_step=LastStep(wrapper.module) if survivors_copy else None)
 
