@@ -1,8 +1,10 @@
 """When to save and where to start: the checkpoint cadence of one worker group.
 
-Owns: restoring the state a worker group starts from; saving at the cadences a run
-has — periodic (`run.checkpoint_every_steps`), just-in-time before a preemption
-(`preemption.py` decides when), and at every epoch end, which is also the final save;
+Owns: restoring the state a worker group starts from (and saying where from: scratch, a
+durable checkpoint, or a survivor's copy); saving at the cadences a run has — periodic
+(`run.checkpoint_every_steps`), just-in-time before a preemption (`preemption.py`
+decides when), at every epoch end, which is also the final save, and when a peer dies
+(each survivor writes the last completed step: `replica.py`);
 handing each checkpoint to `ray.train.report`, and measuring how long each one held the
 step loop. Must not touch: what a checkpoint holds (`state.py`), the file format
 (`checkpoint.py`), training, the run directory's files (checkpoints reach storage
@@ -43,7 +45,7 @@ from raytrain_ddp.rundir import Location
 from raytrain_ddp.worker.context import Rank
 from raytrain_ddp.worker.meter import RunLog
 from raytrain_ddp.worker.preemption import PreemptionGuard
-from raytrain_ddp.worker.replica import is_peer_loss, write_last_step, written_by_survivor
+from raytrain_ddp.worker.replica import WINDOW, is_peer_loss, write_last_step, written_by_survivor
 from raytrain_ddp.worker.state import TrainState
 
 
@@ -93,18 +95,24 @@ class Checkpointer:
         try:
             yield
         except BaseException as exc:
-            self.after_failure(exc)
+            if self.state.last_step is not None and is_peer_loss(exc):
+                WINDOW.enter("writing")  # Ray's shutdown of this worker waits for it (GraceForSurvivors)
+                self.after_failure(exc)
             raise
+        finally:
+            WINDOW.enter("ended")
 
     def after_failure(self, exc: BaseException) -> None:
-        """This rank's step loop failed: if a peer was lost, write the last completed step.
+        """A collective of this rank failed, so a peer was lost: write the last completed step.
 
         Every survivor of a lost worker lands here as its next collective fails; what it
         writes is what the restarted group resumes from (`replica.py`: why, and when it
         cannot). Never raises: the original failure is what Ray must see.
         """
         step = self.state.progress.step
-        if self.state.last_step is None or not is_peer_loss(exc) or step <= self.saved_step:
+        if step <= self.saved_step:
+            print(f"[rank {self.rank.world_rank}] a collective failed: a peer was lost; step {step} is already "
+                  "in a checkpoint", flush=True)
             return
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
         try:

@@ -1,7 +1,8 @@
 """`train_loop_per_worker`: what every rank does, from first step to last checkpoint.
 
 Owns: the order of events in training — step, log, checkpoint, and at each epoch end
-validate and save. Each component decides its own cadence (`RunLog` when to write a
+validate and save; a failure that is a lost peer first leaves the last completed step
+behind (`Checkpointer.last_step_on_peer_loss`, `replica.py`). Each component decides its own cadence (`RunLog` when to write a
 line, `Checkpointer` when to save, `StepProfiler` which steps to trace: it wraps the
 window iterator to see where a step starts and ends), so the story below is the whole story.
 Must not touch: process-group setup (Ray Train's TorchConfig does it), data sharding

@@ -44,12 +44,16 @@ durable checkpoints only. `run.recovery: checkpoint` turns the survivors' copy o
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
+import threading
 import time
+import traceback
 from typing import Any, Optional
 
 import torch
+from ray.train.v2._internal.execution.callback import WorkerCallback
 
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.errors import UserError
@@ -57,6 +61,54 @@ from raytrain_ddp.rundir import CHECKPOINT_PREFIX, Location
 
 REPLICATED = ("naive", "bucketed", "native")
 REPLICA_ORIGIN = "replica"  # the manifest's "origin" of a survivor's copy: "replica:rank=<r>"
+_COLLECTIVES, _WRAPPERS = "torch/distributed/", "raytrain_ddp/parallel/"
+
+
+class CopyWindow:
+    """Where the step loop (the training thread) and Ray's shutdown call (the actor's thread) meet.
+
+    Ray Train stops a worker group by calling every worker's `shutdown()` and waiting
+    up to 5 s for the calls before it kills the processes. `GraceForSurvivors` spends
+    part of that wait on this worker's copy of the last step: it waits `start_s` for the
+    step loop to fail (its collective may fail a moment after Ray's health poll noticed
+    the dead peer) and then `finish_s` for a copy in progress. A loop that neither ends
+    nor writes (blocked in an NCCL collective) costs `start_s`, nothing more.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._state = "training"  # -> "writing" -> "ended", or straight to "ended"
+
+    def enter(self, state: str) -> None:
+        with self._cond:
+            self._state = state
+            self._cond.notify_all()
+
+    def wait(self, start_s: float, finish_s: float) -> str:
+        with self._cond:
+            self._cond.wait_for(lambda: self._state != "training", timeout=start_s)
+            if self._state == "writing":
+                self._cond.wait_for(lambda: self._state == "ended", timeout=finish_s)
+            return self._state
+
+
+# One per worker process: each attempt runs in new processes, and the step loop's thread
+# and Ray's shutdown call share nothing else.
+WINDOW = CopyWindow()
+
+
+class GraceForSurvivors(WorkerCallback):
+    """Ray Train worker callback: shutting a worker down waits for its copy of the last step.
+
+    Passed through `RunConfig(callbacks=...)`, which hands non-user callbacks to the
+    workers (a DeveloperAPI of Ray Train). Both waits stay inside Ray's 5 s patience.
+    """
+
+    def __init__(self, start_s: float = 1.0, finish_s: float = 3.5) -> None:
+        self.start_s, self.finish_s = start_s, finish_s
+
+    def before_worker_shutdown(self) -> None:
+        WINDOW.wait(self.start_s, self.finish_s)
 
 
 class LastStep:
@@ -86,12 +138,19 @@ class LastStep:
 
 
 def is_peer_loss(exc: BaseException) -> bool:
-    """Whether a failure looks like a collective that lost its peer, not a mistake of the user's.
+    """Whether a failure is a collective that lost its peer, not this rank's own fault.
 
-    gloo and NCCL raise `RuntimeError` (torch's `DistError`s are subclasses); a user
-    error, a non-finite abort or a keyboard interrupt is not a lost peer.
+    gloo and NCCL raise `RuntimeError` (torch's `DistError`s are subclasses) from a
+    collective: raised in `torch.distributed`, or from a `Work.wait()` in our wrappers
+    (`raytrain_ddp.parallel`). An error of the user's code, a non-finite abort or an
+    interrupt is not a lost peer: this rank itself failed, and its state is the
+    restarted group's concern only through the durable checkpoint.
     """
-    return isinstance(exc, RuntimeError) and not isinstance(exc, UserError)
+    if not isinstance(exc, RuntimeError) or isinstance(exc, UserError):
+        return False
+    frames = traceback.extract_tb(exc.__traceback__)
+    return any(_COLLECTIVES in frame.filename.replace(os.sep, "/") or _WRAPPERS in frame.filename.replace(os.sep, "/")
+               for frame in frames)
 
 
 def write_last_step(state: Any, run_dir: Location, fit_id: str, world_rank: int) -> tuple[Location, float]:

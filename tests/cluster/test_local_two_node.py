@@ -190,12 +190,13 @@ def test_run_in_a_bucket_survives_a_sigkilled_worker_and_leaves_everything_in_th
     assert summary["run_dir"] == run_dir.uri and summary["checkpoint"].startswith(f"{run_dir.uri}/checkpoint_")
     lines = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in lines] == list(range(1, 23)), lines  # every line, each once
-    # attempt 2 resumed from the bucket's step-10 checkpoint: 11 and 12 were redone by it
-    assert [r["attempt"] for r in lines] == [1] * 10 + [2] * 12
+    # rank 0 uploaded step 12 to the bucket as its collective failed (#15): attempt 2 resumed there
+    assert [r["attempt"] for r in lines] == [1] * 12 + [2] * 10
     assert all(isinstance(r["time"], float) and "checkpoint_blocked_s" in r for r in lines)
     assert [r["val_accuracy"] > 0 for r in read_metrics(run_dir / "metrics.jsonl") if "val_loss" in r] == [True]
     attempts = [r for r in read_jsonl(run_dir / "attempts.jsonl") if r["fit_id"] == summary["fit_id"]]
-    assert [(r["attempt"], r["world_size"]) for r in attempts] == [(1, 2), (2, 2)]
+    assert [(r["attempt"], r["world_size"], r["resumed_from"], r["resumed_step"]) for r in attempts] == [
+        (1, 2, "scratch", 0), (2, 2, "replica", 12)]
     assert (run_dir / "config.yaml").read_text().startswith("name: tiny-s3")
     state_22, where = ckpt.load_latest_valid(ckpt.find_checkpoints(run_dir))
     assert state_22["progress"]["step"] == 22 and where.uri == summary["checkpoint"]

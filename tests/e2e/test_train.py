@@ -112,9 +112,10 @@ def test_worker_killed_on_first_attempt_restarts_from_checkpoint(ray_cluster, tm
     assert summary["status"] == "ok", story
     assert summary["attempts"] == 2 and summary["steps"] == 22, story
     assert [r["attempt"] for r in attempts] == [1, 2], story
-    # step 12 ran, then rank 1 died; attempt 2 resumed from the step-10 checkpoint, so the
-    # history has each step once and continues past the failure
+    # step 12 ran, then rank 1 died; rank 0 wrote step 12 as its collective failed (#15), and
+    # attempt 2 resumed there: the history has each step once and continues past the failure
     assert _train_steps(run_dir) == [5, 10, 15, 20, 22], story
+    assert [(r["resumed_from"], r["resumed_step"]) for r in attempts] == [("scratch", 0), ("replica", 12)], story
 
 
 def test_bad_parquet_is_rejected_naming_file_and_column(ray_cluster, tmp_path):

@@ -122,10 +122,11 @@ def test_simulated_preemption_checkpoints_and_the_run_continues_without_lost_ste
     assert sizes[0] == 2 and sizes[1] in (1, 2)  # elastic: the restart takes what is free
 
     states = states_by_step(run_dir)
-    assert sorted(states) == [4, STEPS]  # no periodic checkpoints: step 4 is the just-in-time one
+    # no periodic checkpoints: step 4 is the just-in-time one, step 9 the survivor's copy (#15)
+    assert sorted(states) == [4, 9, STEPS]
     assert states[4]["run"]["world_size"] == 2
     assert max_difference(states[STEPS]["model"], reference.states[STEPS]["model"]) < ATOL
 
     train = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))  # each step once
-    assert [r["attempt"] for r in train] == [1] * 4 + [2] * (STEPS - 4)  # resumed from step 4
+    assert [r["attempt"] for r in train] == [1] * 9 + [2] * (STEPS - 9)  # resumed from the survivor's step 9

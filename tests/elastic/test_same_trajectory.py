@@ -45,7 +45,9 @@ def test_four_workers_follow_the_one_worker_trajectory(reference, tmp_path):
 def test_two_workers_then_one_after_a_restart_follow_the_same_trajectory(reference, tmp_path, monkeypatch):
     # 2 workers: fail for good after step 8 (no restarts), so the latest checkpoint is step 6
     monkeypatch.setenv("RAYTRAIN_DDP_FAULT", "rank=1,step=8,attempt=1,mode=raise")
-    first = run_training(elastic_cfg(tmp_path, "resize", "scaling.num_workers=2", "run.max_failures=0"))
+    # run.recovery=checkpoint: the subject is a resize from a durable checkpoint, not a survivor's copy
+    first = run_training(elastic_cfg(tmp_path, "resize", "scaling.num_workers=2", "run.max_failures=0",
+                                     "run.recovery=checkpoint"))
     assert first["status"] == "failed" and "injected fault" in first["error"]
     at_six = states_by_step(Path(first["run_dir"]))
     assert sorted(at_six) == [6] and at_six[6]["run"]["world_size"] == 2

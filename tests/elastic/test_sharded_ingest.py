@@ -59,7 +59,8 @@ def test_sharded_steps_keep_their_samples_across_a_kill_and_a_resize(ray_cluster
 
     monkeypatch.setenv(SAMPLE_LOG_ENV, str(tmp_path / "resize-log"))
     monkeypatch.setenv("RAYTRAIN_DDP_FAULT", "rank=1,step=8,attempt=1,mode=raise")
-    first = run_training(elastic_cfg(tmp_path, "resize", SHARDED, "scaling.num_workers=2", "run.max_failures=0"))
+    first = run_training(elastic_cfg(tmp_path, "resize", SHARDED, "scaling.num_workers=2", "run.max_failures=0",
+                                     "run.recovery=checkpoint"))  # resume from the durable step 6
     assert first["status"] == "failed" and "injected fault" in first["error"]
     killed = _steps(tmp_path / "resize-log")
     assert sorted(step for _attempt, step in killed) == list(range(1, 9))

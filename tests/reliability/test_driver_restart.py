@@ -46,7 +46,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 def test_rerunning_the_same_command_after_the_driver_died_continues(ray_cluster, tmp_path):
     address = ray_cluster.get_runtime_context().gcs_address
     command = [str(CLI), "train", str(TINY), f"run.storage_path={tmp_path}", "name=driverless",
-               "train.epochs=1", "run.log_every_steps=1"]
+               "train.epochs=1", "run.log_every_steps=1", "run.recovery=checkpoint"]  # the durable step-10 one
     pidfile = tmp_path / "rank1.pid"
     log = open(tmp_path / "first.log", "wb")
     first = subprocess.Popen(command, env=_env(address, RAYTRAIN_DDP_FAULT=f"rank=1,step=12,mode=hang,pidfile={pidfile}"),

@@ -33,7 +33,8 @@ def _checkpoint_steps(run_dir: Path) -> list[int]:
                   if (p / ckpt.MANIFEST_FILE).exists())
 
 
-def test_worker_sigkilled_mid_epoch_restarts_from_checkpoint_and_loses_nothing(ray_cluster, tmp_path, monkeypatch):
+def test_worker_sigkilled_mid_epoch_resumes_from_the_survivors_copy_and_loses_nothing(ray_cluster, tmp_path,
+                                                                                      monkeypatch):
     pidfile = tmp_path / "rank1.pid"
     # rank 1 finishes step 12 (checkpoint at 10, epoch = 22 steps), then parks and reports its pid
     monkeypatch.setenv(FAULT, f"rank=1,step=12,attempt=1,mode=hang,pidfile={pidfile}")
@@ -60,16 +61,19 @@ def test_worker_sigkilled_mid_epoch_restarts_from_checkpoint_and_loses_nothing(r
     lines = train_lines(run_dir)
     steps = [r["step"] for r in lines]
     assert steps == list(range(1, 23)), steps  # each step once: no gap, no duplicate
-    # attempt 1 owns everything up to the step-10 checkpoint; its steps 11-12 were lost with
-    # the worker and redone by attempt 2, which starts right after the checkpoint step
-    assert [r["attempt"] for r in lines] == [1] * 10 + [2] * 12
+    # rank 0, waiting for rank 1 in step 13's all-reduce, saw it fail and wrote step 12 (#15):
+    # attempt 2 starts there, past the step-10 checkpoint, and redoes no completed step
+    assert [r["attempt"] for r in lines] == [1] * 12 + [2] * 10
+    assert [(r["resumed_from"], r["resumed_step"]) for r in attempts] == [("scratch", 0), ("replica", 12)]
     state = ckpt.load_checkpoint(summary["checkpoint"])
     assert (state["progress"]["step"], state["progress"]["epoch"], state["progress"]["steps_into_epoch"]) == (22, 1, 0)
 
 
 def test_worker_that_always_fails_stops_after_max_failures_plus_one_attempts(ray_cluster, tmp_path, monkeypatch):
     monkeypatch.setenv(FAULT, "rank=1,step=2,attempt=any,mode=raise")
-    cfg = tiny(tmp_path, "always", "train.epochs=1", "run.max_failures=1")
+    # run.recovery=checkpoint: every attempt restarts before step 2 (a survivor's copy of step 2
+    # would let attempt 2 pass the fault, which this test is not about)
+    cfg = tiny(tmp_path, "always", "train.epochs=1", "run.max_failures=1", "run.recovery=checkpoint")
     summary = BackgroundRun(cfg).result(RUN_TIMEOUT_S)
     assert summary["status"] == "failed"
     assert summary["attempts"] == cfg.run.max_failures + 1 == 2

@@ -217,3 +217,65 @@ def test_bf16_autocast_step_on_cpu_and_sgd_with_clipping(group):
     moved = torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(before, parts.params)))
     # one SGD step from zero momentum with a clipped gradient moves at most lr * max_norm
     assert 0 < moved <= cfg.train.lr * 0.01 * (1 + 1e-3)
+
+
+def test_survivors_copy_is_the_last_completed_step_whatever_the_failed_step_moved(group, tmp_path):
+    """#15: after a step fails part-way, a rank's copy equals a checkpoint taken at the last boundary."""
+    from raytrain_ddp.errors import UserError
+    from raytrain_ddp.rundir import Location
+    from raytrain_ddp.worker.replica import LastStep, is_peer_loss, write_last_step, written_by_survivor
+
+    cfg = _cfg()
+    parts = _build(cfg, tmp_path)
+    for i in range(2):
+        train_step(parts, _window(i), 2, cfg.train, RANK)
+        parts.step_done()
+    at_boundary = parts.state_dict()
+    torch.randn(100)  # the failed step's forward consumed randomness ...
+    where, _ = write_last_step(parts, Location.parse(tmp_path), "f" * 32, world_rank=1)
+    assert where.name == "checkpoint_00000002_e0s2_ffffffff_r1"
+    copy = ckpt.load_checkpoint(where.local_path)
+    assert written_by_survivor(ckpt.read_manifest(where.local_path)) == 1
+    assert copy["progress"] == at_boundary["progress"] and torch.equal(copy["rng"]["torch"], at_boundary["rng"]["torch"])
+    assert all(torch.equal(copy["model"][k], v) for k, v in at_boundary["model"].items())
+
+    # ... and moved BatchNorm's running statistics: the boundary's come back
+    bn = torch.nn.BatchNorm1d(4)
+    kept = LastStep(bn)
+    bn(torch.randn(8, 4) + 3)
+    assert not torch.equal(bn.running_mean, torch.zeros(4))
+    kept.put_back()
+    assert torch.equal(bn.running_mean, torch.zeros(4)) and int(bn.num_batches_tracked) == 0
+
+    # only a collective's failure is a lost peer: raised from a frame of torch.distributed's
+    import torch.distributed.distributed_c10d as c10d
+
+    scope: dict = {}
+    exec(compile("def boom():\n    raise RuntimeError('Connection reset by peer')", c10d.__file__, "exec"), scope)
+    try:
+        scope["boom"]()
+    except RuntimeError as exc:
+        assert is_peer_loss(exc)
+    for own in (RuntimeError("a bug in the user's forward"), UserError("bad key"), NonFiniteAbort("nan")):
+        try:
+            raise own
+        except Exception as exc:  # noqa: BLE001
+            assert not is_peer_loss(exc)
+
+
+def test_shutdown_waits_for_a_copy_in_progress_and_not_for_a_loop_that_never_writes():
+    import threading
+    import time
+
+    from raytrain_ddp.worker.replica import CopyWindow
+
+    window = CopyWindow()
+    started = time.monotonic()
+    assert window.wait(start_s=0.2, finish_s=5) == "training"  # blocked elsewhere: costs start_s only
+    assert 0.15 < time.monotonic() - started < 2
+
+    window.enter("writing")
+    threading.Timer(0.3, window.enter, args=("ended",)).start()
+    started = time.monotonic()
+    assert window.wait(start_s=1, finish_s=5) == "ended"  # waited for the copy to finish
+    assert 0.2 < time.monotonic() - started < 3
