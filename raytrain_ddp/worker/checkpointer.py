@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -56,6 +57,9 @@ class Checkpointer:
         self.upload = getattr(job.cfg.run, "checkpoint_upload", "async")
         self.guard = PreemptionGuard.for_worker(job.cfg, rank, hooks)  # spot reclaims
         self.saved_step = 0  # the newest step in a checkpoint: a survivor's copy must be newer
+        self._copied_step, self._copy_lock = 0, threading.Lock()
+        if state.last_step is not None:
+            WINDOW.attach(self.write_copy)  # Ray's shutdown call writes it if the loop cannot
 
     @classmethod
     def resume(cls, job: Job, rank: Rank, state: TrainState, log: RunLog, hooks: Any,
@@ -91,39 +95,42 @@ class Checkpointer:
 
     @contextlib.contextmanager
     def last_step_on_peer_loss(self) -> Iterator[None]:
-        """Around the step loop: a failure that looks like a lost peer first writes the last step."""
+        """Around the step loop: a collective that lost its peer first leaves the last step behind."""
         try:
             yield
         except BaseException as exc:
             if self.state.last_step is not None and is_peer_loss(exc):
                 WINDOW.enter("writing")  # Ray's shutdown of this worker waits for it (GraceForSurvivors)
-                self.after_failure(exc)
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+                self.write_copy(f"a collective failed ({first}): a peer was lost")
             raise
         finally:
             WINDOW.enter("ended")
 
-    def after_failure(self, exc: BaseException) -> None:
-        """A collective of this rank failed, so a peer was lost: write the last completed step.
+    def write_copy(self, why: str) -> None:
+        """Write the last completed step as a survivor's copy (`replica.py`), once per step.
 
-        Every survivor of a lost worker lands here as its next collective fails; what it
-        writes is what the restarted group resumes from (`replica.py`: why, and when it
-        cannot). Never raises: the original failure is what Ray must see.
+        Called by the step loop's thread when its collective fails, or by Ray's thread
+        when Ray stops the group while the loop is blocked (`CopyWindow`). Never raises:
+        the original failure is what Ray must see, and the durable checkpoint is the fallback.
         """
-        step = self.state.progress.step
-        if step <= self.saved_step:
-            print(f"[rank {self.rank.world_rank}] a collective failed: a peer was lost; step {step} is already "
-                  "in a checkpoint", flush=True)
-            return
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
-        try:
-            where, took = write_last_step(self.state, _run_dir(self.job, None), self.job.fit_id,
-                                          self.rank.world_rank)
-        except Exception as write_exc:  # noqa: BLE001 - the durable checkpoint is the fallback
-            print(f"[rank {self.rank.world_rank}] a collective failed ({first}); could not write the last "
-                  f"completed step {step}: {write_exc}", flush=True)
-            return
-        print(f"[rank {self.rank.world_rank}] a collective failed ({first}): a peer was lost; wrote the last "
-              f"completed step {step} to {where} in {took:.2f}s", flush=True)
+        with self._copy_lock:
+            state = self.state.last_step_state_dict()
+            say = f"[rank {self.rank.world_rank}] {why}"
+            if state is None:
+                print(f"{say}; an optimizer step held the state: no copy", flush=True)
+                return
+            step = int(state["progress"]["step"])
+            if step <= max(self.saved_step, self._copied_step):
+                print(f"{say}; step {step} is already in a checkpoint", flush=True)
+                return
+            try:
+                where, took = write_last_step(state, _run_dir(self.job, None), self.job.fit_id, self.rank.world_rank)
+            except Exception as exc:  # noqa: BLE001 - the durable checkpoint is the fallback
+                print(f"{say}; could not write the last completed step {step}: {exc}", flush=True)
+                return
+            self._copied_step = step
+            print(f"{say}; wrote the last completed step {step} to {where} in {took:.2f}s", flush=True)
 
     def after_step(self, end_of_epoch: bool) -> None:
         """Periodic and just-in-time saves, at a step boundary that is not the run's last."""

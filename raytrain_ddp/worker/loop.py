@@ -52,8 +52,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 if progress.step >= total_steps:  # resuming a finished run: nothing left to do
                     break
                 for window in profiler.steps(data.train_windows(epoch, skip_steps=progress.steps_into_epoch)):
-                    result = train_step(state, window, data.accumulation_steps, cfg.train, rank)
-                    state.step_done()
+                    result = train_step(state, window, data.accumulation_steps, cfg.train, rank)  # counts it
                     hooks.after_step(progress.step)
                     log.step(result, epoch, progress.epoch_ended(data.steps_per_epoch))
                     if progress.step >= total_steps:

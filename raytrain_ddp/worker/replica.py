@@ -50,7 +50,7 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from ray.train.v2._internal.execution.callback import WorkerCallback
@@ -69,27 +69,38 @@ class CopyWindow:
 
     Ray Train stops a worker group by calling every worker's `shutdown()` and waiting
     up to 5 s for the calls before it kills the processes. `GraceForSurvivors` spends
-    part of that wait on this worker's copy of the last step: it waits `start_s` for the
-    step loop to fail (its collective may fail a moment after Ray's health poll noticed
-    the dead peer) and then `finish_s` for a copy in progress. A loop that neither ends
-    nor writes (blocked in an NCCL collective) costs `start_s`, nothing more.
+    that wait on this worker's copy of the last step. It waits `start_s` for the step
+    loop to end or to start its own copy (gloo fails the loop's collective within
+    milliseconds of a peer's death); then `finish_s` for a copy in progress. A loop
+    still "training" after `start_s` is blocked -- in a Ray barrier (a checkpoint
+    report, the preemption poll), in an NCCL collective that will only time out -- or
+    still computing a forward pass: the attached writer then copies the last step from
+    Ray's thread (`Checkpointer.write_copy` takes the state's update lock, so it never
+    reads a half-applied optimizer step).
     """
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._state = "training"  # -> "writing" -> "ended", or straight to "ended"
+        self._writer: Optional[Callable[[str], None]] = None
+
+    def attach(self, writer: Callable[[str], None]) -> None:
+        self._writer = writer
 
     def enter(self, state: str) -> None:
         with self._cond:
             self._state = state
             self._cond.notify_all()
 
-    def wait(self, start_s: float, finish_s: float) -> str:
+    def on_shutdown(self, start_s: float, finish_s: float) -> str:
         with self._cond:
             self._cond.wait_for(lambda: self._state != "training", timeout=start_s)
             if self._state == "writing":
                 self._cond.wait_for(lambda: self._state == "ended", timeout=finish_s)
-            return self._state
+            state, writer = self._state, self._writer
+        if state == "training" and writer is not None:
+            writer("Ray is stopping the worker group while this rank's step loop is blocked or busy")
+        return state
 
 
 # One per worker process: each attempt runs in new processes, and the step loop's thread
@@ -98,43 +109,71 @@ WINDOW = CopyWindow()
 
 
 class GraceForSurvivors(WorkerCallback):
-    """Ray Train worker callback: shutting a worker down waits for its copy of the last step.
+    """Ray Train worker callback: a worker being stopped first leaves its copy of the last step.
 
     Passed through `RunConfig(callbacks=...)`, which hands non-user callbacks to the
-    workers (a DeveloperAPI of Ray Train). Both waits stay inside Ray's 5 s patience.
+    workers (a DeveloperAPI of Ray Train). The waits stay inside Ray's 5 s patience.
     """
 
-    def __init__(self, start_s: float = 1.0, finish_s: float = 3.5) -> None:
+    def __init__(self, start_s: float = 0.25, finish_s: float = 4.0) -> None:
         self.start_s, self.finish_s = start_s, finish_s
 
     def before_worker_shutdown(self) -> None:
-        WINDOW.wait(self.start_s, self.finish_s)
+        WINDOW.on_shutdown(self.start_s, self.finish_s)
 
 
 class LastStep:
-    """Buffers and RNG streams as they were when the last step completed (`mark`)."""
+    """Buffers and RNG streams as they were when the last step completed (`mark`).
+
+    On CUDA an event recorded at the boundary lets a copy taken from another thread
+    wait for the step's kernels only, not for a collective queued after them.
+    """
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
-        self.buffers: list[torch.Tensor] = []
+        self.buffers: dict[str, torch.Tensor] = {}
         self.rng: Optional[dict[str, Any]] = None
+        self.event: Optional[Any] = None
         self.mark()
 
     def mark(self) -> None:
         """At a step boundary: a few KB of RNG state, and a copy of the buffers (BatchNorm's statistics)."""
         self.rng = ckpt.rng_state()
-        live = list(self.module.buffers())
-        if len(live) != len(self.buffers):
-            self.buffers = [b.detach().clone() for b in live]
-            return
-        for kept, buffer in zip(self.buffers, live):
-            kept.copy_(buffer.detach())
+        live = dict(self.module.named_buffers())
+        if live.keys() != self.buffers.keys():
+            self.buffers = {name: b.detach().clone() for name, b in live.items()}
+        else:
+            for name, buffer in live.items():
+                self.buffers[name].copy_(buffer.detach())
+        if any(b.is_cuda for b in live.values()) or any(p.is_cuda for p in self.module.parameters()):
+            self.event = torch.cuda.Event()
+            self.event.record()
 
-    def put_back(self) -> None:
-        """Return the buffers to the boundary (the failed step's forward passes moved them)."""
-        with torch.no_grad():
-            for kept, buffer in zip(self.buffers, self.module.buffers()):
-                buffer.copy_(kept)
+    def with_buffers(self, model_state: dict[str, Any]) -> dict[str, Any]:
+        """The live module's `model_state` with the boundary's buffers (no live tensor is touched)."""
+        return {name: self.buffers.get(name, value) for name, value in model_state.items()}
+
+    def on_cpu(self, tree: Any) -> Any:
+        """Every tensor of `tree` copied to the CPU; on CUDA through a side stream that waits for
+        the boundary's kernels only (the default stream may be queued behind a hung collective)."""
+        if self.event is None:
+            return _map_tensors(tree, lambda t: t.detach().clone())
+        stream = torch.cuda.Stream()
+        stream.wait_event(self.event)
+        with torch.cuda.stream(stream):
+            out = _map_tensors(tree, lambda t: t.detach().to("cpu", copy=True))
+        stream.synchronize()
+        return out
+
+
+def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return {k: _map_tensors(v, fn) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_map_tensors(v, fn) for v in tree)
+    return tree
 
 
 def is_peer_loss(exc: BaseException) -> bool:
@@ -153,23 +192,23 @@ def is_peer_loss(exc: BaseException) -> bool:
                for frame in frames)
 
 
-def write_last_step(state: Any, run_dir: Location, fit_id: str, world_rank: int) -> tuple[Location, float]:
-    """Write the last completed step of `state` (a `TrainState`) into `run_dir`; (where, seconds).
+def write_last_step(state: dict[str, Any], run_dir: Location, fit_id: str, world_rank: int) -> tuple[Location, float]:
+    """Write `state` (`TrainState.last_step_state_dict()`) into `run_dir`; (where, seconds).
 
     Named like any checkpoint of the fit, with the writer's rank appended, so that
     survivors never write into one directory and the newest-valid lookup takes it.
     """
     started = time.perf_counter()
-    progress = state.progress
-    name = (f"{CHECKPOINT_PREFIX}{progress.step:08d}_e{progress.epoch}s{progress.steps_into_epoch}"
+    progress = state["progress"]
+    name = (f"{CHECKPOINT_PREFIX}{progress['step']:08d}_e{progress['epoch']}s{progress['steps_into_epoch']}"
             f"_{fit_id[:8]}_r{world_rank}")
     target, origin = run_dir / name, f"{REPLICA_ORIGIN}:rank={world_rank}"
     if target.is_local:  # straight into place: every file atomic, the manifest last
-        ckpt.save_checkpoint(target.local_path, state.last_step_state_dict(), origin=origin)
+        ckpt.save_checkpoint(target.local_path, state, origin=origin)
         return target, time.perf_counter() - started
     staging = tempfile.mkdtemp(prefix="raytrain_ddp_replica_")
     try:
-        ckpt.save_checkpoint(staging, state.last_step_state_dict(), origin=origin)
+        ckpt.save_checkpoint(staging, state, origin=origin)
         target.upload_from(staging)  # no set order: a copy cut short fails its manifest check
     finally:
         shutil.rmtree(staging, ignore_errors=True)

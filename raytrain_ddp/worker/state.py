@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import random
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import numpy as np
 import torch
@@ -94,6 +95,7 @@ class TrainState:
     rng: Any = None
     run: dict = field(default_factory=dict)  # world size, config and fit id, for the driver
     last_step: Optional[LastStep] = None  # run.recovery=replica: what a survivor writes (replica.py)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # see `updating`
 
     @property
     def module(self) -> torch.nn.Module:
@@ -117,14 +119,29 @@ class TrainState:
         if self.last_step is not None:
             self.last_step.mark()
 
-    def last_step_state_dict(self) -> dict[str, Any]:
-        """The state at the last completed step, from this rank alone (no collective).
+    @contextlib.contextmanager
+    def updating(self) -> Iterator[None]:
+        """Around everything that moves parameters, optimizer, schedule and step count together."""
+        with self.lock:
+            yield
 
-        Called after a step failed part-way: buffers and RNG come from the boundary
-        snapshot; parameters, optimizer, schedule and progress had not moved yet.
+    def last_step_state_dict(self, timeout_s: float = 2.0) -> Optional[dict[str, Any]]:
+        """The state at the last completed step, from this rank alone (no collective); None
+        if an optimizer step held the update lock for `timeout_s`.
+
+        Safe while a step is part-way (its forward passes ran, or its collective failed)
+        and from another thread: buffers and RNG come from the boundary snapshot, and
+        parameters, optimizer, schedule and progress move only under `updating()`.
         """
-        self.last_step.put_back()
-        return {**self.state_dict(), "rng": self.last_step.rng}
+        if not self.lock.acquire(timeout=timeout_s):
+            return None
+        try:
+            state = self.state_dict()
+            state["model"] = self.last_step.with_buffers(state["model"])
+            state["rng"] = self.last_step.rng
+            return self.last_step.on_cpu(state)
+        finally:
+            self.lock.release()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, part in self.components().items():

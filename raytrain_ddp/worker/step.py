@@ -1,7 +1,7 @@
 """One optimizer step and one validation pass: the code that runs between checkpoints.
 
 Owns: accumulate micro-batches (the wrapper syncs on the last), unscale, clip, the
-all-ranks decision on non-finite values, step, schedule; validation over this rank's
+all-ranks decision on non-finite values, step, schedule, counting the step; validation over this rank's
 share of the held-out rows. Must not touch: cadence (log, checkpoint, epoch
 bookkeeping: the loop and its components), Ray.
 
@@ -53,14 +53,16 @@ def train_step(state: TrainState, window: list, accumulation_steps: int, train: 
     # fp16: an overflowing gradient is the GradScaler's business (it skips and rescales).
     bad = not torch.isfinite(local_loss) or (not state.scaler.is_enabled() and not torch.isfinite(grad_norm))
     loss_sum, bad_ranks = sum_over_ranks(torch.stack([local_loss, torch.tensor(float(bad), device=rank.device)]))
-    if bad_ranks > 0:
-        _skip_step(state, train.nonfinite)
-    else:
-        state.progress.consecutive_nonfinite = 0
-        state.scaler.step(state.optimizer)
-        state.scaler.update()
-    state.optimizer.zero_grad(set_to_none=True)
-    state.schedule.step()
+    with state.updating():  # a survivor's copy (worker/replica.py) never sees half of this
+        if bad_ranks > 0:
+            _skip_step(state, train.nonfinite)
+        else:
+            state.progress.consecutive_nonfinite = 0
+            state.scaler.step(state.optimizer)
+            state.scaler.update()
+        state.optimizer.zero_grad(set_to_none=True)
+        state.schedule.step()
+        state.step_done()
     return StepResult(loss_sum / rank.world_size, lr)
 
 

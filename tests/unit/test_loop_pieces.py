@@ -66,6 +66,7 @@ def test_train_step_returns_window_mean_loss_and_steps(group):
     assert any(not torch.equal(a, b) for a, b in zip(before, parts.params))
     assert all(p.grad is None for p in parts.params)  # zeroed for the next window
     assert parts.schedule.last_step == 1 and parts.progress.nonfinite_steps == 0
+    assert parts.progress.step == 1  # the step counts itself, under the update lock
 
 
 def test_nonfinite_loss_skips_the_step_then_aborts_after_max_consecutive(group):
@@ -118,8 +119,7 @@ def test_checkpoint_is_one_entry_per_component_and_round_trips(group, tmp_path):
     job = Job(cfg=cfg, spec=SPEC, run_dir=str(tmp_path), fit_id="f" * 32)
     parts = build_state(job, RANK, total_steps=10)
     for i in range(3):
-        train_step(parts, _window(i), 2, cfg.train, RANK)
-        parts.progress.step_done()
+        train_step(parts, _window(i), 2, cfg.train, RANK)  # counts the step
     parts.progress.next_epoch(0)
     parts.progress.steps_into_epoch = 1
     ckpt.save_checkpoint(tmp_path / "checkpoint_x", parts.state_dict())
@@ -150,7 +150,6 @@ def test_rank0_says_the_auto_layout_once_it_is_chosen(group, capsys):
     parts = _build(cfg)
     log = RunLog(Job(cfg=cfg, spec=SPEC, run_dir="/nonexistent", fit_id="f" * 32), RANK, parts, _Data(), 10)
     result = train_step(parts, _window(), 2, cfg.train, RANK)
-    parts.progress.step_done()
     log.step(result, 0, False)  # not decided yet: nothing said
     parts.wrapper.tuning = {"text": "1.1 MB (5 buckets); synced backward ms ..."}
     for _ in range(2):
@@ -229,23 +228,29 @@ def test_survivors_copy_is_the_last_completed_step_whatever_the_failed_step_move
     parts = _build(cfg, tmp_path)
     for i in range(2):
         train_step(parts, _window(i), 2, cfg.train, RANK)
-        parts.step_done()
     at_boundary = parts.state_dict()
     torch.randn(100)  # the failed step's forward consumed randomness ...
-    where, _ = write_last_step(parts, Location.parse(tmp_path), "f" * 32, world_rank=1)
+    where, _ = write_last_step(parts.last_step_state_dict(), Location.parse(tmp_path), "f" * 32, world_rank=1)
     assert where.name == "checkpoint_00000002_e0s2_ffffffff_r1"
     copy = ckpt.load_checkpoint(where.local_path)
     assert written_by_survivor(ckpt.read_manifest(where.local_path)) == 1
     assert copy["progress"] == at_boundary["progress"] and torch.equal(copy["rng"]["torch"], at_boundary["rng"]["torch"])
     assert all(torch.equal(copy["model"][k], v) for k, v in at_boundary["model"].items())
 
-    # ... and moved BatchNorm's running statistics: the boundary's come back
+    # ... and moved BatchNorm's running statistics: the copy has the boundary's, the module keeps its own
     bn = torch.nn.BatchNorm1d(4)
     kept = LastStep(bn)
     bn(torch.randn(8, 4) + 3)
-    assert not torch.equal(bn.running_mean, torch.zeros(4))
-    kept.put_back()
-    assert torch.equal(bn.running_mean, torch.zeros(4)) and int(bn.num_batches_tracked) == 0
+    moved = bn.running_mean.clone()
+    copied = kept.on_cpu(kept.with_buffers(bn.state_dict()))
+    assert torch.equal(copied["running_mean"], torch.zeros(4)) and int(copied["num_batches_tracked"]) == 0
+    assert torch.equal(bn.running_mean, moved) and not torch.equal(moved, torch.zeros(4))
+    kept.mark()
+    assert torch.equal(kept.on_cpu(kept.with_buffers(bn.state_dict()))["running_mean"], moved)
+
+    # an optimizer step in progress (the update lock held) is waited for, then given up on
+    with parts.lock:
+        assert parts.last_step_state_dict(timeout_s=0.1) is None
 
     # only a collective's failure is a lost peer: raised from a frame of torch.distributed's
     import torch.distributed.distributed_c10d as c10d
@@ -263,19 +268,23 @@ def test_survivors_copy_is_the_last_completed_step_whatever_the_failed_step_move
             assert not is_peer_loss(exc)
 
 
-def test_shutdown_waits_for_a_copy_in_progress_and_not_for_a_loop_that_never_writes():
+def test_ray_stopping_a_worker_waits_for_its_copy_or_writes_one_for_a_blocked_loop():
     import threading
     import time
 
     from raytrain_ddp.worker.replica import CopyWindow
 
-    window = CopyWindow()
+    window, written = CopyWindow(), []
+    window.attach(written.append)
     started = time.monotonic()
-    assert window.wait(start_s=0.2, finish_s=5) == "training"  # blocked elsewhere: costs start_s only
+    # the loop is blocked (a Ray barrier, an NCCL collective): after start_s, Ray's thread writes
+    assert window.on_shutdown(start_s=0.2, finish_s=5) == "training" and len(written) == 1
     assert 0.15 < time.monotonic() - started < 2
 
-    window.enter("writing")
+    window, written = CopyWindow(), []
+    window.attach(written.append)
+    window.enter("writing")  # the loop's own copy is under way: wait for it, write nothing
     threading.Timer(0.3, window.enter, args=("ended",)).start()
     started = time.monotonic()
-    assert window.wait(start_s=1, finish_s=5) == "ended"  # waited for the copy to finish
+    assert window.on_shutdown(start_s=1, finish_s=5) == "ended" and written == []
     assert 0.2 < time.monotonic() - started < 3
