@@ -116,9 +116,9 @@ def format_record(record: dict[str, Any], total_steps: Optional[int] = None) -> 
 class ProgressPrinter:
     """Driver side: prints each metrics record as it arrives (a sink of the run's record stream)."""
 
-    def __init__(self, total_steps: Optional[int] = None, out: TextIO = sys.stdout) -> None:
+    def __init__(self, total_steps: Optional[int] = None, out: Optional[TextIO] = None) -> None:
         self.total_steps = total_steps
-        self.out = out
+        self.out = out if out is not None else sys.stdout  # at construction: honours redirect_stdout
 
     def record(self, record: dict[str, Any]) -> None:
         print(format_record(record, self.total_steps), file=self.out, flush=True)

@@ -124,8 +124,18 @@ def test_quick_bench_writes_every_section(smoke_run):
     assert 0.0 <= ingest["data_wait_fraction"] <= 1.0
     assert ingest["training"]["streaming"]["status"] == "ok"
 
+    rec = results["recovery"]  # issue #15: the smoke preset times the replica's per-step cost, no kill runs
+    for model, least_mb in (("quickstart", 1.0), ("large", 100.0)):
+        row = rec["overhead"][model]
+        assert row["state_mb"] >= least_mb, (model, row)
+        for key in ("step_ms", "step_with_mark_ms", "mark_ms", "overhead_pct"):
+            assert _positive(row[key]), (model, key, row)
+    assert "kill" not in rec and "skipped" in rec["kill_note"]
+    assert "**Keeping the replica" in proc.stdout
+
     names = {v["target"] for v in results["targets"]}
-    assert "Ray Train / plain torch.distributed step" in names and len(names) == 11
+    assert "Ray Train / plain torch.distributed step" in names and len(names) == 13
+    assert "replica's cost per step, % of step time (quickstart)" in names
     assert "quickstart checkpoint blocks the step loop (s, async upload)" in names
     assert "**Checkpoint: time the step loop is blocked**" in proc.stdout
 

@@ -31,6 +31,15 @@ TARGETS = [
                     + r["memory"][m]["strategies"]["zero1"]["wire"]["all_gather_over_param_bytes"]) / 2
                    for m in ("mlp", "gpt") if m in r["memory"]), 1.001, "<="),
     ("data wait / step time (training run)", lambda r: r["ingest"]["data_wait_fraction"], 0.10, "<="),
+    # issue #15: a SIGKILLed worker costs at most the step in flight, back to training fast, replica cheap to keep
+    ("completed steps redone after a worker SIGKILL (run.recovery=replica)",
+     lambda r: r["recovery"]["kill"]["replica"]["steps_redone_max"], 1, "<="),
+    ("s from a worker SIGKILL to the next trained step (replica, worst run)",
+     lambda r: r["recovery"]["kill"]["replica"]["kill_to_next_step_s"]["max"], 10.0, "<="),
+    ("replica's cost per step, % of step time (quickstart)",
+     lambda r: r["recovery"]["overhead"]["quickstart"]["overhead_pct"], 3.0, "<="),
+    ("replica's cost per step, % of step time (>= 100 MB state)",
+     lambda r: r["recovery"]["overhead"]["large"]["overhead_pct"], 3.0, "<="),
     ("Ray Data / in-memory samples/s", lambda r: r["ingest"]["ray_data_over_in_memory"], 0.9, ">="),
 ]
 
@@ -101,6 +110,34 @@ def _memory_tables(mem: dict[str, Any]) -> list[str]:
                        "optimizer / bucketed's", "grad-sync bytes / grad bytes",
                        "all-gather bytes / param bytes", "step ms (median [p25-p75])",
                        f"fits {mem['fit_device_gb']} GB x {mem['fit_workers']} workers (params)"], rows))
+    return out
+
+
+def _recovery_tables(rec: dict[str, Any]) -> list[str]:
+    """A SIGKILLed worker per run.recovery mode, and the replica's per-step cost (issue #15)."""
+    out = []
+    kill = rec.get("kill")
+    if kill:
+        out.append(f"\n**Recovery from a SIGKILLed worker** ({kill['world_size']} workers, quickstart, "
+                   f"{kill['max_steps']} steps, durable checkpoints every {kill['checkpoint_every_steps']} steps, "
+                   f"killed once step {kill['kill_at']} was logged; one row per run)\n")
+        rows = [[r["mode"], r["killed_rank"], r["last_step_before_kill"], r["resumed_from"], r["resumed_step"],
+                 r["steps_redone"], "-" if r.get("kill_to_copy_s") is None else _f(r["kill_to_copy_s"], 2),
+                 _f(r["kill_to_restart_s"], 1), _f(r["kill_to_next_step_s"], 1)]
+                for mode in ("replica", "checkpoint") for r in kill[mode]["runs"]]
+        out.append(_table(["run.recovery", "killed rank", "last step before the kill", "resumed from",
+                           "resumed at step", "completed steps redone", "kill -> survivor's copy (s)",
+                           "kill -> new group (s)",
+                           "kill -> next trained step (s)"], rows))
+    elif rec.get("kill_note"):
+        out.append(f"\n**Recovery from a SIGKILLed worker**: {rec['kill_note']}")
+    ov = rec["overhead"]
+    out.append(f"\n**Keeping the replica: `LastStep.mark()` at every step boundary** (1 process, 1 thread, "
+               f"no Ray; medians over {ov['rounds']} interleaved rounds with and without it)\n")
+    rows = [[name, _f(o["state_mb"], 1), _f(o["step_ms"], 2), _f(o["mark_ms"], 3), _f(o["overhead_pct"], 2),
+             _f(o["paired_diff_pct"], 1)] for name, o in ov.items() if isinstance(o, dict)]
+    out.append(_table(["model", "state MB (params + AdamW)", "step ms", "mark() ms", "mark / step %",
+                       "marked - plain step % (noise)"], rows))
     return out
 
 
@@ -175,6 +212,8 @@ def markdown(results: dict[str, Any]) -> str:
                     for s, t in ing["training"].items()]
             out.append("\n" + _table(["training run: data.sharding", "workers", "steps", "data wait fraction",
                                       "samples/s"], rows))
+    if results.get("recovery"):
+        out += _recovery_tables(results["recovery"])
     gpt = results.get("gpt")
     if gpt:
         out.append(f"\n**Tiny GPT on {gpt['device_name']}** ({gpt['precision']}, {gpt['params'] / 1e6:.1f} M params, "

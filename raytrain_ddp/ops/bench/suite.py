@@ -4,12 +4,13 @@ Owns: the order of sections, presets (`--quick`, full, `--device cuda`), when th
 instance the Ray sections share starts, and where results go (`session` starts Ray
 and writes the `meta` block).
 Must not touch: how each section measures (see strategies / accumulation /
-ray_overhead / ingest / gpu).
+ray_overhead / checkpoint / ingest / recovery / gpu).
 
 Sections (top-level JSON keys): `strategies`, `accumulation`, `memory` (bytes per rank,
 wire bytes and step time of bucketed / zero1 / fsdp), `ray_overhead`,
-`checkpoint` (how long a checkpoint holds the step loop, sync vs async upload), `ingest`
-on CPU; on CUDA `strategies` (world size 1: wrapper overhead, plus DataParallel), `gpt`
+`checkpoint` (how long a checkpoint holds the step loop, sync vs async upload), `ingest`,
+`recovery` (a SIGKILLed worker: steps redone and seconds back to training; the replica's
+per-step cost) on CPU; on CUDA `strategies` (world size 1: wrapper overhead, plus DataParallel), `gpt`
 (bf16 tokens/s, MFU) and `ingest` (Ray Data wait in a GPU training run). A failing
 section is recorded as `{"error": ...}`, the others still run, and the exit status is 1.
 """
@@ -45,7 +46,7 @@ def _section(results: dict, name: str, fn: Callable[[], dict]) -> None:
 
 
 def run_cpu(sizes: Sizes) -> dict[str, Any]:
-    from raytrain_ddp.ops.bench import accumulation, checkpoint, ingest, memory, ray_overhead, strategies
+    from raytrain_ddp.ops.bench import accumulation, checkpoint, ingest, memory, ray_overhead, recovery, strategies
 
     results: dict[str, Any] = {}
     _section(results, "strategies", lambda: strategies.run(sizes, log=log))
@@ -65,6 +66,10 @@ def run_cpu(sizes: Sizes) -> dict[str, Any]:
         _section(results, "ingest", lambda: ingest.run(sizes, log=log, train_shardings=shardings))
     finally:
         ray.shutdown()
+    # After the shared instance: each kill run starts the launcher's own embedded Ray (its
+    # health-check settings are part of what is measured). The smoke preset keeps only the
+    # in-process overhead: two runs with a restart each cost ~2 min here.
+    _section(results, "recovery", lambda: recovery.run(sizes, log=log, with_kill=sizes.name != "smoke"))
     return results
 
 
