@@ -203,12 +203,20 @@ def _like(given: Where, loc: Location) -> Any:
 # ---------------------------------------------------------------- RNG state as plain types
 
 
-def rng_state() -> dict[str, Any]:
-    """torch / numpy / python RNG states as tensors and primitives (weights_only-safe)."""
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    py_version, py_internal, py_gauss = random.getstate()
+def capture_rng() -> tuple[Any, ...]:
+    """The RNG states as the libraries give them (~0.1 ms); `rng_state` makes them storable."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), np.random.get_state(), random.getstate(), cuda
+
+
+def rng_state(captured: Optional[tuple[Any, ...]] = None) -> dict[str, Any]:
+    """torch / numpy / python RNG states (now, or as `capture_rng` took them) as tensors and
+    primitives (weights_only-safe)."""
+    torch_state, np_state, py_state, cuda = captured if captured is not None else capture_rng()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np_state
+    py_version, py_internal, py_gauss = py_state
     state = {
-        "torch": torch.get_rng_state(),
+        "torch": torch_state,
         "numpy": {
             "name": str(np_name),
             "keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
@@ -222,8 +230,8 @@ def rng_state() -> dict[str, Any]:
             "gauss_next": py_gauss,
         },
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if cuda is not None:
+        state["cuda"] = cuda
     return state
 
 

@@ -132,13 +132,14 @@ class LastStep:
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
         self.buffers: dict[str, torch.Tensor] = {}
-        self.rng: Optional[dict[str, Any]] = None
+        self.rng: Optional[tuple[Any, ...]] = None  # `checkpoint.capture_rng()`: storable only when written
         self.event: Optional[Any] = None
         self.mark()
 
     def mark(self) -> None:
-        """At a step boundary: a few KB of RNG state, and a copy of the buffers (BatchNorm's statistics)."""
-        self.rng = ckpt.rng_state()
+        """At a step boundary (~0.1 ms and the buffers' size): the RNG states as the libraries
+        give them, and a copy of the buffers (BatchNorm's statistics)."""
+        self.rng = ckpt.capture_rng()
         live = dict(self.module.named_buffers())
         if live.keys() != self.buffers.keys():
             self.buffers = {name: b.detach().clone() for name, b in live.items()}

@@ -138,7 +138,7 @@ class TrainState:
         try:
             state = self.state_dict()
             state["model"] = self.last_step.with_buffers(state["model"])
-            state["rng"] = self.last_step.rng
+            state["rng"] = ckpt.rng_state(self.last_step.rng)
             return self.last_step.on_cpu(state)
         finally:
             self.lock.release()
