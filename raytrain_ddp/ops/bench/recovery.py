@@ -15,19 +15,20 @@ restarted group logs a step, noting the last step attempt 1 completed (the drive
 those lines once the new group says where it resumed, so they are seen only live).
 Reported per run: `steps_redone` (attempt 2's train lines at or below the last step
 attempt 1 completed), `kill_to_copy_s` (the kill to a survivor's copy being complete,
-seen from outside within ~20 ms; None without one), `kill_to_restart_s` (the kill to the new group's attempts.jsonl
-line), `kill_to_next_step_s` (the kill to the `time` of attempt 2's first train line),
+seen from outside within ~20 ms; None without one), `kill_to_restart_s` (the kill to
+the new group's attempts.jsonl line), `kill_to_next_step_s` (the kill to the `time` of attempt 2's first train line),
 and `resumed_from` / `resumed_step` from attempts.jsonl; for `run.recovery=replica`
 (the default) and, as the comparison, `run.recovery=checkpoint`, where the steps since
 the last durable checkpoint are redone. Each run starts its own Ray instance (the
-launcher's embedded start), so the section runs after the suite's shared one stopped.
+launcher's embedded start, with Ray's default worker niceness as a user's run has it),
+so the section runs after the suite's shared one stopped.
 
 `overhead`: the steady-state price of the replica is `LastStep.mark()` at every step
 boundary (RNG streams and a copy of the module's buffers; parameters and optimizer are
 never copied). Timed in this process, without Ray: a plain step (forward and backward
 over the micro-batches, gradient clipping, AdamW, zero_grad) with and without `mark()`,
 in interleaved rounds, for the quickstart's CNN and a Linear(5120, 5120) with AdamW
-(316 MB of state). `mark_ms` is the median of `mark()` itself inside the marked steps;
+(315 MB of state). `mark_ms` is the median of `mark()` itself inside the marked steps;
 `overhead_pct` = mark_ms / step_ms; `paired_diff_pct` (marked minus plain step medians)
 is shown as well, but on a shared machine it is noise around the tiny true cost.
 """
@@ -189,7 +190,9 @@ def _kill_run(mode: str, storage: Path, kill_at: int, log) -> dict[str, Any]:
 
 def kill_section(kills: int, log=print) -> dict[str, Any]:
     """`kills` runs per recovery mode (replica, checkpoint), interleaved; each starts its own Ray."""
-    saved = os.environ.pop("RAY_ADDRESS", None)  # the launcher's embedded start, never a cluster by chance
+    # The launcher's embedded start as `raytrain-ddp train` makes it: never a cluster by
+    # chance, and Ray's own worker niceness, not the 0 the suite sets for its A/B sections.
+    saved = {k: os.environ.pop(k) for k in ("RAY_ADDRESS", "RAY_worker_niceness") if k in os.environ}
     modes: dict[str, list[dict[str, Any]]] = {"replica": [], "checkpoint": []}
     try:
         with tempfile.TemporaryDirectory(prefix="raytrain-bench-recovery-") as tmp:
@@ -197,8 +200,7 @@ def kill_section(kills: int, log=print) -> dict[str, Any]:
                 for mode in modes:
                     modes[mode].append(_kill_run(mode, Path(tmp) / f"{i}", KILL_AT, log))
     finally:
-        if saved is not None:
-            os.environ["RAY_ADDRESS"] = saved
+        os.environ.update(saved)
     out: dict[str, Any] = {"kill_at": KILL_AT, "checkpoint_every_steps": CHECKPOINT_EVERY, "max_steps": MAX_STEPS,
                            "world_size": 2, "config": "examples/configs/quickstart.yaml"}
     for mode, rows in modes.items():
