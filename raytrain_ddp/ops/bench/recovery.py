@@ -112,9 +112,13 @@ class _Watcher(threading.Thread):
 
 def _kill_a_worker() -> dict[str, Any]:
     """SIGKILL one live RayTrainWorker (rank 1 if its bundle says so); {pid, rank, time}."""
+    import ray
     from ray.util.state import list_actors
 
-    actors = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")], detail=True)
+    # This run's instance by its address: without one the state API looks for Ray
+    # processes on the machine and refuses when it finds another instance too.
+    actors = list_actors(address=ray.get_runtime_context().gcs_address, detail=True,
+                         filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
     workers = []
     for actor in actors:
         pid = int(getattr(actor, "pid", 0) or 0)
