@@ -140,6 +140,9 @@ def test_text_example_one_worker_dict_batches_survives_a_killed_worker(tmp_path)
     # one worker: nobody survives to write step 5 (#15), so the durable checkpoint, said so
     assert re.search(r"attempt 2: 1 workers .* starting from the newest durable checkpoint \S+ \(step [24]\), "
                      r"falling back", done.stdout), story
+    attempts = [r for r in read_jsonl(run_dir / "attempts.jsonl") if r["fit_id"] == summary["fit_id"]]
+    assert [(r["resumed_from"], r["resumed_step"] in (2, 4)) for r in attempts] == [("scratch", False),
+                                                                                   ("checkpoint", True)], story
     val_loss = summary["final_metrics"]["val_loss"]
     assert 0 < val_loss < math.log(256), story  # better than uniform over bytes after 6 steps
     report = subprocess.run([sys.executable, str(example / "stdlib_corpus.py"), "report", str(run_dir), str(data)],
