@@ -109,8 +109,7 @@ def test_quick_bench_writes_every_section(smoke_run):
         for mode in ("sync", "async"):
             assert _positive(section[mode]["median"]) and section[mode]["n"] == ck["per_mode"], (state, mode)
     assert ck["kept"] == ck["kept_verified"] == 2  # num_to_keep, every kept one verifies after async uploads
-    default = ck["ray_default_poll"]
-    assert default["poll_s"] == 2.0 and _positive(default["quickstart"]["sync"]["median"])
+    assert "ray_default_poll" not in ck  # smoke: the second fit (same path, Ray's 2 s poll) is the full presets'
 
     ingest = results["ingest"]
     for reader in ("ray_data", "ray_data_materialized", "dataloader_stream", "dataloader_rows", "in_memory"):

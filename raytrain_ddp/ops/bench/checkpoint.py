@@ -144,14 +144,19 @@ def run(sizes: Sizes, world_size: int = 2, log=print) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="raytrain-bench-ckpt-") as name:
         tmp = Path(name)
         ours = _fit(GAPS_S, per_mode, world_size, CONTROLLER_POLL_S, tmp)
-        ray_default = _fit({"quickstart": GAPS_S["quickstart"]}, per_mode, world_size, RAY_DEFAULT_POLL_S, tmp)
-    return {"world_size": world_size, "per_mode": per_mode, "poll_s": CONTROLLER_POLL_S,
-            "states": {k: ours[k] for k in GAPS_S}, "fit_s": ours["fit_s"], "kept": ours["kept"],
-            "kept_verified": ours["kept_verified"],
-            "ray_default_poll": {"poll_s": RAY_DEFAULT_POLL_S, "quickstart": ray_default["quickstart"],
-                                 "fit_s": ray_default["fit_s"]},
-            "note": "seconds ray.train.report (with the state's serialisation) held rank 0's step loop; "
-                    "medians over interleaved sync/async checkpoints; storage is a local directory"}
+        # The comparison at Ray's default poll is the same code path with another poll value: the
+        # test suite's smoke preset skips its second fit (it checks code paths, not figures).
+        ray_default = None if sizes.name == "smoke" else _fit(
+            {"quickstart": GAPS_S["quickstart"]}, per_mode, world_size, RAY_DEFAULT_POLL_S, tmp)
+    out = {"world_size": world_size, "per_mode": per_mode, "poll_s": CONTROLLER_POLL_S,
+           "states": {k: ours[k] for k in GAPS_S}, "fit_s": ours["fit_s"], "kept": ours["kept"],
+           "kept_verified": ours["kept_verified"],
+           "note": "seconds ray.train.report (with the state's serialisation) held rank 0's step loop; "
+                   "medians over interleaved sync/async checkpoints; storage is a local directory"}
+    if ray_default is not None:
+        out["ray_default_poll"] = {"poll_s": RAY_DEFAULT_POLL_S, "quickstart": ray_default["quickstart"],
+                                   "fit_s": ray_default["fit_s"]}
+    return out
 
 
 def main(argv: Optional[list[str]] = None) -> int:
