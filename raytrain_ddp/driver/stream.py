@@ -145,22 +145,26 @@ class Recorder:
                 logger.warning("closing %s failed: %s", type(sink).__name__, exc)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self._drain(timeout_s=0.5)
+        while not self._stop.is_set() and self._drain(timeout_s=0.5):
+            pass
 
-    def _drain(self, timeout_s: float) -> None:
+    def _drain(self, timeout_s: float) -> bool:
+        """Apply what the mailbox holds; False once it cannot hold more (no mailbox, Ray shut down)."""
         if self.mailbox is None:
-            return
+            return False
         import ray
 
+        if not ray.is_initialized():  # the mailbox went with Ray; calling it would start a new Ray instance
+            return False
         try:
             events = ray.get(self.mailbox.take.remote(timeout_s), timeout=timeout_s + 30)
-        except Exception as exc:  # noqa: BLE001 - the mailbox is gone (Ray shut down): nothing more comes
+        except Exception as exc:  # noqa: BLE001 - the mailbox is gone: nothing more comes
             if not self._stop.is_set():
                 logger.debug("mailbox unavailable: %s", exc)
                 time.sleep(0.2)
-            return
+            return True
         self.handle(events)
+        return True
 
     # ------------------------------------------------------------ events
 
