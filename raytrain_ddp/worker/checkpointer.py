@@ -30,6 +30,7 @@ training function returns, Ray waits for the uploads still running.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 import threading
@@ -49,6 +50,9 @@ from raytrain_ddp.worker.preemption import PreemptionGuard
 from raytrain_ddp.worker.replica import WINDOW, is_peer_loss, write_last_step, written_by_survivor
 from raytrain_ddp.worker.state import TrainState
 
+MAX_PENDING_UPLOADS = 2  # staging copies waiting for Ray's asynchronous upload, at most
+UPLOAD_WAIT_S = 600.0  # bounded: a stuck upload delays the next checkpoint, never hangs the run
+
 
 class Checkpointer:
     def __init__(self, job: Job, rank: Rank, state: TrainState, log: RunLog, hooks: Any) -> None:
@@ -58,6 +62,7 @@ class Checkpointer:
         self.guard = PreemptionGuard.for_worker(job.cfg, rank, hooks)  # spot reclaims
         self.saved_step = 0  # the newest step in a checkpoint: a survivor's copy must be newer
         self._copied_step, self._copy_lock = 0, threading.Lock()
+        self._staged: list[str] = []  # rank 0's staging copies Ray has not uploaded (and deleted) yet
         if state.last_step is not None:
             WINDOW.attach(self.write_copy)  # Ray's shutdown call writes it if the loop cannot
 
@@ -132,6 +137,21 @@ class Checkpointer:
             self._copied_step = step
             print(f"{say}; wrote the last completed step {step} to {where} in {took:.2f}s", flush=True)
 
+    def _wait_for_uploads(self) -> None:
+        """At most `MAX_PENDING_UPLOADS` staging copies wait for Ray's background upload.
+
+        Ray deletes a staging copy once it is uploaded; a cadence faster than the uploads
+        (the tiny config checkpointing every 5 steps) otherwise queues a full copy on local
+        disk per checkpoint -- 177 of them, all left behind when the run was interrupted.
+        The wait counts as checkpoint time (`checkpoint_blocked_s`).
+        """
+        deadline = time.monotonic() + UPLOAD_WAIT_S
+        while True:
+            self._staged = [path for path in self._staged if os.path.exists(path)]
+            if len(self._staged) < MAX_PENDING_UPLOADS or time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+
     def after_step(self, end_of_epoch: bool) -> None:
         """Periodic and just-in-time saves, at a step boundary that is not the run's last."""
         step = self.state.progress.step
@@ -156,9 +176,12 @@ class Checkpointer:
         started = time.perf_counter()
         with self.log.paused():
             state = self.state.state_dict()  # on every rank: zero1 / fsdp gather it here (a collective)
-            report_checkpoint((lambda: state) if self.rank.is_main else None,
-                              {"step": progress.step, "epoch": progress.epoch, **metrics}, name,
-                              asynchronous=self.upload == "async" and not durable)
+            if self.rank.is_main:
+                self._wait_for_uploads()
+            staged = report_checkpoint((lambda: state) if self.rank.is_main else None,
+                                       {"step": progress.step, "epoch": progress.epoch, **metrics}, name,
+                                       asynchronous=self.upload == "async" and not durable)
+            self._staged += [staged] if staged else []
         blocked = time.perf_counter() - started
         self.saved_step = progress.step
         self.log.checkpoint_saved(progress.step, name, blocked)
@@ -168,13 +191,14 @@ class Checkpointer:
 
 
 def report_checkpoint(state_dict: Optional[Any], metrics: dict[str, Any], name: str,
-                      asynchronous: bool = True) -> None:
+                      asynchronous: bool = True) -> Optional[str]:
     """Hand one checkpoint to Ray Train: rank 0 passes `state_dict` (a callable), the others None.
 
     The state is serialised into a fresh staging directory; Ray copies it to
     `<storage>/<run>/<name>` and deletes the staging copy after the upload (in the
     background when `asynchronous`). Shared with `raytrain-ddp bench`'s checkpoint
-    section, so the benchmark times exactly this path.
+    section, so the benchmark times exactly this path. Returns rank 0's staging
+    directory (gone once uploaded), None on the other ranks.
     """
     import ray.train
     from ray.train.v2.api.report_config import CheckpointUploadMode
@@ -192,6 +216,7 @@ def report_checkpoint(state_dict: Optional[Any], metrics: dict[str, Any], name: 
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
         raise
+    return staging
 
 
 def find_resume_state(job: Job) -> Optional[tuple[dict, Any]]:
