@@ -180,11 +180,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         results["checkpoint"] = run(QUICK if args.quick else FULL, log=log)
     finally:
         ray.shutdown()
-    results["targets"] = report.verdicts(results)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2, default=float) + "\n")
-    print(report.markdown(results))
-    return 0
+    return report.finish_section_run(results, args.out)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ is shown as well, but on a shared machine it is noise around the tiny true cost.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -332,11 +331,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     preset = "quick" if args.quick else "full"
     results: dict[str, Any] = {"meta": meta(preset, "cpu")}
     results["recovery"] = run(QUICK if args.quick else FULL, log=log, with_kill=not args.no_kill)
-    results["targets"] = report.verdicts(results)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2, default=float) + "\n")
-    print(report.markdown(results))
-    return 0
+    return report.finish_section_run(results, args.out)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@ measuring anything. The same tables are pasted into benchmarks/README.md.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 # Targets from issue #5 (#19: bucketed at least as fast as torch DDP): (what, value getter, limit, "<=" or ">=").
 TARGETS = [
@@ -293,3 +294,13 @@ def plot(results: dict[str, Any], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def finish_section_run(results: dict[str, Any], out: Optional[str]) -> int:
+    """A section run alone (`python -m raytrain_ddp.ops.bench.<section>`): verdicts, the JSON
+    (when `out` is given) and the tables on stdout, as `raytrain-ddp bench` ends."""
+    results["targets"] = verdicts(results)
+    if out:
+        Path(out).write_text(json.dumps(results, indent=2, default=float) + "\n")
+    print(markdown(results))
+    return 0
