@@ -4,6 +4,7 @@
 #   cluster/local-two-node.sh up            # prints the state dir; `source <dir>/env` to use it
 #   cluster/local-two-node.sh down <dir>    # stops exactly the processes `up` started
 #   cluster/local-two-node.sh status <dir>  # nodes the head sees
+#   cluster/local-two-node.sh kill-node <dir>  # SIGKILL every process of the second node
 #
 # Every port is picked free (GCS, dashboard, node/object managers, agents, metrics, worker
 # port ranges), so this never clashes with another Ray on the machine. The dashboard (and
@@ -36,7 +37,7 @@ STORE_BYTES="${RT2N_OBJECT_STORE_BYTES:-200000000}"
 UP_TIMEOUT_S="${RT2N_UP_TIMEOUT_S:-90}"
 
 usage() {
-  sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 
@@ -133,24 +134,44 @@ EOF
   )
 }
 
-# Members of process group $1 that are still running (zombies count as gone: they have
+# Each node runs in its own session (setsid): its `ray start`, raylet, agents and every worker
+# process (Ray puts each worker in a process group of its own, but not in a new session).
+# The session id is the pid recorded in <name>.pgid.
+
+# Members of session $1 that are still running (zombies count as gone: they have
 # exited and only wait for their parent, which may be init, to reap them).
 group_alive() {
-  ps -eo pgid=,stat= | awk -v g="$1" '$1 == g && $2 !~ /^Z/ {n++} END {exit n ? 0 : 1}'
+  ps -eo sid=,stat= | awk -v g="$1" '$1 == g && $2 !~ /^Z/ {n++} END {exit n ? 0 : 1}'
 }
 
-# SIGTERM every given process group at once, wait up to 10 s for all of them, then SIGKILL
-# whatever is left (only these groups: never anything found by name).
+# Send signal $1 to every process of session $2 (only that session: never anything by name).
+signal_session() {
+  local pid
+  for pid in $(ps -eo sid=,pid= | awk -v g="$2" '$1 == g {print $2}'); do
+    kill "-$1" "$pid" 2>/dev/null || true
+  done
+}
+
+# SIGTERM every given session at once, wait up to 10 s for all of them, then SIGKILL
+# whatever is left.
 kill_groups() {
-  local pgid
-  for pgid in "$@"; do kill -TERM -- "-$pgid" 2>/dev/null || true; done
+  local sid
+  for sid in "$@"; do signal_session TERM "$sid"; done
   for _ in $(seq 1 50); do
     local alive=0
-    for pgid in "$@"; do group_alive "$pgid" && alive=1; done
+    for sid in "$@"; do group_alive "$sid" && alive=1; done
     (( alive )) || return 0
     sleep 0.2
   done
-  for pgid in "$@"; do kill -KILL -- "-$pgid" 2>/dev/null || true; done
+  for sid in "$@"; do signal_session KILL "$sid"; done
+}
+
+# `kill-node <dir>`: SIGKILL every process of the second node at once, as a lost machine
+# (tests of node loss; the head, and with it the cluster, stays up).
+cmd_kill_node() {
+  local dir="${1:-}"
+  [[ -f "$dir/rt2n" && -f "$dir/node.pgid" ]] || { echo "local-two-node: kill-node needs the state dir printed by 'up'" >&2; exit 2; }
+  signal_session KILL "$(cat "$dir/node.pgid")"
 }
 
 cmd_down() {
@@ -184,6 +205,11 @@ cmd_up() {
           H_WLO N_WLO <<<"$(free_ports 15)"
 
   export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$dir/auth_token" RAY_USAGE_STATS_ENABLED=0
+  # How fast the GCS declares a lost node dead: the same settings as the cluster files
+  # (docs/reliability.md#node-loss); each may be overridden from the environment.
+  export RAY_health_check_period_ms="${RAY_health_check_period_ms:-1000}"
+  export RAY_health_check_timeout_ms="${RAY_health_check_timeout_ms:-1000}"
+  export RAY_health_check_failure_threshold="${RAY_health_check_failure_threshold:-3}"
   cat > "$dir/env" <<EOF
 # source this file to talk to the local two-node cluster
 export RAY_ADDRESS=127.0.0.1:$GCS
@@ -229,5 +255,6 @@ case "${1:-}" in
   up) cmd_up ;;
   down) cmd_down "${2:-${RT2N_DIR:-}}" ;;
   status) cmd_status "${2:-${RT2N_DIR:-}}" ;;
+  kill-node) cmd_kill_node "${2:-${RT2N_DIR:-}}" ;;
   *) usage ;;
 esac

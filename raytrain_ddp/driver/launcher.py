@@ -238,6 +238,7 @@ def _fit(cfg: Config, run_dir: Location, resume_from: Any, checked: Any, code: A
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from raytrain_ddp.worker.loop import train_loop_per_worker
+    from raytrain_ddp.driver.node_loss import NodeLossWatch
     from raytrain_ddp.worker.replica import GraceForSurvivors
 
     job, prepared, total_steps = _prepare(cfg, run_dir, resume_from, checked, code, given)
@@ -264,8 +265,9 @@ def _fit(cfg: Config, run_dir: Location, resume_from: Any, checked: Any, code: A
                 relax_collectives_on_preemption=cfg.run.preemption_grace_s > 0,
             ),
             worker_runtime_env={"env_vars": env_vars} if env_vars else None,
-            # A survivor's copy of the last step is not cut short by the restart (worker/replica.py).
-            callbacks=[GraceForSurvivors()] if cfg.run.recovery == "replica" else None,
+            # A survivor's copy of the last step is not cut short by the restart (worker/replica.py);
+            # a lost node is declared dead before the new group is sized (driver/node_loss.py).
+            callbacks=[NodeLossWatch(), *([GraceForSurvivors()] if cfg.run.recovery == "replica" else [])],
             logging_config=LoggingConfig(log_level="WARNING"),  # our progress lines say it all
         ),
         datasets=prepared.datasets,

@@ -82,14 +82,26 @@ class Mailbox:
         return events
 
 
+HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
+
+
 def open_mailbox() -> Any:
-    """Start the mailbox actor on the driver's node; it dies with the driver."""
+    """Start the mailbox actor on the head node (else the driver's); it dies with the driver.
+
+    The head, because the cluster does not outlive it: a lost worker node must not take the
+    run's records with it (issue #15), and the driver's own node is not always the head (a
+    driver on a worker node; on the two-node local cluster both nodes share one address and
+    the driver may attach to either).
+    """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    here = ray.get_runtime_context().get_node_id()
+    heads = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and HEAD_RESOURCE in n.get("Resources", {})]
+    where = heads[0] if heads else ray.get_runtime_context().get_node_id()
     actor = ray.remote(num_cpus=0, max_restarts=0)(Mailbox).options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=True))
+        # soft=False: a soft affinity was seen placing it on the other node when the head
+        # had no idle worker process yet.
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=where, soft=False))
     return actor.remote()
 
 
