@@ -65,9 +65,10 @@ def _cluster_env(state: Path) -> dict[str, str]:
     return env
 
 
-def _alive_members(pgid: int) -> list[str]:
-    out = subprocess.run(["ps", "-eo", "pgid=,stat=,pid=,comm="], capture_output=True, text=True).stdout
-    return [ln for ln in out.splitlines() if ln.split()[0] == str(pgid) and not ln.split()[1].startswith("Z")]
+def _alive_members(sid: int) -> list[str]:
+    """Live processes of a node's session (Ray's workers each have a process group of their own)."""
+    out = subprocess.run(["ps", "-eo", "sid=,stat=,pid=,comm="], capture_output=True, text=True).stdout
+    return [ln for ln in out.splitlines() if ln.split()[0] == str(sid) and not ln.split()[1].startswith("Z")]
 
 
 BUCKET = "raytrain-two-node"
@@ -110,18 +111,32 @@ print(json.dumps({"nodes": nodes, "workers": workers}))
 """
 
 
+# Two epochs of the tiny config over both nodes, uninterrupted: the first test checks where
+# it ran, the node-loss test (the module's last) compares its final parameters with this one's.
+ELASTIC = ("train.epochs=2", "run.log_every_steps=1", "scaling.cpus_per_worker=2", "scaling.num_workers=[1,2]",
+           "run.resume=never")
+
+
+def _reference_run(state: Path) -> subprocess.CompletedProcess:
+    runs = state / "runs"
+    if (runs / "tiny" / "summary.json").exists():
+        return _reference_run.done  # type: ignore[attr-defined]
+    train = subprocess.run(
+        [sys.executable, "-m", "raytrain_ddp", "train", str(REPO / "examples/configs/tiny.yaml"), *ELASTIC,
+         f"run.storage_path={runs}"],
+        env=_cluster_env(state), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert train.returncode == 0, f"training failed:\n{train.stdout[-3000:]}\n{train.stderr[-3000:]}"
+    _reference_run.done = train  # type: ignore[attr-defined]
+    return train
+
+
 @pytest.mark.timeout(400)
 def test_training_spreads_over_both_nodes_and_completes(two_nodes):
     state = two_nodes
     env = _cluster_env(state)
-    runs = state / "runs"
-    train = subprocess.run(
-        [sys.executable, "-m", "raytrain_ddp", "train", str(REPO / "examples/configs/tiny.yaml"),
-         "train.max_steps=10", "scaling.cpus_per_worker=2", f"run.storage_path={runs}", "run.resume=never"],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert train.returncode == 0, f"training failed:\n{train.stdout[-3000:]}\n{train.stderr[-3000:]}"
-    summary = json.loads((runs / "tiny" / "summary.json").read_text())
-    assert summary["status"] == "ok" and summary["workers"] == 2 and summary["steps"] == 10
+    train = _reference_run(state)
+    summary = json.loads((state / "runs" / "tiny" / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["workers"] == 2 and summary["steps"] == 44
     assert "raytrain-ddp: status ok" in train.stdout
     assert train.stdout.count("[rank 0] attempt 1:") == 1, train.stdout  # once, though two nodes stream logs
     assert "\x1b[" not in train.stdout + train.stderr and "core_worker.cc" not in train.stderr  # quiet, no colour
@@ -302,3 +317,76 @@ def test_a_worker_no_node_can_hold_is_unschedulable_not_a_silent_wait(two_nodes,
     assert summary["status"] == "unschedulable" and "no node type of this cluster can hold one worker" in summary["error"]
     assert "cpu3 {CPU: 3}" in summary["error"] and "raytrain-ddp: waiting" not in done.stdout
     assert elapsed < 120, f"{elapsed:.0f}s: not at once"
+
+
+# ------------------------------------------------------------------ issue #15: a whole node lost
+# Must stay the module's last test: the second node does not come back.
+
+
+@pytest.mark.timeout(400)
+def test_a_lost_node_costs_at_most_one_step_and_the_run_goes_on_with_the_survivor(two_nodes, tmp_path):
+    """Every process of the second node SIGKILLed mid-epoch (`local-two-node.sh kill-node`).
+
+    The survivor writes the last completed step, the GCS declares the node dead within its
+    health-check window (1 s x 3, set by local-two-node.sh as by the cluster files), the
+    controller callback (driver/node_loss.py) waits for that before the new group is sized,
+    and the run goes on with one worker: <= 1 step redone, metrics 1..44 once, the same final
+    parameters as the uninterrupted two-node run. Before the node-loss callback the new group
+    was sized for both nodes and waited for Ray Train's 60 s start timeout (71 s measured).
+    """
+    state = two_nodes
+    reference = state / "runs" / "tiny"
+    _reference_run(state)
+    runs = tmp_path / "runs"
+    log_path = tmp_path / "train.log"
+    with open(log_path, "wb") as log:
+        train = subprocess.Popen(
+            [sys.executable, "-m", "raytrain_ddp", "train", str(REPO / "examples/configs/tiny.yaml"), "name=lost",
+             *ELASTIC, f"run.storage_path={runs}"],
+            env={**_cluster_env(state), "PYTHONUNBUFFERED": "1"}, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            metrics, deadline, seen = runs / "lost" / "metrics.jsonl", time.monotonic() + 240, 0
+            while seen < 8 and train.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+                if metrics.exists():
+                    seen = max([r["step"] for r in read_metrics(metrics) if "loss" in r], default=0)
+            assert 8 <= seen < 44, log_path.read_text()[-4000:]
+            killed_at = time.time()
+            kill = subprocess.run([str(SCRIPT), "kill-node", str(state)], env=_base_env(), capture_output=True,
+                                  text=True, timeout=60)
+            assert kill.returncode == 0, kill.stderr
+            train.wait(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            if train.poll() is None:
+                os.killpg(train.pid, signal.SIGKILL)  # the group this test started
+                train.wait(timeout=30)
+    out = log_path.read_text()
+    assert train.returncode == 0, out[-4000:]
+    assert not _alive_members(int((state / "node.pgid").read_text()))
+
+    summary = json.loads((runs / "lost" / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["attempts"] == 2 and summary["steps"] == 44, summary
+    attempts = [r for r in read_jsonl(runs / "lost" / "attempts.jsonl") if r["fit_id"] == summary["fit_id"]]
+    (first, second) = attempts
+    assert (first["world_size"], second["world_size"]) == (2, 1), attempts
+    lines = [r for r in read_metrics(runs / "lost" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in lines] == list(range(1, 45)), lines  # every step once
+    last_before = max(r["step"] for r in lines if r["attempt"] == 1)
+    resumed = second["resumed_step"]
+    assert last_before >= seen and resumed >= last_before - 1, (last_before, attempts)  # <= 1 step redone
+    assert second["resumed_from"] == "replica" or resumed == last_before, attempts  # a checkpoint at the kill step
+    if second["resumed_from"] == "replica":
+        assert "written by surviving rank" in out, out[-4000:]
+    assert "does not answer; waiting for Ray to declare it dead" in out and "declared dead after" in out, out[-4000:]
+    back = min(r["time"] for r in lines if r["attempt"] == 2) - killed_at
+    print(f"node lost at step ~{seen}: resumed at {resumed} ({second['resumed_from']}), "
+          f"next trained step {back:.1f}s after the kill")
+    assert back < 45, f"{back:.1f}s from the node loss to the next trained step (71 s before; target 20 s)"
+
+    # The same optimisation as the uninterrupted run on both nodes (exact sharding, fp32).
+    final, _ = ckpt.load_latest_valid(ckpt.find_checkpoints(Location.parse(str(runs / "lost"))))
+    expected, _ = ckpt.load_latest_valid(ckpt.find_checkpoints(Location.parse(str(reference))))
+    assert final["progress"]["step"] == expected["progress"]["step"] == 44
+    for name, value in expected["model"].items():
+        assert (final["model"][name] - value).abs().max().item() <= 1e-6, name
