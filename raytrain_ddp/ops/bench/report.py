@@ -213,6 +213,12 @@ def markdown(results: dict[str, Any]) -> str:
                     for s, t in ing["training"].items()]
             out.append("\n" + _table(["training run: data.sharding", "workers", "steps", "data wait fraction",
                                       "samples/s"], rows))
+        if ing.get("image_training"):
+            rows = [[s, _f(t["data_wait_fraction"], 3), _f(t["data_wait_fraction_all"][0], 3),
+                     _f(t["first_step_logged_s"], 1), f"{t['samples_per_s']:,.0f}"]
+                    for s, t in ing["image_training"].items() if "error" not in t]
+            out.append("\n" + _table(["PNG-decode run: data.sharding", "data wait (steady)", "first interval's wait",
+                                      "start -> first step logged (s)", "samples/s"], rows))
     if results.get("recovery"):
         out += _recovery_tables(results["recovery"])
     gpt = results.get("gpt")
