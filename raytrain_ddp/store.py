@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
@@ -145,6 +146,72 @@ def write_store(where: Any, tables: Iterable[pa.Table], chunk_rows: int, fp: str
     return manifest
 
 
+def _raw_kind(kind: pa.DataType) -> Optional[tuple[np.dtype, int]]:
+    """(numpy dtype, values per row) of a column whose chunk bytes are one plain array:
+    a fixed-size list of numbers (a feature vector) or a number; None otherwise."""
+    def numeric(k: pa.DataType) -> bool:
+        return pa.types.is_integer(k) or pa.types.is_floating(k)
+
+    if pa.types.is_fixed_size_list(kind) and numeric(kind.value_type):
+        return np.dtype(kind.value_type.to_pandas_dtype()), kind.list_size
+    if numeric(kind):
+        return np.dtype(kind.to_pandas_dtype()), 1
+    return None
+
+
+class _RawIndex:
+    """Where each chunk's column bytes sit in a local store's files, for reads straight into
+    the batch's arrays (`StoreReader.read_arrays`): one positional read per chunk and column,
+    no Arrow objects, no intermediate copy.
+
+    Built per file on first use by mapping the file and asking Arrow for each record batch's
+    buffer addresses (only the batches' metadata pages are touched; the map is closed at
+    once, so nothing of it stays resident). A column qualifies when every chunk holds it as
+    one contiguous array of values: a fixed-size list of numbers (its values buffer; the
+    list's validity is ignored, as `worker/shard.arrow_numpy` ignores it) or numbers without
+    nulls. A column of another type turns the raw path off for the store; a chunk with nulls
+    in a column is read through Arrow (`read_arrays` returns None for a batch holding it), as
+    `arrow_numpy` decides per table.
+    """
+
+    def __init__(self, schema: pa.Schema) -> None:
+        self.kinds = [_raw_kind(field.type) for field in schema]
+        self.names = list(schema.names)
+        self.usable = all(k is not None for k in self.kinds)
+        self.chunks: dict[int, Optional[list[tuple[int, int]]]] = {}  # chunk -> [(offset, rows)] per column
+        self.fds: dict[int, int] = {}
+
+    def index_file(self, file_index: int, path: str, first_chunk: int) -> None:
+        mapped = pa.memory_map(path)
+        try:
+            base = mapped.read_buffer(1).address  # the address of byte 0
+            mapped.seek(0)
+            reader = pa.ipc.open_file(mapped)
+            for b in range(reader.num_record_batches):
+                batch = reader.get_batch(b)
+                where = []
+                for j, (dtype, width) in enumerate(self.kinds):  # type: ignore[misc]
+                    column = batch.column(j)
+                    if pa.types.is_fixed_size_list(column.type):
+                        values = column.values  # the whole child: the list's own offset is added below
+                        start = column.offset * width + values.offset
+                    else:
+                        values, start = column, column.offset
+                    if values.null_count or values.buffers()[1] is None:
+                        where = None  # this chunk: the Arrow path (as arrow_numpy decides per table)
+                        break
+                    where.append((values.buffers()[1].address - base + start * dtype.itemsize, len(column)))
+                self.chunks[first_chunk + b] = where
+        finally:
+            mapped.close()
+        self.fds[file_index] = os.open(path, os.O_RDONLY)
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
 class StoreReader:
     """Reads chunks by index: each read fetches one record batch's bytes, nothing more."""
 
@@ -155,6 +222,8 @@ class StoreReader:
             raise FileNotFoundError(f"{where}: no complete chunk store ({MANIFEST} missing)")
         self._readers: dict[int, Any] = {}
         self._lock = threading.Lock()
+        self._raw: Any = None  # a _RawIndex, False (not usable), None (not decided yet)
+        self._lists: list[bool] = []
 
     def chunk(self, index: int) -> pa.RecordBatch:
         m = self.manifest
@@ -171,6 +240,51 @@ class StoreReader:
     def table(self, indices: Iterable[int]) -> pa.Table:
         """Chunks in the given order, as one table."""
         return pa.Table.from_batches([self.chunk(int(i)) for i in indices])
+
+    def read_arrays(self, indices: Iterable[int]) -> Optional[dict[str, np.ndarray]]:
+        """Chunks in the given order as one numpy array per column -- the arrays
+        `worker/shard.arrow_numpy(self.table(indices))` gives, read straight from the files
+        (`_RawIndex`) -- or None where the raw path does not apply (a store in object
+        storage, a column that is not plain numbers): read `table` then."""
+        indices = [int(i) for i in indices]
+        raw = self._raw_index()
+        if raw is None:
+            return None
+        m = self.manifest
+        with self._lock:
+            for i in indices:
+                file = i // m.chunks_per_file
+                if file not in raw.fds:
+                    raw.index_file(file, str((self.where / m.files[file]).local_path), file * m.chunks_per_file)
+        where = [raw.chunks[i] for i in indices]
+        if any(w is None for w in where):
+            return None
+        rows = sum(w[0][1] for w in where)
+        out: dict[str, np.ndarray] = {}
+        for j, (name, (dtype, width)) in enumerate(zip(raw.names, raw.kinds)):  # type: ignore[misc]
+            array = np.empty((rows, width) if width > 1 or self._lists[j] else rows, dtype=dtype)
+            flat = memoryview(array.reshape(-1).view(np.uint8))
+            row = 0
+            for i, chunk in zip(indices, where):
+                offset, n = chunk[j]
+                size = n * width * dtype.itemsize
+                got = os.preadv(raw.fds[i // m.chunks_per_file], [flat[row * width * dtype.itemsize:][:size]], offset)
+                if got != size:
+                    raise OSError(f"{self.where}: short read of chunk {i} ({got} of {size} bytes)")
+                row += n
+            out[name] = array
+        return out
+
+    def _raw_index(self) -> Optional[_RawIndex]:
+        if self._raw is None:  # decided on first use
+            self._raw = False
+            if getattr(self.where, "is_local", False) and self.manifest.chunks:
+                schema = self.chunk(0).schema
+                index = _RawIndex(schema)
+                if index.usable:
+                    self._raw = index
+                    self._lists = [pa.types.is_fixed_size_list(f.type) for f in schema]
+        return self._raw or None
 
 
 def epoch_chunks(full_chunks: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:

@@ -68,6 +68,45 @@ def test_store_roundtrip_chunks_and_manifest(tmp_path):
     assert [default_chunk_rows(b) for b in (4, 64, 96, 256, 37, 97)] == [4, 64, 48, 64, 37, 97]
 
 
+def test_direct_reads_give_the_arrays_arrow_gives_and_step_aside_when_they_cannot(tmp_path):
+    """StoreReader.read_arrays (positional reads into the batch's arrays) against the Arrow path
+    (`arrow_numpy` of the chunks' table), chunk by chunk in a shuffled order, across files,
+    with sliced inputs and a short last chunk; columns that are not plain numbers, or numbers
+    with nulls, leave the store on the Arrow path."""
+    from raytrain_ddp.worker.shard import arrow_numpy
+
+    rng = np.random.default_rng(0)
+    rows = 203
+    table = pa.table({
+        "x": pa.FixedSizeListArray.from_arrays(pa.array(rng.standard_normal(rows * 5).astype(np.float32)), 5),
+        "tokens": pa.FixedSizeListArray.from_arrays(pa.array(rng.integers(0, 99, rows * 3), pa.int32()), 3),
+        "w": pa.array(rng.standard_normal(rows)),  # float64
+        "one": pa.FixedSizeListArray.from_arrays(pa.array(np.arange(rows, dtype=np.int16)), 1),
+        "y": pa.array(rng.integers(0, 7, rows)),
+    })
+    root = Location.parse(tmp_path) / "mixed"
+    write_store(root, (table.slice(i, 37) for i in range(0, rows, 37)), 8, "fp", chunks_per_file=5)
+    reader = StoreReader(root)
+    order = [int(i) for i in rng.permutation(reader.manifest.chunks)]
+    for picks in (order[:4], order[4:5], order, [reader.manifest.chunks - 1, 0]):
+        direct, arrow = reader.read_arrays(picks), arrow_numpy(reader.table(picks))
+        assert direct is not None and list(direct) == list(arrow)
+        for name in arrow:
+            assert direct[name].dtype == arrow[name].dtype and direct[name].shape == arrow[name].shape, name
+            assert np.array_equal(direct[name], arrow[name]), name
+
+    for name, column in (("text", pa.array([str(i) for i in range(rows)])),
+                         ("holes", pa.array([None if i % 50 == 7 else i for i in range(rows)], pa.int64()))):
+        where = Location.parse(tmp_path) / name
+        write_store(where, [table.append_column(name, column)], 8, "fp")
+        reader = StoreReader(where)
+        assert reader.read_arrays([0, 1]) is None  # the Arrow path reads these
+    plain = [1, 2, 4]  # chunks 1, 2 and 4 of "holes" have no null (rows 7, 57, 107, ... do)
+    direct, arrow = reader.read_arrays(plain), arrow_numpy(reader.table(plain))
+    assert all(np.array_equal(direct[name], arrow[name]) and direct[name].dtype == arrow[name].dtype for name in arrow)
+
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_same_samples_in_every_step_at_any_world_size(tmp_path, world):
     """Step s's samples are a function of (seed, epoch, s): every world size sees the same
@@ -184,3 +223,39 @@ def test_worker_memory_is_its_window_not_the_data_set(tmp_path):
           f"after its first step, peak {found['peak_mb']:.0f} MB over two epochs")
     assert found["rows_read"] == 2 * found["steps"] * 128  # its half of every step, two epochs
     assert found["peak_mb"] - found["before_mb"] < budget_mb
+
+
+def test_read_ahead_keeps_order_bounds_its_window_raises_and_stops():
+    import threading
+    import time as _time
+
+    from raytrain_ddp.worker.shard import ReadAhead
+
+    reads, lock = [], threading.Lock()
+
+    def read(step):
+        with lock:
+            reads.append(step)
+        return step * 10
+
+    ahead = ReadAhead(read, range(6), 2)
+    assert [ahead.next() for _ in range(7)] == [0, 10, 20, 30, 40, 50, None]
+    ahead.close()
+
+    slow = ReadAhead(read, range(100, 200), 3)
+    _time.sleep(0.2)  # nobody takes anything: the reader stops at its window
+    assert len([r for r in reads if r >= 100]) == 3
+    assert slow.next() == 1000
+    slow.close()  # while the reader waits for room: returns, the thread is gone
+    assert not slow._thread.is_alive() and len([r for r in reads if r >= 100]) <= 5
+
+    def broken(step):
+        if step == 2:
+            raise ValueError("bad chunk")
+        return step
+
+    failing = ReadAhead(broken, range(5), 4)
+    assert [failing.next(), failing.next()] == [0, 1]
+    with pytest.raises(ValueError, match="bad chunk"):
+        failing.next()
+    failing.close()
