@@ -23,6 +23,11 @@ the last durable checkpoint are redone. Each run starts its own Ray instance (th
 launcher's embedded start, with Ray's default worker niceness as a user's run has it),
 so the section runs after the suite's shared one stopped.
 
+`node_loss` (full preset, or `--node-loss`): a whole node lost -- every process of the
+second node of `cluster/local-two-node.sh` SIGKILLed once step NODE_KILL_AT of the tiny
+config with 1-2 workers is logged; kill -> next trained step against its own target
+(20 s) and the steps redone (docs/reliability.md#node-loss).
+
 `overhead`: the steady-state price of the replica is `LastStep.mark()` at every step
 boundary (RNG streams and a copy of the module's buffers; parameters and optimizer are
 never copied). Timed in this process, without Ray: a plain step (forward and backward
@@ -297,11 +302,103 @@ def overhead_section(rounds: int, steps: int, log=print) -> dict[str, Any]:
     return out
 
 
+# ---------------------------------------------------------------- node loss
+
+CLUSTER_SCRIPT = QUICKSTART.parents[2] / "cluster" / "local-two-node.sh"
+TINY = QUICKSTART.parent / "tiny.yaml"
+NODE_KILL_AT = 30  # of 66 steps (3 epochs of the tiny config)
+NODE_TARGET_S = 20.0
+
+
+def _cluster_env(state: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RAYTRAIN_DDP_", "RT2N_"))}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    for line in (state / "env").read_text().splitlines():
+        if line.startswith("export "):
+            key, _, value = line[len("export "):].partition("=")
+            env[key] = value
+    return env
+
+
+def node_loss_run(log=print, timeout_s: float = 300.0) -> dict[str, Any]:
+    """Every process of the second node of `cluster/local-two-node.sh` SIGKILLed mid-run.
+
+    The tiny config with `scaling.num_workers=[1,2]` and 2 CPUs per worker (one worker per
+    node), a metrics line every step; once step NODE_KILL_AT is logged, `kill-node`. The
+    cluster's health-check settings are the cluster files' (the script sets them).
+    Reported: the last step logged before the kill, where attempt 2 resumed, the steps
+    redone, kill -> next trained step, the two attempts' world sizes.
+    """
+    import json
+    import subprocess
+
+    from raytrain_ddp.rundir import read_jsonl, read_metrics
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RT2N_"))}
+    base["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{base.get('PATH', '')}"
+    up = subprocess.run([str(CLUSTER_SCRIPT), "up"], env={**base, "RT2N_UP_TIMEOUT_S": "120"},
+                        capture_output=True, text=True, timeout=200)
+    if up.returncode != 0:
+        raise RuntimeError(f"local-two-node.sh up failed: {up.stderr[-2000:]}")
+    state = Path(up.stdout.strip().splitlines()[-1])
+    try:
+        runs = state / "runs"
+        cmd = [sys.executable, "-m", "raytrain_ddp", "train", str(TINY), "name=nodeloss", "train.epochs=3",
+               "run.log_every_steps=1", "scaling.cpus_per_worker=2", "scaling.num_workers=[1,2]",
+               f"run.storage_path={runs}", "run.resume=never"]
+        with open(state / "train.log", "wb") as out:
+            train = subprocess.Popen(cmd, env={**_cluster_env(state), "PYTHONUNBUFFERED": "1"}, stdout=out,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            try:
+                metrics, deadline, seen = runs / "nodeloss" / "metrics.jsonl", time.monotonic() + timeout_s, 0
+                while seen < NODE_KILL_AT and train.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    if metrics.exists():
+                        seen = max([r["step"] for r in read_metrics(metrics) if "loss" in r], default=0)
+                if train.poll() is not None or seen < NODE_KILL_AT:
+                    raise RuntimeError(f"the run ended or stalled before step {NODE_KILL_AT}: "
+                                       f"{(state / 'train.log').read_text()[-2000:]}")
+                killed_at = time.time()
+                subprocess.run([str(CLUSTER_SCRIPT), "kill-node", str(state)], env=base, check=True, timeout=60)
+                # Attempt 1's lines past the resume step are dropped once attempt 2 says where it
+                # resumed: the last step attempt 1 completed is seen only live.
+                last = seen
+                while train.poll() is None and time.monotonic() < deadline:
+                    rows = [r for r in read_metrics(metrics) if "loss" in r]
+                    last = max([last] + [r["step"] for r in rows if r["attempt"] == 1])
+                    if any(r["attempt"] > 1 for r in rows):
+                        break
+                    time.sleep(0.05)
+                train.wait(timeout=max(1.0, deadline - time.monotonic()))
+            finally:
+                if train.poll() is None:
+                    os.killpg(train.pid, signal.SIGKILL)  # the group this section started
+                    train.wait(timeout=30)
+        if train.returncode != 0:
+            raise RuntimeError(f"the run failed after the node loss: {(state / 'train.log').read_text()[-2000:]}")
+        lines = [r for r in read_metrics(runs / "nodeloss" / "metrics.jsonl") if "loss" in r]
+        summary = json.loads((runs / "nodeloss" / "summary.json").read_text())
+        attempts = [r for r in read_jsonl(runs / "nodeloss" / "attempts.jsonl") if r["fit_id"] == summary["fit_id"]]
+        resumed = attempts[-1]["resumed_step"]
+        back = min(r["time"] for r in lines if r["attempt"] == 2) - killed_at
+        log(f"  recovery: node lost after step {last}: resumed at {resumed} ({attempts[-1]['resumed_from']}), "
+            f"next trained step {back:.1f}s after the kill")
+        return {"last_step_before_kill": last, "resumed_step": resumed, "steps_redone": max(0, last - resumed),
+                "resumed_from": attempts[-1]["resumed_from"], "kill_to_next_step_s": back,
+                "world_sizes": [r["world_size"] for r in attempts], "attempts": summary["attempts"],
+                "metrics_once": [r["step"] for r in lines] == list(range(1, summary["steps"] + 1)),
+                "steps": summary["steps"], "target_s": NODE_TARGET_S}
+    finally:
+        subprocess.run([str(CLUSTER_SCRIPT), "down", str(state)], env=base, capture_output=True, timeout=120)
+
+
 # ---------------------------------------------------------------- section
 
 
-def run(sizes: Sizes, log=print, with_kill: bool = True) -> dict[str, Any]:
-    """Needs no Ray from the caller: the kill runs start (and stop) their own."""
+def run(sizes: Sizes, log=print, with_kill: bool = True, with_node_loss: Optional[bool] = None) -> dict[str, Any]:
+    """Needs no Ray from the caller: the kill runs start (and stop) their own; the node-loss
+    run (full preset, or asked for) a two-node cluster of its own."""
+    with_node_loss = sizes.name == "full" if with_node_loss is None else with_node_loss
     rounds, steps = {"smoke": (2, 5), "quick": (4, 10)}.get(sizes.name, (8, 15))
     log(f"  recovery: mark() per step vs step time, {rounds} interleaved rounds x {steps} steps ...")
     result: dict[str, Any] = {"overhead": overhead_section(rounds, steps, log=log), "targets": dict(TARGETS)}
@@ -312,11 +409,18 @@ def run(sizes: Sizes, log=print, with_kill: bool = True) -> dict[str, Any]:
         result["kill"] = kill_section(kills, log=log)
     else:
         result["kill_note"] = f"kill runs skipped in the {sizes.name} preset (two Ray runs with a restart each)"
+    if with_node_loss:
+        log("  recovery: lose a whole node of the two-node local cluster mid-run (tiny, 1-2 workers) ...")
+        try:
+            result["node_loss"] = node_loss_run(log=log)
+        except Exception as exc:  # noqa: BLE001 - keep the other figures, flag this one
+            result["node_loss"] = {"error": f"{type(exc).__name__}: {exc}"}
+            log(f"  recovery: node loss FAILED: {type(exc).__name__}: {exc}")
     return result
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """This section alone: `python -m raytrain_ddp.ops.bench.recovery [--quick] [--out FILE] [--no-kill]`."""
+    """This section alone: `python -m raytrain_ddp.ops.bench.recovery [--quick] [--out FILE] [--no-kill] [--node-loss]`."""
     import argparse
 
     from raytrain_ddp.ops.bench import report
@@ -327,10 +431,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-kill", action="store_true", help="only the in-process overhead (no Ray)")
     parser.add_argument("--out", default=None, help="JSON results file")
+    parser.add_argument("--node-loss", action="store_true", help="also lose a node of the two-node local cluster "
+                        "(the full preset always does)")
     args = parser.parse_args(argv)
     preset = "quick" if args.quick else "full"
     results: dict[str, Any] = {"meta": meta(preset, "cpu")}
-    results["recovery"] = run(QUICK if args.quick else FULL, log=log, with_kill=not args.no_kill)
+    results["recovery"] = run(QUICK if args.quick else FULL, log=log, with_kill=not args.no_kill,
+                              with_node_loss=True if args.node_loss else None)
     return report.finish_section_run(results, args.out)
 
 

@@ -37,6 +37,9 @@ TARGETS = [
      lambda r: r["recovery"]["kill"]["replica"]["steps_redone_max"], 1, "<="),
     ("s from a worker SIGKILL to the next trained step (replica, worst run)",
      lambda r: r["recovery"]["kill"]["replica"]["kill_to_next_step_s"]["max"], 10.0, "<="),
+    ("completed steps redone after a node loss", lambda r: r["recovery"]["node_loss"]["steps_redone"], 1, "<="),
+    ("s from a node loss to the next trained step", lambda r: r["recovery"]["node_loss"]["kill_to_next_step_s"],
+     20.0, "<="),
     ("replica's cost per step, % of step time (quickstart)",
      lambda r: r["recovery"]["overhead"]["quickstart"]["overhead_pct"], 3.0, "<="),
     ("replica's cost per step, % of step time (>= 100 MB state)",
@@ -132,6 +135,15 @@ def _recovery_tables(rec: dict[str, Any]) -> list[str]:
                            "kill -> next trained step (s)"], rows))
     elif rec.get("kill_note"):
         out.append(f"\n**Recovery from a SIGKILLed worker**: {rec['kill_note']}")
+    node = rec.get("node_loss")
+    if node and "error" not in node:
+        out.append("\n**A whole node lost** (two-node local cluster, tiny config with 1-2 workers, every process "
+                   "of the second node SIGKILLed mid-run)\n")
+        out.append(_table(["last step before the kill", "resumed from", "resumed at step", "completed steps redone",
+                           "workers before -> after", "kill -> next trained step (s)"],
+                          [[node["last_step_before_kill"], node["resumed_from"], node["resumed_step"],
+                            node["steps_redone"], " -> ".join(map(str, node["world_sizes"])),
+                            _f(node["kill_to_next_step_s"], 1)]]))
     ov = rec["overhead"]
     out.append(f"\n**Keeping the replica: `LastStep.mark()` at every step boundary** (1 process, 1 thread, "
                f"no Ray; medians over {ov['rounds']} interleaved rounds with and without it)\n")
