@@ -184,6 +184,7 @@ class _RawIndex:
     def index_file(self, file_index: int, path: str, first_chunk: int) -> None:
         mapped = pa.memory_map(path)
         try:
+            size = mapped.size()
             base = mapped.read_buffer(1).address  # the address of byte 0
             mapped.seek(0)
             reader = pa.ipc.open_file(mapped)
@@ -197,19 +198,17 @@ class _RawIndex:
                         start = column.offset * width + values.offset
                     else:
                         values, start = column, column.offset
-                    if values.null_count or values.buffers()[1] is None:
+                    data = values.buffers()[1]
+                    offset = None if data is None else data.address - base + start * dtype.itemsize
+                    if (values.null_count or offset is None or offset < 0  # nulls; not in the map (compressed)
+                            or offset + len(column) * width * dtype.itemsize > size):
                         where = None  # this chunk: the Arrow path (as arrow_numpy decides per table)
                         break
-                    where.append((values.buffers()[1].address - base + start * dtype.itemsize, len(column)))
+                    where.append((offset, len(column)))
                 self.chunks[first_chunk + b] = where
         finally:
             mapped.close()
-        self.fds[file_index] = os.open(path, os.O_RDONLY)
-
-    def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
+        self.fds[file_index] = os.open(path, os.O_RDONLY)  # open for the reader's lifetime, as its Arrow files
 
 
 class StoreReader:
