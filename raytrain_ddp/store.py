@@ -146,16 +146,17 @@ def write_store(where: Any, tables: Iterable[pa.Table], chunk_rows: int, fp: str
     return manifest
 
 
-def _raw_kind(kind: pa.DataType) -> Optional[tuple[np.dtype, int]]:
-    """(numpy dtype, values per row) of a column whose chunk bytes are one plain array:
-    a fixed-size list of numbers (a feature vector) or a number; None otherwise."""
+def _raw_kind(kind: pa.DataType) -> Optional[tuple[np.dtype, tuple[int, ...]]]:
+    """(numpy dtype, shape of one row) of a column whose chunk bytes are one plain array:
+    a fixed-size list of numbers (a feature vector, shape (size,)) or a number (shape ());
+    None otherwise."""
     def numeric(k: pa.DataType) -> bool:
         return pa.types.is_integer(k) or pa.types.is_floating(k)
 
     if pa.types.is_fixed_size_list(kind) and numeric(kind.value_type):
-        return np.dtype(kind.value_type.to_pandas_dtype()), kind.list_size
+        return np.dtype(kind.value_type.to_pandas_dtype()), (kind.list_size,)
     if numeric(kind):
-        return np.dtype(kind.to_pandas_dtype()), 1
+        return np.dtype(kind.to_pandas_dtype()), ()
     return None
 
 
@@ -191,9 +192,9 @@ class _RawIndex:
             for b in range(reader.num_record_batches):
                 batch = reader.get_batch(b)
                 where = []
-                for j, (dtype, width) in enumerate(self.kinds):  # type: ignore[misc]
-                    column = batch.column(j)
-                    if pa.types.is_fixed_size_list(column.type):
+                for j, (dtype, row) in enumerate(self.kinds):  # type: ignore[misc]
+                    column, width = batch.column(j), int(np.prod(row))
+                    if row:  # a fixed-size list
                         values = column.values  # the whole child: the list's own offset is added below
                         start = column.offset * width + values.offset
                     else:
@@ -222,7 +223,6 @@ class StoreReader:
         self._readers: dict[int, Any] = {}
         self._lock = threading.Lock()
         self._raw: Any = None  # a _RawIndex, False (not usable), None (not decided yet)
-        self._lists: list[bool] = []
 
     def chunk(self, index: int) -> pa.RecordBatch:
         m = self.manifest
@@ -260,17 +260,17 @@ class StoreReader:
             return None
         rows = sum(w[0][1] for w in where)
         out: dict[str, np.ndarray] = {}
-        for j, (name, (dtype, width)) in enumerate(zip(raw.names, raw.kinds)):  # type: ignore[misc]
-            array = np.empty((rows, width) if width > 1 or self._lists[j] else rows, dtype=dtype)
+        for j, (name, (dtype, shape)) in enumerate(zip(raw.names, raw.kinds)):  # type: ignore[misc]
+            array = np.empty((rows, *shape), dtype=dtype)
             flat = memoryview(array.reshape(-1).view(np.uint8))
-            row = 0
+            row_bytes, at = int(np.prod(shape)) * dtype.itemsize, 0
             for i, chunk in zip(indices, where):
                 offset, n = chunk[j]
-                size = n * width * dtype.itemsize
-                got = os.preadv(raw.fds[i // m.chunks_per_file], [flat[row * width * dtype.itemsize:][:size]], offset)
+                size = n * row_bytes
+                got = os.preadv(raw.fds[i // m.chunks_per_file], [flat[at:at + size]], offset)
                 if got != size:
                     raise OSError(f"{self.where}: short read of chunk {i} ({got} of {size} bytes)")
-                row += n
+                at += size
             out[name] = array
         return out
 
@@ -278,11 +278,9 @@ class StoreReader:
         if self._raw is None:  # decided on first use
             self._raw = False
             if getattr(self.where, "is_local", False) and self.manifest.chunks:
-                schema = self.chunk(0).schema
-                index = _RawIndex(schema)
+                index = _RawIndex(self.chunk(0).schema)
                 if index.usable:
                     self._raw = index
-                    self._lists = [pa.types.is_fixed_size_list(f.type) for f in schema]
         return self._raw or None
 
 

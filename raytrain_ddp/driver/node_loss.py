@@ -33,7 +33,7 @@ import logging
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from ray.train.v2._internal.execution.callback import ControllerCallback
 
@@ -122,7 +122,7 @@ class NodeLossWatch(ControllerCallback):
               + f" after {time.monotonic() - started:.1f}s; sizing the new worker group", flush=True)
 
 
-def refresh_coordinator(timeout_s: float = 5.0) -> Optional[bool]:
+def refresh_coordinator(timeout_s: float = 5.0) -> bool:
     """Make Ray Data's autoscaling coordinator re-read the cluster's nodes now (see the docstring)."""
     import ray
 
