@@ -40,6 +40,7 @@ import pytest
 
 from _moto import s3_bucket
 from raytrain_ddp import checkpoint as ckpt
+from raytrain_ddp.ops.bench.recovery import follow_to_resume, two_node_env, wait_for_step
 from raytrain_ddp.rundir import Location, read_jsonl, read_metrics
 from raytrain_ddp.testing.hooks import ENABLE
 
@@ -47,22 +48,14 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "cluster" / "local-two-node.sh"
-VENV_BIN = Path(sys.executable).parent
 
 
 def _base_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RAYTRAIN_DDP_", "RT2N_"))}
-    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
-    return env
+    return two_node_env()
 
 
 def _cluster_env(state: Path) -> dict[str, str]:
-    env = _base_env()
-    for line in (state / "env").read_text().splitlines():
-        if line.startswith("export "):
-            key, _, value = line[len("export "):].partition("=")
-            env[key] = value
-    return env
+    return two_node_env(state)
 
 
 def _alive_members(sid: int) -> list[str]:
@@ -353,25 +346,14 @@ def test_a_lost_node_costs_at_most_one_step_and_the_run_goes_on_with_the_survivo
             env={**_cluster_env(state), "PYTHONUNBUFFERED": "1"}, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True)
         try:
-            metrics, deadline, seen = runs / "lost" / "metrics.jsonl", time.monotonic() + 240, 0
-            while seen < 8 and train.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-                if metrics.exists():
-                    seen = max([r["step"] for r in read_metrics(metrics) if "loss" in r], default=0)
+            metrics, deadline = runs / "lost" / "metrics.jsonl", time.monotonic() + 240
+            seen = wait_for_step(metrics, train, 8, deadline)
             assert 8 <= seen < 44, log_path.read_text()[-4000:]
             killed_at = time.time()
             kill = subprocess.run([str(SCRIPT), "kill-node", str(state)], env=_base_env(), capture_output=True,
                                   text=True, timeout=60)
             assert kill.returncode == 0, kill.stderr
-            # Attempt 1's lines past the resume step are dropped once attempt 2 says where it
-            # resumed: the last step attempt 1 completed is seen only live.
-            last_before = seen
-            while train.poll() is None and time.monotonic() < deadline:
-                rows = [r for r in read_metrics(metrics) if "loss" in r]
-                last_before = max([last_before] + [r["step"] for r in rows if r["attempt"] == 1])
-                if any(r["attempt"] > 1 for r in rows):
-                    break
-                time.sleep(0.05)
+            last_before = follow_to_resume(metrics, train, seen, deadline)  # attempt 1's last completed step
             train.wait(timeout=max(1.0, deadline - time.monotonic()))
         finally:
             if train.poll() is None:

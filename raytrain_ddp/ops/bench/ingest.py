@@ -313,44 +313,50 @@ def readers(sizes: Sizes, tmp: Path, log=print, device: str = "cpu") -> dict[str
     return out
 
 
-def training_wait(sizes: Sizes, tmp: Path, sharding: str, use_gpu: bool = False,
-                  workers: int = 2, micro: int = 64, log=print) -> dict[str, Any]:
-    """A short real run (`run_training`, MLP, synthetic data) and its logged data-wait fraction."""
+def _wait_run(name: str, tmp: Path, model: dict, data: dict, steps: int, workers: int, micro: int,
+              use_gpu: bool, **train: Any) -> dict[str, Any]:
+    """A short real run (`run_training`, bucketed, SGD, a line every 5 steps, no checkpoints) and
+    its logged data wait: the fields both training runs of this section report."""
     from raytrain_ddp.config import validate_config
     from raytrain_ddp.driver.launcher import run_training
     from raytrain_ddp.rundir import METRICS_FILE
 
-    steps = sizes.train_steps
-    global_batch = micro * workers
     cfg = validate_config({
-        "name": f"bench-wait-{sharding}",
-        "model": {"name": "mlp", "hidden_sizes": [1024, 1024, 256]},
-        "data": {"source": "synthetic", "val_fraction": 0.0, "sharding": sharding,
-                 "synthetic": {"rows": global_batch * (steps + 4), "feature_dim": 1024, "num_classes": 256}},
-        "train": {"max_steps": steps, "global_batch_size": global_batch, "micro_batch_size": micro,
-                  "optimizer": "sgd", "lr": 0.01},
+        "name": name, "model": model, "data": {"val_fraction": 0.0, **data},
+        "train": {"max_steps": steps, "global_batch_size": micro * workers, "micro_batch_size": micro,
+                  "optimizer": "sgd", "lr": 0.01, **train},
         "parallel": {"strategy": "bucketed"},
         "scaling": {"num_workers": workers, "use_gpu": use_gpu},
         "run": {"storage_path": str(tmp / "runs"), "log_every_steps": 5, "checkpoint_every_steps": 0,
                 "resume": "never"},
     }, source="bench")
-    started = time.perf_counter()
+    started = time.time()
     summary = run_training(cfg)
-    elapsed = time.perf_counter() - started
+    elapsed = time.time() - started
     lines = [json.loads(line) for line in (Path(cfg.run.storage_path) / cfg.name / METRICS_FILE).read_text().splitlines()
              if line.strip()]
-    train = [line for line in lines if "data_wait_fraction" in line]
-    if not train:
+    train_lines = [line for line in lines if "data_wait_fraction" in line]
+    if not train_lines:
         raise RuntimeError(f"training run {cfg.name} logged no data_wait_fraction lines")
-    steady = train[1:] if len(train) > 1 else train  # the first interval holds start-up
-    fractions = [line["data_wait_fraction"] for line in steady]
+    steady = train_lines[1:] if len(train_lines) > 1 else train_lines  # the first interval holds start-up
     return {
-        "sharding": sharding, "workers": workers, "micro_batch": micro, "steps": steps,
-        "data_wait_fraction": stats(fractions)["median"],
-        "data_wait_fraction_all": [round(f, 4) for f in (line["data_wait_fraction"] for line in train)],
+        "sharding": data["sharding"], "workers": workers, "micro_batch": micro, "steps": steps,
+        "data_wait_fraction": stats([line["data_wait_fraction"] for line in steady])["median"],
+        "data_wait_fraction_all": [round(line["data_wait_fraction"], 4) for line in train_lines],
         "samples_per_s": stats([line["samples_per_s"] for line in steady])["median"],
+        "first_step_logged_s": train_lines[0]["time"] - started,
         "status": summary.get("status", "ok"), "wall_s": elapsed,
     }
+
+
+def training_wait(sizes: Sizes, tmp: Path, sharding: str, use_gpu: bool = False,
+                  workers: int = 2, micro: int = 64, log=print) -> dict[str, Any]:
+    """A short real run (`run_training`, MLP, synthetic data) and its logged data-wait fraction."""
+    steps = sizes.train_steps
+    data = {"source": "synthetic", "sharding": sharding,
+            "synthetic": {"rows": micro * workers * (steps + 4), "feature_dim": 1024, "num_classes": 256}}
+    return _wait_run(f"bench-wait-{sharding}", tmp, {"name": "mlp", "hidden_sizes": [1024, 1024, 256]}, data,
+                     steps, workers, micro, use_gpu)
 
 
 IMAGE_SIDE = 64  # PNG-encoded grayscale images of the image training runs
@@ -397,44 +403,15 @@ def image_training_wait(sizes: Sizes, tmp: Path, sharding: str, use_gpu: bool = 
     """A real run whose preprocess is not free (PNG decode on Ray Data's CPU tasks): the data
     wait per step, and the time until the first step (where `exact` and `sharded` pay the
     decode once, up front, and `streaming` pays it every epoch, overlapped with training)."""
-    from raytrain_ddp.config import validate_config
-    from raytrain_ddp.driver.launcher import run_training
-    from raytrain_ddp.rundir import METRICS_FILE
-
-    steps, global_batch = sizes.train_steps, micro * workers
+    steps, rows = sizes.train_steps, micro * workers * (sizes.train_steps + 4)
     data = tmp / "png"
     if not data.exists():
-        write_png_parquet(data, global_batch * (steps + 4))
-    cfg = validate_config({
-        "name": f"bench-png-{sharding}",
-        "model": {"name": "mlp", "hidden_sizes": [512, 256]},
-        "data": {"source": "parquet", "path": str(data), "val_fraction": 0.0, "sharding": sharding,
-                 "preprocess": "raytrain_ddp.ops.bench.ingest:decode_png", "features": "image", "label": "label"},
-        "train": {"max_steps": steps, "global_batch_size": global_batch, "micro_batch_size": micro,
-                  "optimizer": "sgd", "lr": 0.01, "loss": "cross_entropy"},
-        "parallel": {"strategy": "bucketed"},
-        "scaling": {"num_workers": workers, "use_gpu": use_gpu},
-        "run": {"storage_path": str(tmp / "runs"), "log_every_steps": 5, "checkpoint_every_steps": 0,
-                "resume": "never"},
-    }, source="bench")
-    started = time.time()
-    summary = run_training(cfg)
-    elapsed = time.time() - started
-    lines = [json.loads(line) for line in (Path(cfg.run.storage_path) / cfg.name / METRICS_FILE).read_text().splitlines()
-             if line.strip()]
-    train = [line for line in lines if "data_wait_fraction" in line]
-    if not train:
-        raise RuntimeError(f"training run {cfg.name} logged no data_wait_fraction lines")
-    steady = train[1:] if len(train) > 1 else train
-    return {
-        "sharding": sharding, "workers": workers, "micro_batch": micro, "steps": steps,
-        "rows": global_batch * (steps + 4), "image": f"{IMAGE_SIDE}x{IMAGE_SIDE} PNG",
-        "data_wait_fraction": stats([line["data_wait_fraction"] for line in steady])["median"],
-        "data_wait_fraction_all": [round(line["data_wait_fraction"], 4) for line in train],
-        "samples_per_s": stats([line["samples_per_s"] for line in steady])["median"],
-        "first_step_logged_s": train[0]["time"] - started,  # Ray start, decode (exact/sharded), workers
-        "status": summary.get("status", "ok"), "wall_s": elapsed,
-    }
+        write_png_parquet(data, rows)
+    spec = {"source": "parquet", "path": str(data), "sharding": sharding,
+            "preprocess": "raytrain_ddp.ops.bench.ingest:decode_png", "features": "image", "label": "label"}
+    result = _wait_run(f"bench-png-{sharding}", tmp, {"name": "mlp", "hidden_sizes": [512, 256]}, spec, steps,
+                       workers, micro, use_gpu, loss="cross_entropy")
+    return {**result, "rows": rows, "image": f"{IMAGE_SIDE}x{IMAGE_SIDE} PNG"}
 
 
 def run(sizes: Sizes, device: str = "cpu", log=print, train_shardings: tuple[str, ...] = ("streaming", "exact"),

@@ -310,14 +310,52 @@ NODE_KILL_AT = 30  # of 66 steps (3 epochs of the tiny config)
 NODE_TARGET_S = 20.0
 
 
-def _cluster_env(state: Path) -> dict[str, str]:
+def two_node_env(state: Optional[Path] = None) -> dict[str, str]:
+    """The environment for `cluster/local-two-node.sh` and its clients: this process's, without
+    any Ray, raytrain-ddp or script settings, this Python's bin first on PATH; with `state`
+    (`up`'s state directory), the cluster's own exports (RAY_ADDRESS, the token)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RAYTRAIN_DDP_", "RT2N_"))}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    for line in (state / "env").read_text().splitlines():
+    for line in (state / "env").read_text().splitlines() if state is not None else []:
         if line.startswith("export "):
             key, _, value = line[len("export "):].partition("=")
             env[key] = value
     return env
+
+
+def last_logged_step(metrics: Path) -> int:
+    """The newest step of a train line in `metrics.jsonl` (0 before the first)."""
+    from raytrain_ddp.rundir import read_metrics
+
+    return max([r["step"] for r in read_metrics(metrics) if "loss" in r], default=0) if metrics.exists() else 0
+
+
+def wait_for_step(metrics: Path, proc: Any, step: int, deadline: float, poll_s: float = 0.05) -> int:
+    """Poll until a train line of `step` (or later) is logged, `proc` ends, or `deadline`
+    (time.monotonic); returns the newest step seen."""
+    seen = 0
+    while seen < step and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        seen = last_logged_step(metrics)
+    return seen
+
+
+def follow_to_resume(metrics: Path, proc: Any, seen: int, deadline: float, poll_s: float = 0.05) -> int:
+    """After a kill: the last step attempt 1 completed, followed until attempt 2 logs a line.
+
+    The driver drops attempt 1's lines past the resume step once attempt 2 says where it
+    resumed, so that step is seen only live. `seen`: the newest step logged before the kill.
+    """
+    from raytrain_ddp.rundir import read_metrics
+
+    last = seen
+    while proc.poll() is None and time.monotonic() < deadline:
+        rows = [r for r in read_metrics(metrics) if "loss" in r]
+        last = max([last] + [r["step"] for r in rows if r["attempt"] == 1])
+        if any(r["attempt"] > 1 for r in rows):
+            break
+        time.sleep(poll_s)
+    return last
 
 
 def node_loss_run(log=print, timeout_s: float = 300.0) -> dict[str, Any]:
@@ -334,8 +372,7 @@ def node_loss_run(log=print, timeout_s: float = 300.0) -> dict[str, Any]:
 
     from raytrain_ddp.rundir import read_jsonl, read_metrics
 
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RT2N_"))}
-    base["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{base.get('PATH', '')}"
+    base = two_node_env()
     up = subprocess.run([str(CLUSTER_SCRIPT), "up"], env={**base, "RT2N_UP_TIMEOUT_S": "120"},
                         capture_output=True, text=True, timeout=200)
     if up.returncode != 0:
@@ -347,28 +384,17 @@ def node_loss_run(log=print, timeout_s: float = 300.0) -> dict[str, Any]:
                "run.log_every_steps=1", "scaling.cpus_per_worker=2", "scaling.num_workers=[1,2]",
                f"run.storage_path={runs}", "run.resume=never"]
         with open(state / "train.log", "wb") as out:
-            train = subprocess.Popen(cmd, env={**_cluster_env(state), "PYTHONUNBUFFERED": "1"}, stdout=out,
+            train = subprocess.Popen(cmd, env={**two_node_env(state), "PYTHONUNBUFFERED": "1"}, stdout=out,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
             try:
-                metrics, deadline, seen = runs / "nodeloss" / "metrics.jsonl", time.monotonic() + timeout_s, 0
-                while seen < NODE_KILL_AT and train.poll() is None and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                    if metrics.exists():
-                        seen = max([r["step"] for r in read_metrics(metrics) if "loss" in r], default=0)
+                metrics, deadline = runs / "nodeloss" / "metrics.jsonl", time.monotonic() + timeout_s
+                seen = wait_for_step(metrics, train, NODE_KILL_AT, deadline)
                 if train.poll() is not None or seen < NODE_KILL_AT:
                     raise RuntimeError(f"the run ended or stalled before step {NODE_KILL_AT}: "
                                        f"{(state / 'train.log').read_text()[-2000:]}")
                 killed_at = time.time()
                 subprocess.run([str(CLUSTER_SCRIPT), "kill-node", str(state)], env=base, check=True, timeout=60)
-                # Attempt 1's lines past the resume step are dropped once attempt 2 says where it
-                # resumed: the last step attempt 1 completed is seen only live.
-                last = seen
-                while train.poll() is None and time.monotonic() < deadline:
-                    rows = [r for r in read_metrics(metrics) if "loss" in r]
-                    last = max([last] + [r["step"] for r in rows if r["attempt"] == 1])
-                    if any(r["attempt"] > 1 for r in rows):
-                        break
-                    time.sleep(0.05)
+                last = follow_to_resume(metrics, train, seen, deadline)
                 train.wait(timeout=max(1.0, deadline - time.monotonic()))
             finally:
                 if train.poll() is None:
