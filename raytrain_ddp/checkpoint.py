@@ -67,12 +67,14 @@ Where = Union[str, os.PathLike, Location]
 # ---------------------------------------------------------------- save / load
 
 
-def save_checkpoint(dirpath: PathLike, state: dict[str, Any], origin: Optional[str] = None) -> Path:
+def save_checkpoint(dirpath: PathLike, state: dict[str, Any], origin: Optional[str] = None,
+                    lines: Optional[list[dict[str, Any]]] = None) -> Path:
     """Write `state` into `dirpath` (created if needed); returns the directory.
 
     The state must hold only tensors, containers and primitives (see `rng_state`), so
     that `load_checkpoint` can read it back with `weights_only=True`. `origin`, when
-    given, is recorded in the manifest (a survivor's copy of the last step says so).
+    given, is recorded in the manifest (a survivor's copy of the last step says so), and
+    so are `lines`, the metrics lines of the checkpoint's step (JSON: `metrics.jsonl`'s).
     """
     missing = [k for k in REQUIRED_KEYS if k not in state]
     if missing:
@@ -91,6 +93,7 @@ def save_checkpoint(dirpath: PathLike, state: dict[str, Any], origin: Optional[s
         "created": time.time(),
         "files": {STATE_FILE: {"sha256": hashlib.sha256(payload).hexdigest(), "size": len(payload)}},
         **({"origin": origin} if origin else {}),
+        **({"lines": lines} if lines else {}),
     }
     _atomic_write(dirpath / MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
     _fsync_dir(dirpath)

@@ -19,8 +19,10 @@ counted from the attempt's start, which restore that order should Ray deliver tw
 of an async actor out of order):
     {"kind": "attempt",   "record": {...}}   a worker group started (attempts.jsonl)
     {"kind": "metrics",   "record": {...}}   a train or validation line (metrics.jsonl)
-    {"kind": "resumed",   "step": N, "origin": {...}}  lines past step N are redone: drop them;
-                                             the attempt's line records where it started from
+    {"kind": "resumed",   "step": N, "origin": {...}, "lines": [...]}  lines past step N are
+                                             redone: drop them; the attempt's line records where
+                                             it started from; `lines` (step N's, from a survivor's
+                                             copy) fill in those a lost rank 0 never delivered
     {"kind": "abort",     "record": {...}}   every rank stopped together (abort.json)
     {"kind": "checkpoint", "step": N, "name": ..., "blocked_s": ...}
 """
@@ -170,6 +172,8 @@ class Recorder:
             return False
         try:
             events = ray.get(self.mailbox.take.remote(timeout_s), timeout=timeout_s + 30)
+        except SystemExit:  # Ray is shutting down under this call (it raises SystemExit(0) here)
+            return False
         except Exception as exc:  # noqa: BLE001 - the mailbox is gone: nothing more comes
             if not self._stop.is_set():
                 logger.debug("mailbox unavailable: %s", exc)
@@ -202,6 +206,13 @@ class Recorder:
             self.metrics.keep(lambda r: r.get("step", 0) <= step)
             self.attempts.amend_last({"resumed_step": step, **event.get("origin", {})})
             self.last_step = step
+            # The checkpoint's own lines of `step` (a survivor's copy): those rank 0 did not
+            # deliver before it was lost -- one train line and one validation line at most.
+            have = {_line_kind(r) for r in self.metrics.records if r.get("step") == step}
+            for record in event.get("lines", []):
+                if record.get("step") == step and _line_kind(record) not in have:
+                    have.add(_line_kind(record))
+                    self._apply({"kind": "metrics", "record": record})
         elif kind == "abort":
             self.abort = event["record"]
             (self.run_dir / ABORT_FILE).write_text(json.dumps(self.abort))
@@ -241,3 +252,8 @@ class Recorder:
             return {"count": 0}
         return {"count": len(blocked), "blocked_s_total": round(sum(blocked), 4),
                 "blocked_s_mean": round(sum(blocked) / len(blocked), 4), "blocked_s_max": round(max(blocked), 4)}
+
+
+def _line_kind(record: dict[str, Any]) -> str:
+    """A step has at most one train line (`loss`) and one validation line (`val_loss`)."""
+    return "train" if "loss" in record else "validation"

@@ -80,10 +80,11 @@ class Checkpointer:
         if found is not None:
             self.state.load_state_dict(found[0])
         step = self.state.progress.step
-        survivor = written_by_survivor(_manifest_of(found[1])) if found else None
+        manifest = _manifest_of(found[1]) if found else {}
+        survivor = written_by_survivor(manifest)
         origin = {"resumed_from": "scratch"} if found is None else {
             "resumed_from": "checkpoint" if survivor is None else "replica", "checkpoint": found[1].name}
-        self.log.resumed_at(step, origin)
+        self.log.resumed_at(step, origin, lines=[r for r in manifest.get("lines", []) if r.get("step") == step])
         check_same(step, "the step to resume from", self.rank.device)
         self.saved_step = step
         if found is None:
@@ -129,8 +130,10 @@ class Checkpointer:
             if step <= max(self.saved_step, self._copied_step):
                 print(f"{say}; step {step} is already in a checkpoint", flush=True)
                 return
+            lines = [r for r in list(self.log.step_lines) if r.get("step") == step]
             try:
-                where, took = write_last_step(state, _run_dir(self.job, None), self.job.fit_id, self.rank.world_rank)
+                where, took = write_last_step(state, _run_dir(self.job, None), self.job.fit_id, self.rank.world_rank,
+                                              lines=lines)
             except Exception as exc:  # noqa: BLE001 - the durable checkpoint is the fallback
                 print(f"{say}; could not write the last completed step {step}: {exc}", flush=True)
                 return

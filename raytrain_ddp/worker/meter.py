@@ -160,6 +160,9 @@ class RunLog:
         self.last_loss = math.nan
         self._blocked_s = 0.0  # checkpoint time the step loop waited for, since the previous line
         self._tuning_said = False
+        # The lines made at the last completed step (train, validation), on every rank: a
+        # survivor's copy of that step carries them, since rank 0's sends die with rank 0.
+        self.step_lines: list[dict[str, Any]] = []
 
     def _record_attempt(self) -> int:
         """Rank 0 registers this worker-group start with the driver; every rank learns the number."""
@@ -169,19 +172,23 @@ class RunLog:
                                                 "time": time.time()})
         return from_main(number, self.rank.device)
 
-    def resumed_at(self, step: int, origin: Optional[dict[str, Any]] = None) -> None:
+    def resumed_at(self, step: int, origin: Optional[dict[str, Any]] = None,
+                   lines: Optional[list[dict[str, Any]]] = None) -> None:
         """Steps past the checkpoint are redone: the driver drops their lines (one history).
 
         `origin` ({"resumed_from": "scratch" | "checkpoint" | "replica", "checkpoint": name})
-        joins this attempt's line in attempts.jsonl.
+        joins this attempt's line in attempts.jsonl. `lines`: the lines of step `step`
+        that the checkpoint carries (a survivor's copy); the driver keeps those it lacks --
+        the lost worker may have been rank 0, whose last sends died with it.
         """
-        self.outbox.send("resumed", step=step, origin=origin or {})
+        self.outbox.send("resumed", step=step, origin=origin or {}, lines=list(lines or []))
         self.meter = StepMeter(self.job.cfg.train.global_batch_size, self.data.wait_seconds,
                                self.state.wrapper.comm_stats)
 
     def step(self, result: Any, epoch: int, end_of_epoch: bool) -> None:
         self.meter.step_done()
         self.last_loss = result.loss
+        self.step_lines = []
         self._announce_tuning()
         step = self.state.progress.step
         if step % self.job.cfg.run.log_every_steps == 0 or step >= self.total_steps or end_of_epoch:
@@ -227,8 +234,11 @@ class RunLog:
             self.rank.say(f"parallel auto tuning at step {self.state.progress.step}: {tuned['text']}")
 
     def _line(self, record: dict[str, Any]) -> None:
+        """Every rank keeps the line (the values are the same: reduced over ranks); rank 0 sends it."""
+        record = {k: _plain(v) for k, v in record.items()}
+        self.step_lines.append(record)
         if self.rank.is_main:
-            self.outbox.send("metrics", record={k: _plain(v) for k, v in record.items()})
+            self.outbox.send("metrics", record=record)
 
     def _window(self) -> dict[str, Any]:
         blocked, self._blocked_s = self._blocked_s, 0.0

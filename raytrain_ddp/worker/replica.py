@@ -193,11 +193,14 @@ def is_peer_loss(exc: BaseException) -> bool:
                for frame in frames)
 
 
-def write_last_step(state: dict[str, Any], run_dir: Location, fit_id: str, world_rank: int) -> tuple[Location, float]:
+def write_last_step(state: dict[str, Any], run_dir: Location, fit_id: str, world_rank: int,
+                    lines: Optional[list[dict[str, Any]]] = None) -> tuple[Location, float]:
     """Write `state` (`TrainState.last_step_state_dict()`) into `run_dir`; (where, seconds).
 
     Named like any checkpoint of the fit, with the writer's rank appended, so that
     survivors never write into one directory and the newest-valid lookup takes it.
+    `lines`: the step's metrics lines, kept in the manifest -- when the lost worker was
+    rank 0, its last line may have died with it, and the restarted group hands these on.
     """
     started = time.perf_counter()
     progress = state["progress"]
@@ -205,11 +208,11 @@ def write_last_step(state: dict[str, Any], run_dir: Location, fit_id: str, world
             f"_{fit_id[:8]}_r{world_rank}")
     target, origin = run_dir / name, f"{REPLICA_ORIGIN}:rank={world_rank}"
     if target.is_local:  # straight into place: every file atomic, the manifest last
-        ckpt.save_checkpoint(target.local_path, state, origin=origin)
+        ckpt.save_checkpoint(target.local_path, state, origin=origin, lines=lines)
         return target, time.perf_counter() - started
     staging = tempfile.mkdtemp(prefix="raytrain_ddp_replica_")
     try:
-        ckpt.save_checkpoint(staging, state, origin=origin)
+        ckpt.save_checkpoint(staging, state, origin=origin, lines=lines)
         target.upload_from(staging)  # no set order: a copy cut short fails its manifest check
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -146,3 +146,32 @@ def test_recorder_outliving_ray_never_starts_a_new_instance(tmp_path):
                           text=True, timeout=100, env=env)
     assert done.returncode == 0 and "OK" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
     assert "Started a local Ray instance" not in done.stderr
+
+
+def test_a_restart_from_a_survivors_copy_fills_in_the_lines_a_lost_rank0_never_delivered(tmp_path):
+    """Rank 0 completed step 3 (train and validation line) and died before its sends arrived;
+    the survivor's copy of step 3 carries both lines and the restarted group hands them on.
+    A line that did arrive is never written twice."""
+    from raytrain_ddp.driver.stream import Recorder
+    from raytrain_ddp.rundir import read_metrics
+
+    train = {"epoch": 1, "time": 1.7e9, "lr": 0.1, "attempt": 1}
+    step3 = [{**train, "step": 3, "loss": 0.7}, {"step": 3, "epoch": 1, "time": 1.7e9, "val_loss": 0.6}]
+    for delivered, expected in ((0, [1, 2, 3, 3, 4]), (1, [1, 2, 3, 3, 4]), (2, [1, 2, 3, 3, 4])):
+        run_dir = Location.parse(tmp_path / f"run{delivered}")
+        recorder = Recorder(run_dir, "fit", [])
+        recorder.handle([{"kind": "attempt", "attempt": 1, "seq": 0, "record": {"fit_id": "fit", "world_size": 2}},
+                         *({"kind": "metrics", "attempt": 1, "seq": s, "record": {**train, "step": s, "loss": 1.0}}
+                           for s in (1, 2)),
+                         *({"kind": "metrics", "attempt": 1, "seq": 3 + i, "record": r}
+                           for i, r in enumerate(step3[:delivered]))])
+        recorder.handle([{"kind": "attempt", "attempt": 2, "seq": 0, "record": {"fit_id": "fit", "world_size": 1}},
+                         {"kind": "resumed", "attempt": 2, "seq": 1, "step": 3,
+                          "origin": {"resumed_from": "replica"}, "lines": step3 + [{**train, "step": 2, "loss": 9.0}]},
+                         {"kind": "metrics", "attempt": 2, "seq": 2,
+                          "record": {**train, "step": 4, "loss": 0.5, "attempt": 2}}])
+        recorder.stop()
+        records = read_metrics(run_dir.local_path)
+        assert [r["step"] for r in records] == expected, delivered
+        assert records[2] == step3[0] and records[3] == step3[1]  # the copy's lines, in order, once
+        assert records[1]["loss"] == 1.0  # a line of another step in the copy is not taken
