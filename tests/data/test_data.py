@@ -40,6 +40,12 @@ def test_digits_export_roundtrip(tmp_path):
     assert info.rows == 1797 and info.feature_shape == (64,) and info.num_classes == 10
     x, y = load_digits_arrays()
     assert x.shape == (1797, 64) and 0.0 <= x.min() and x.max() <= 1.0 and set(y) == set(range(10))
+    # Read from the package's file without importing scikit-learn: the arrays load_digits gives.
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    assert np.array_equal(x, (bunch.data / 16.0).astype(np.float32)) and x.dtype == np.float32
+    assert np.array_equal(y, bunch.target.astype(np.int64)) and y.dtype == np.int64
 
 
 @pytest.mark.parametrize(
