@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(VENV)/bin/raytrain-ddp plot runs/quickstart
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 -rfE tests  # the slowest tests and every failure, in CI's log too
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not ray" tests

@@ -18,7 +18,8 @@ Events (dicts, in the order rank 0 sent them: each carries its `attempt` and a `
 counted from the attempt's start, which restore that order should Ray deliver two calls
 of an async actor out of order):
     {"kind": "attempt",   "record": {...}}   a worker group started (attempts.jsonl)
-    {"kind": "metrics",   "record": {...}}   a train or validation line (metrics.jsonl)
+    {"kind": "metrics",   "record": {...}}   a train or validation line (metrics.jsonl); one of
+                                             each per step: a redone one replaces its earlier self
     {"kind": "resumed",   "step": N, "origin": {...}, "lines": [...]}  lines past step N are
                                              redone: drop them; the attempt's line records where
                                              it started from; `lines` (step N's, from a survivor's
@@ -121,6 +122,7 @@ class Recorder:
                  write_metrics: bool = True) -> None:
         self.run_dir, self.fit_id, self.sinks, self.mailbox = run_dir, fit_id, list(sinks), mailbox
         self.metrics = JsonlFile(run_dir / METRICS_FILE)
+        self._lines = {_line_key(r) for r in self.metrics.records}  # (step, kind) of every line held
         self.attempts = JsonlFile(run_dir / ATTEMPTS_FILE)
         self.write_metrics = write_metrics
         self.abort: Optional[dict[str, Any]] = None
@@ -195,6 +197,10 @@ class Recorder:
         kind = event.get("kind")
         if kind == "metrics":
             record = event["record"]
+            key = _line_key(record)
+            if key in self._lines:  # a redone line (validation after a restart at an epoch's end) replaces its earlier self
+                self.metrics.keep(lambda r: _line_key(r) != key)
+            self._lines.add(key)
             self.metrics.append([record])
             self.last_step = max(self.last_step, int(record.get("step", 0)))
             for sink in self.sinks:
@@ -204,14 +210,13 @@ class Recorder:
         elif kind == "resumed":
             step = int(event["step"])
             self.metrics.keep(lambda r: r.get("step", 0) <= step)
+            self._lines = {_line_key(r) for r in self.metrics.records}
             self.attempts.amend_last({"resumed_step": step, **event.get("origin", {})})
             self.last_step = step
             # The checkpoint's own lines of `step` (a survivor's copy): those rank 0 did not
             # deliver before it was lost -- one train line and one validation line at most.
-            have = {_line_kind(r) for r in self.metrics.records if r.get("step") == step}
             for record in event.get("lines", []):
-                if record.get("step") == step and _line_kind(record) not in have:
-                    have.add(_line_kind(record))
+                if record.get("step") == step and _line_key(record) not in self._lines:
                     self._apply({"kind": "metrics", "record": record})
         elif kind == "abort":
             self.abort = event["record"]
@@ -254,6 +259,6 @@ class Recorder:
                 "blocked_s_mean": round(sum(blocked) / len(blocked), 4), "blocked_s_max": round(max(blocked), 4)}
 
 
-def _line_kind(record: dict[str, Any]) -> str:
+def _line_key(record: dict[str, Any]) -> tuple[int, str]:
     """A step has at most one train line (`loss`) and one validation line (`val_loss`)."""
-    return "train" if "loss" in record else "validation"
+    return int(record.get("step", 0)), "train" if "loss" in record else "validation"

@@ -175,3 +175,14 @@ def test_a_restart_from_a_survivors_copy_fills_in_the_lines_a_lost_rank0_never_d
         assert [r["step"] for r in records] == expected, delivered
         assert records[2] == step3[0] and records[3] == step3[1]  # the copy's lines, in order, once
         assert records[1]["loss"] == 1.0  # a line of another step in the copy is not taken
+
+    # The copy was of an epoch's last step, taken before validation finished: the restarted
+    # group validates again, and its line replaces the earlier one (one line per step and kind).
+    recorder = Recorder(Location.parse(tmp_path / "run0"), "fit", [])  # the file above, read back
+    recorder.handle([{"kind": "attempt", "attempt": 3, "seq": 0, "record": {"fit_id": "fit", "world_size": 2}},
+                     {"kind": "resumed", "attempt": 3, "seq": 1, "step": 3, "lines": step3},
+                     {"kind": "metrics", "attempt": 3, "seq": 2, "record": {**step3[1], "val_loss": 0.55}}])
+    recorder.stop()
+    records = read_metrics(tmp_path / "run0")
+    assert [(r["step"], "val_loss" in r) for r in records] == [(1, False), (2, False), (3, False), (3, True)]
+    assert records[3]["val_loss"] == 0.55
