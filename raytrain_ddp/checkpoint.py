@@ -15,7 +15,8 @@ Layout of a checkpoint directory:
     state.pt        torch.save of {component name: its state_dict()} (tensors and plain
                     Python values only; see `worker/state.py` for the components)
     manifest.json   {"format", "step", "epoch", "fit_id", "files": {name: {sha256, size}},
-                    and "origin" for a survivor's copy of the last step (worker/replica.py)}
+                    and, for a survivor's copy of the last step (worker/replica.py),
+                    "origin" and "lines": that step's metrics lines)
 
 Why a manifest written last: a directory holding `manifest.json` whose sizes and sha256
 match is a complete checkpoint; anything else (a crash mid-write, an upload to storage
