@@ -104,6 +104,7 @@ def wait_for_placement(cfg: Config, out: TextIO = sys.stdout) -> Optional[str]:
     Prints a status line after FIRST_STATUS_S and then every STATUS_EVERY_S while waiting.
     `scaling.placement_timeout_s` bounds the wait (0: forever). Ctrl-C removes the probe.
     """
+    import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
     per_worker = worker_resources(cfg)
@@ -119,7 +120,12 @@ def wait_for_placement(cfg: Config, out: TextIO = sys.stdout) -> Optional[str]:
     started = time.monotonic()
     next_status = FIRST_STATUS_S
     try:
-        while not pg.wait(timeout_seconds=POLL_S):
+        # Waited on through `ray.wait` on the probe's ready-ref, not `pg.wait`: that one is a
+        # synchronous GCS call that checks no signals -- in a loaded CI run the first status
+        # line came after 35 s instead of 5, and Ctrl-C went unanswered for over 60 s.
+        # `ray.wait` keeps its timeout on this side and lets KeyboardInterrupt through.
+        ready = pg.ready()
+        while not ray.wait([ready], timeout=POLL_S)[0]:
             waited = time.monotonic() - started
             if timeout and waited >= timeout:
                 return (f"the cluster did not place {workers} worker{'s' if workers > 1 else ''} x "
