@@ -234,7 +234,9 @@ class RunLog:
             self.rank.say(f"parallel auto tuning at step {self.state.progress.step}: {tuned['text']}")
 
     def _line(self, record: dict[str, Any]) -> None:
-        """Every rank keeps the line (the values are the same: reduced over ranks); rank 0 sends it."""
+        """Every rank keeps the line, rank 0 sends it. Loss and validation figures are reduced
+        over ranks, so a survivor's line says what rank 0's said; the timing fields are the
+        rank's own (every rank's step takes the same wall time: the all-reduce syncs them)."""
         record = {k: _plain(v) for k, v in record.items()}
         self.step_lines.append(record)
         if self.rank.is_main:
