@@ -167,11 +167,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stacks_on_sigusr1() -> None:
+    """`kill -USR1 <pid>` prints every thread's stack to stderr and the run goes on: what a
+    driver that seems stuck is waiting for (docs/usage.md#ctrl-c), without a debugger."""
+    if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
+        import faulthandler
+
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "verbose", False):
         os.environ[VERBOSE_ENV] = "1"  # read by the console filter (driver/console.py)
     previous = _terminate_as_interrupt()
+    _stacks_on_sigusr1()
     try:
         return int(args.func(args) or 0)
     except UserError as exc:

@@ -45,3 +45,17 @@ def test_configuration_doc_documents_every_key():
 def test_module_entry_point_help():
     out = subprocess.run([sys.executable, "-m", "raytrain_ddp", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "train" in out.stdout and "cluster" in out.stdout
+
+
+def test_sigusr1_prints_every_threads_stack_and_the_driver_goes_on():
+    """`kill -USR1 <pid>` on a driver that seems stuck says where it waits (docs/usage.md)."""
+    code = ("import os, signal, threading, time\n"
+            "from raytrain_ddp.driver.cli import _stacks_on_sigusr1\n"
+            "_stacks_on_sigusr1()\n"
+            "threading.Thread(target=time.sleep, args=(5,), name='waiter', daemon=True).start()\n"
+            "os.kill(os.getpid(), signal.SIGUSR1)\n"
+            "time.sleep(0.2)\n"
+            "print('still running')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "still running", done.stderr
+    assert "Current thread" in done.stderr and done.stderr.count("File ") >= 2, done.stderr  # main + the waiter
