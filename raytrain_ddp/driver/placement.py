@@ -120,10 +120,9 @@ def wait_for_placement(cfg: Config, out: TextIO = sys.stdout) -> Optional[str]:
     started = time.monotonic()
     next_status = FIRST_STATUS_S
     try:
-        # Waited on through `ray.wait` on the probe's ready-ref, not `pg.wait`: that one is a
-        # synchronous GCS call that checks no signals -- in a loaded CI run the first status
-        # line came after 35 s instead of 5, and Ctrl-C went unanswered for over 60 s.
-        # `ray.wait` keeps its timeout on this side and lets KeyboardInterrupt through.
+        # Waited on through `ray.wait` on the probe's ready-ref, not `pg.wait` (one synchronous
+        # GCS call that checks no signals): `ray.wait` keeps its timeout on this side and lets
+        # KeyboardInterrupt through.
         ready = pg.ready()
         while not ray.wait([ready], timeout=POLL_S)[0]:
             waited = time.monotonic() - started
