@@ -84,7 +84,7 @@ class Checkpointer:
         survivor = written_by_survivor(manifest)
         origin = {"resumed_from": "scratch"} if found is None else {
             "resumed_from": "checkpoint" if survivor is None else "replica", "checkpoint": found[1].name}
-        self.log.resumed_at(step, origin, lines=[r for r in manifest.get("lines", []) if r.get("step") == step])
+        self.log.resumed_at(step, origin, lines=manifest.get("lines", []))  # the driver takes step `step`'s
         check_same(step, "the step to resume from", self.rank.device)
         self.saved_step = step
         if found is None:
