@@ -167,13 +167,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _stacks_on_sigusr1() -> None:
-    """`kill -USR1 <pid>` prints every thread's stack to stderr and the run goes on: what a
-    driver that seems stuck is waiting for (docs/usage.md#ctrl-c), without a debugger."""
-    if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
-        import faulthandler
+def _stacks_on_sigusr1() -> bool:
+    """`kill -USR1 <pid>` prints every thread's stack to the process's stderr and the run goes on:
+    what a driver that seems stuck is waiting for (docs/usage.md#ctrl-c), without a debugger.
+    Written to the real fd 2 (`sys.__stderr__`): `sys.stderr` may be a stream with no file
+    behind it (pytest's capture, a notebook). True when registered, for `main` to undo."""
+    if not hasattr(signal, "SIGUSR1") or threading.current_thread() is not threading.main_thread():
+        return False
+    import faulthandler
 
-        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    try:
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True, chain=False)
+    except (AttributeError, ValueError, OSError):  # no stderr with a file descriptor: no stacks
+        return False
+    return True
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -181,7 +188,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if getattr(args, "verbose", False):
         os.environ[VERBOSE_ENV] = "1"  # read by the console filter (driver/console.py)
     previous = _terminate_as_interrupt()
-    _stacks_on_sigusr1()
+    stacks = _stacks_on_sigusr1()
     try:
         return int(args.func(args) or 0)
     except UserError as exc:
@@ -196,6 +203,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        if stacks:  # `main` called in-process (tests, a notebook) leaves no handler behind
+            import faulthandler
+
+            faulthandler.unregister(signal.SIGUSR1)
 
 
 def _terminate_as_interrupt() -> Any:

@@ -1,5 +1,6 @@
 """CLI surface without Ray: help, config printing, user errors as one line with exit 2."""
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,19 @@ def test_configuration_doc_documents_every_key():
 def test_module_entry_point_help():
     out = subprocess.run([sys.executable, "-m", "raytrain_ddp", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "train" in out.stdout and "cluster" in out.stdout
+
+
+def test_main_in_process_works_without_a_file_behind_stderr_and_leaves_no_signal_handler(capsys, monkeypatch):
+    """Under pytest's capture or in a notebook stderr has no fileno: the stacks-on-SIGUSR1 setup
+    must neither fail the command (CI of stop 21) nor outlive the call."""
+    import faulthandler
+    import io
+
+    assert main(["config", str(ROOT / "examples/configs/quickstart.yaml")]) == 0
+    assert faulthandler.unregister(signal.SIGUSR1) is False  # main undid its registration
+    monkeypatch.setattr(sys, "__stderr__", io.StringIO())  # no file descriptor at all
+    assert main(["config", "missing.yaml"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
 
 
 def test_sigusr1_prints_every_threads_stack_and_the_driver_goes_on():
