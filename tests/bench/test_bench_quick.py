@@ -73,6 +73,9 @@ def test_quick_bench_writes_every_section(smoke_run):
         auto = section["auto"]  # bucketed_auto decided during its warm-up
         assert auto["bucket_cap_mb"] > 0 and auto["buckets"] >= 1 and auto["compress"] is None, auto
         assert _positive(section["ratios"]["bucketed_auto_over_torch_ddp"])
+        assert set(section["paired_over_torch_ddp"]) == {"bucketed_25mb", "bucketed_auto", "native"}
+        assert all(_positive(v) for v in section["paired_over_torch_ddp"].values()), section
+    assert "| paired bucketed_25mb / torch_ddp |" in proc.stdout
     assert "**Exposed communication**" in proc.stdout and "`bucketed_auto` on mlp:" in proc.stdout
 
     acc = results["accumulation"]

@@ -1,8 +1,10 @@
 """One process: no process group (or a group of one), the accumulation window's arithmetic,
-bucket assignment, argument errors, and the no-Ray import rule. Mostly milliseconds."""
+bucket assignment, argument errors, and the no-Ray
+import rule. Mostly milliseconds."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -105,6 +107,19 @@ def test_exposed_communication_is_the_union_of_spans_after_backward():
     assert split_comm_time(10.0, [(0.0, 1.0)]) == (1.0, 0.0)  # all hidden
     assert split_comm_time(0.0, [(1.0, 2.0), (1.5, 2.5)]) == (1.5, 1.5)  # all exposed (naive)
     assert split_comm_time(0.0, []) == (0.0, 0.0)
+
+
+def test_paired_ratio_compares_within_rounds_and_ignores_a_disturbed_round():
+    """The bench's #19 verdict: per-round medians, then the median over rounds."""
+    from raytrain_ddp.ops.bench.strategies import paired_ratio
+
+    # round 2 ran under load: both variants slower, a's ratio within every round stays 0.9
+    a = [9.0, 9.0, 9.5, 18.0, 18.0, 19.0, 9.0, 9.0, 9.0]
+    b = [10.0, 10.0, 10.5, 20.0, 20.0, 21.0, 10.0, 10.0, 10.0]
+    assert paired_ratio(a, b, 3) == pytest.approx(0.9)
+    assert paired_ratio(a + [1e6], b + [1.0], 3) == pytest.approx(0.9)  # a partial round is left out
+    assert paired_ratio(a, [10.0, 10.0, 10.0] * 2 + [100.0] * 3, 3) == pytest.approx(0.9)  # one bad round
+    assert math.isnan(paired_ratio([1.0], [1.0], 3))
 
 
 def test_auto_tuner_visits_every_candidate_then_keeps_the_fastest():

@@ -29,6 +29,7 @@ How it is measured, and why:
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from typing import Any, Optional
 
@@ -166,8 +167,28 @@ def time_variants(world_rank: int, world_size: int, model_name: str, sizes: Size
             "threads": torch.get_num_threads()}
 
 
-def summarise(model_name: str, rank_results: list[dict], world_size: int) -> dict[str, Any]:
-    """Per-step time is the slowest rank's (every rank waits for it in the all-reduce)."""
+PAIRED = ("bucketed_25mb", "bucketed_auto", "native")  # each against torch_ddp, round by round
+
+
+def paired_ratio(a: list[float], b: list[float], steps_per_round: int) -> float:
+    """Median over rounds of (median of `a`'s steps in the round) / (the same of `b`).
+
+    A round times every variant back to back, so a ratio within one round compares them
+    under the same load; the median over rounds then ignores a round another process
+    disturbed. The ratio of the overall medians (`ratios`) mixes rounds run at different
+    loads: on this shared 2-core machine it moved by 5 % between runs of the same code."""
+    n = min(len(a), len(b)) // steps_per_round
+    if n == 0:
+        return float("nan")
+    per_round = [statistics.median(a[r * steps_per_round:(r + 1) * steps_per_round])
+                 / statistics.median(b[r * steps_per_round:(r + 1) * steps_per_round]) for r in range(n)]
+    return statistics.median(per_round)
+
+
+def summarise(model_name: str, rank_results: list[dict], world_size: int,
+              steps_per_round: Optional[int] = None) -> dict[str, Any]:
+    """Per-step time is the slowest rank's (every rank waits for it in the all-reduce).
+    `steps_per_round` (the steps each round timed per variant, in order) adds `paired`."""
     labels = list(rank_results[0]["times_ms"])
     per_step = {label: [max(r["times_ms"][label][i] for r in rank_results)
                         for i in range(len(rank_results[0]["times_ms"][label]))] for label in labels}
@@ -195,6 +216,9 @@ def summarise(model_name: str, rank_results: list[dict], world_size: int) -> dic
         out["ratios"]["bucketed_auto_over_torch_ddp"] = ratio(med["bucketed_auto"], med["torch_ddp"])
     if "data_parallel" in med:
         out["ratios"]["data_parallel_over_native"] = ratio(med["data_parallel"], med["native"])
+    if steps_per_round and "torch_ddp" in per_step:
+        out["paired_over_torch_ddp"] = {label: paired_ratio(per_step[label], per_step["torch_ddp"], steps_per_round)
+                                        for label in PAIRED if label in per_step}
     out["comm"] = comm_summary(rank_results)
     tuned = first.get("tuned", {}).get("bucketed_auto")
     if tuned is not None:
@@ -235,5 +259,5 @@ def run(sizes: Sizes, device: str = "cpu", world_size: int = 2, models: tuple[st
         shape = (shapes or {}).get(name)
         results = run_ranks(time_variants, world_size, name, sizes, device, with_dp, shape,
                             backend=backend, threads=threads, timeout_s=600)
-        section[name] = summarise(name, results, world_size)
+        section[name] = summarise(name, results, world_size, sizes.steps_per_round)
     return section
