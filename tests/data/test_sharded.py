@@ -243,11 +243,16 @@ def test_read_ahead_keeps_order_bounds_its_window_raises_and_stops():
     ahead.close()
 
     slow = ReadAhead(read, range(100, 200), 3)
-    _time.sleep(0.2)  # nobody takes anything: the reader stops at its window
-    assert len([r for r in reads if r >= 100]) == 3
+    _time.sleep(0.2)  # nobody takes anything: the first result is handed over alone, then the reader stops
+    assert len([r for r in reads if r >= 100]) == 1
     assert slow.next() == 1000
+    _time.sleep(0.2)  # the next group of 3 is read while the consumer works, handed over whole, then it stops
+    assert len([r for r in reads if r >= 100]) == 4
+    assert [slow.next() for _ in range(3)] == [1010, 1020, 1030]
+    _time.sleep(0.2)  # never more than 2 x ahead read and not yet taken
+    assert len([r for r in reads if r >= 100]) - 4 <= 2 * 3
     slow.close()  # while the reader waits for room: returns, the thread is gone
-    assert not slow._thread.is_alive() and len([r for r in reads if r >= 100]) <= 5
+    assert not slow._thread.is_alive() and len([r for r in reads if r >= 100]) <= 7
 
     def broken(step):
         if step == 2:
