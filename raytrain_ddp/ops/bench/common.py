@@ -41,7 +41,7 @@ class Sizes:
 
 
 FULL = Sizes("full", rounds=12, steps_per_round=8, warmup_steps=3, mlp_batch=64, gpt_batch=16,
-             accum_steps=4, ray_steps=60, ray_warmup=10, ingest_rows=65536, ingest_passes=3,
+             accum_steps=4, ray_steps=60, ray_warmup=10, ingest_rows=65536, ingest_passes=5,
              train_steps=60)
 QUICK = Sizes("quick", rounds=3, steps_per_round=4, warmup_steps=2, mlp_batch=64, gpt_batch=16,
               accum_steps=2, ray_steps=20, ray_warmup=5, ingest_rows=16384, ingest_passes=2,
