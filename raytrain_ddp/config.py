@@ -147,7 +147,11 @@ class DataConfig(_Section):
         "largest divisor of the micro batch up to 64. Smaller: closer to a per-row shuffle, "
         "more reads.",
     )
-    prefetch_batches: int = Field(2, ge=0, description="Batches prefetched onto the device.")
+    prefetch_batches: int = Field(
+        2, ge=0,
+        description="Batches read ahead of the step: Ray Data's prefetch onto the device (streaming); "
+        "the reader thread's window (sharded, used once a step's read takes over 1 ms: object "
+        "storage, cold disks). 0: read in the training thread.")
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)
 
     @field_validator("preprocess")

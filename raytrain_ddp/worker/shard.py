@@ -34,6 +34,8 @@ from raytrain_ddp.parallel.collectives import all_true
 TRAIN = "train"
 VAL = "val"
 _READ_BATCH_ROWS = 4096
+# sharded: a step read faster than this stays in the training thread (see `_sharded_windows`)
+INLINE_READ_S = 0.001
 
 
 class WorkerData:
@@ -56,6 +58,7 @@ class WorkerData:
         self.accumulation_steps = cfg.accumulation_steps(world_size)
         self.global_batch_size = cfg.train.global_batch_size
         self.wait_seconds = 0.0
+        self.read_ahead_steps = 0  # sharded: windows that came from the reader thread
         self.format = BatchFormat.of(cfg)
         shards = shards or {}
         self._train_shard = shards.get(TRAIN)
@@ -126,9 +129,16 @@ class WorkerData:
                 for micro in range(self.accumulation_steps)]
 
     def _sharded_windows(self, epoch: int, skip_steps: int) -> Iterator[list[Any]]:
-        """Read this rank's chunks of each step on a reader thread, up to `ahead` steps ahead
-        (`data.prefetch_batches: 0`: in this thread): resident data is those windows (pinned
-        on CUDA), never the data set."""
+        """Read this rank's chunks of each step: in this thread while a step's read is quick,
+        then on a reader thread up to `ahead` steps ahead; resident data is those windows
+        (pinned on CUDA), never the data set.
+
+        A local store in the page cache reads a step in well under a millisecond, less than
+        handing it over from another thread costs (the in-memory gather's speed inline, 0.73x
+        of it through the thread under the bench's load: benchmarks/README.md#ingest-sharded).
+        The first step whose read takes longer than `INLINE_READ_S` (object storage, a cold or
+        network disk, big batches) moves the rest of the epoch to the reader thread, where
+        reading overlaps training. `data.prefetch_batches: 0` always reads here."""
         ahead = max(1, -(-self.cfg.data.prefetch_batches // self.accumulation_steps))
         pinned = getattr(self.device, "type", "cpu") == "cuda"
 
@@ -139,14 +149,20 @@ class WorkerData:
                 window.append(_pin(batch) if pinned else batch)
             return window
 
-        if self.cfg.data.prefetch_batches == 0:  # read in this thread, step by step
-            for step in range(skip_steps, self.steps_per_epoch):
-                start = time.perf_counter()
-                window = [to_device(batch, self.device) for batch in read(step)]
-                self.wait_seconds += time.perf_counter() - start
-                yield window
+        steps = iter(range(skip_steps, self.steps_per_epoch))
+        inline = True
+        for step in steps:
+            start = time.perf_counter()
+            window = read(step)
+            inline = self.cfg.data.prefetch_batches == 0 or time.perf_counter() - start < INLINE_READ_S
+            window = [to_device(batch, self.device) for batch in window]
+            self.wait_seconds += time.perf_counter() - start
+            yield window
+            if not inline:
+                break
+        if inline:
             return
-        reader = ReadAhead(read, range(skip_steps, self.steps_per_epoch), ahead)
+        reader = ReadAhead(read, steps, ahead)
         try:
             while True:
                 start = time.perf_counter()
@@ -155,6 +171,7 @@ class WorkerData:
                     return
                 window = [to_device(batch, self.device) for batch in window]
                 self.wait_seconds += time.perf_counter() - start
+                self.read_ahead_steps += 1
                 yield window
         finally:
             reader.close()
