@@ -59,6 +59,7 @@ class WorkerData:
         self.global_batch_size = cfg.train.global_batch_size
         self.wait_seconds = 0.0
         self.read_ahead_steps = 0  # sharded: windows that came from the reader thread
+        self.inline_read_s = INLINE_READ_S  # sharded: a step read faster stays in this thread
         self.format = BatchFormat.of(cfg)
         shards = shards or {}
         self._train_shard = shards.get(TRAIN)
@@ -136,7 +137,7 @@ class WorkerData:
         A local store in the page cache reads a step in well under a millisecond, less than
         handing it over from another thread costs (the in-memory gather's speed inline, 0.73x
         of it through the thread under the bench's load: benchmarks/README.md#ingest-sharded).
-        The first step whose read takes longer than `INLINE_READ_S` (object storage, a cold or
+        The first step whose read takes longer than `inline_read_s` (object storage, a cold or
         network disk, big batches) moves the rest of the epoch to the reader thread, where
         reading overlaps training. `data.prefetch_batches: 0` always reads here."""
         ahead = max(1, -(-self.cfg.data.prefetch_batches // self.accumulation_steps))
@@ -154,7 +155,7 @@ class WorkerData:
         for step in steps:
             start = time.perf_counter()
             window = read(step)
-            inline = self.cfg.data.prefetch_batches == 0 or time.perf_counter() - start < INLINE_READ_S
+            inline = self.cfg.data.prefetch_batches == 0 or time.perf_counter() - start < self.inline_read_s
             window = [to_device(batch, self.device) for batch in window]
             self.wait_seconds += time.perf_counter() - start
             yield window

@@ -119,7 +119,7 @@ def test_quick_bench_writes_every_section(smoke_run):
         assert _positive(ingest["samples_per_s"][reader]), reader
         assert all(p["rows"] == ingest["rows"] for p in ingest["readers"][reader]["passes"])
     assert _positive(ingest["ray_data_over_in_memory"])
-    for reader in ("sharded", "sharded_chunk256", "sharded_rank0_of_2"):  # data.sharding: sharded's batch path
+    for reader in ("sharded", "sharded_thread", "sharded_chunk256", "sharded_rank0_of_2"):  # data.sharding: sharded's batch path
         assert _positive(ingest["samples_per_s"][reader]) and _positive(ingest[f"{reader}_over_in_memory"]), reader
     memory = ingest["sharded_memory"]
     assert memory["rows_read"] > 0 and memory["peak_mb"] >= memory["start_mb"] > 0
@@ -136,7 +136,8 @@ def test_quick_bench_writes_every_section(smoke_run):
     assert "**Keeping the replica" in proc.stdout
 
     names = {v["target"] for v in results["targets"]}
-    assert "Ray Train / plain torch.distributed step" in names and len(names) == 13
+    assert "Ray Train / plain torch.distributed step" in names and len(names) == 14
+    assert "sharded / in-memory samples/s (default: inline while reads are quick)" in names  # issue #14
     assert "replica's cost per step, % of step time (quickstart)" in names
     assert "quickstart checkpoint blocks the step loop (s, async upload)" in names
     assert "**Checkpoint: time the step loop is blocked**" in proc.stdout

@@ -130,23 +130,22 @@ def test_same_samples_in_every_step_at_any_world_size(tmp_path, world):
     assert other != streams[0]  # epochs reshuffle
 
 
-def test_quick_reads_stay_in_the_training_thread_and_slow_ones_move_to_the_reader_thread(tmp_path, monkeypatch):
-    """The same windows either way; a step read slower than INLINE_READ_S moves the rest of the
-    epoch to the reader thread (a resume too); prefetch_batches=0 never does."""
-    from raytrain_ddp.worker import shard
-
+def test_quick_reads_stay_in_the_training_thread_and_slow_ones_move_to_the_reader_thread(tmp_path):
+    """The same windows either way; a step read slower than inline_read_s (INLINE_READ_S) moves
+    the rest of the epoch to the reader thread (a resume too); prefetch_batches=0 never does."""
     root = _store(tmp_path)
-    monkeypatch.setattr(shard, "INLINE_READ_S", 10.0)  # every read counts as quick
     [quick] = _workers(_cfg("data.prefetch_batches=4"), root, 1)
+    quick.inline_read_s = 10.0  # every read counts as quick
     inline = [_ids(window) for window in quick.train_windows(epoch=1)]
     assert quick.read_ahead_steps == 0 and len(inline) == quick.steps_per_epoch
 
-    monkeypatch.setattr(shard, "INLINE_READ_S", 0.0)  # every read counts as slow
     [slow] = _workers(_cfg("data.prefetch_batches=4"), root, 1)
+    slow.inline_read_s = 0.0  # every read counts as slow
     assert [_ids(window) for window in slow.train_windows(epoch=1)] == inline
     assert slow.read_ahead_steps == slow.steps_per_epoch - 1  # the first step, then the thread
     assert [_ids(window) for window in slow.train_windows(epoch=1, skip_steps=5)] == inline[5:]
     [never] = _workers(_cfg("data.prefetch_batches=0"), root, 1)
+    never.inline_read_s = 0.0
     assert [_ids(window) for window in never.train_windows(epoch=1)] == inline
     assert never.read_ahead_steps == 0
 
