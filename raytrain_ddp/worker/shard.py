@@ -138,8 +138,9 @@ class WorkerData:
         handing it over from another thread costs (the in-memory gather's speed inline, 0.73x
         of it through the thread under the bench's load: benchmarks/README.md#ingest-sharded).
         The first step whose read takes longer than `inline_read_s` (object storage, a cold or
-        network disk, big batches) moves the rest of the epoch to the reader thread, where
-        reading overlaps training. `data.prefetch_batches: 0` always reads here."""
+        network disk, big batches; not counting a pass's first step, which also draws the
+        epoch's order and opens files) moves the rest of the epoch to the reader thread,
+        where reading overlaps training. `data.prefetch_batches: 0` always reads here."""
         ahead = max(1, -(-self.cfg.data.prefetch_batches // self.accumulation_steps))
         pinned = getattr(self.device, "type", "cpu") == "cuda"
 
@@ -155,7 +156,8 @@ class WorkerData:
         for step in steps:
             start = time.perf_counter()
             window = read(step)
-            inline = self.cfg.data.prefetch_batches == 0 or time.perf_counter() - start < self.inline_read_s
+            inline = (self.cfg.data.prefetch_batches == 0 or step == skip_steps  # the first also opens files
+                      or time.perf_counter() - start < self.inline_read_s)
             window = [to_device(batch, self.device) for batch in window]
             self.wait_seconds += time.perf_counter() - start
             yield window
