@@ -152,32 +152,31 @@ class WorkerData:
             return window
 
         steps = iter(range(skip_steps, self.steps_per_epoch))
-        inline = True
-        for step in steps:
-            start = time.perf_counter()
-            window = read(step)
-            inline = (self.cfg.data.prefetch_batches == 0 or step == skip_steps  # the first also opens files
-                      or time.perf_counter() - start < self.inline_read_s)
-            window = [to_device(batch, self.device) for batch in window]
-            self.wait_seconds += time.perf_counter() - start
-            yield window
-            if not inline:
-                break
-        if inline:
-            return
-        reader = ReadAhead(read, steps, ahead)
+        reader: Optional[ReadAhead] = None
+        slow = False  # a step after the first read slowly: the rest of the epoch goes to the thread
         try:
             while True:
+                if slow and reader is None:
+                    reader = ReadAhead(read, steps, ahead)
                 start = time.perf_counter()
-                window = reader.next()
-                if window is None:
-                    return
+                if reader is None:
+                    step = next(steps, None)
+                    if step is None:
+                        return
+                    window = read(step)
+                    slow = (self.cfg.data.prefetch_batches > 0 and step != skip_steps  # the first also opens files
+                            and time.perf_counter() - start >= self.inline_read_s)
+                else:
+                    window = reader.next()
+                    if window is None:
+                        return
+                    self.read_ahead_steps += 1
                 window = [to_device(batch, self.device) for batch in window]
                 self.wait_seconds += time.perf_counter() - start
-                self.read_ahead_steps += 1
                 yield window
         finally:
-            reader.close()
+            if reader is not None:
+                reader.close()
 
     def _columns(self, store: Any, chunks: list[int]) -> dict[str, Any]:
         """Chunks of a store as tensors, one per column: read straight into the arrays where the
