@@ -242,6 +242,8 @@ class BucketedDDP(ScratchBase):
             _queue_callback(self._finish)
         if self._ready[i]:
             return
+        if self._clock.open:
+            self._clock.poll()
         self._ready[i] = 1
         b = self._bucket_of[i]
         self._pending[b] -= 1
@@ -273,15 +275,19 @@ class BucketedDDP(ScratchBase):
         try:
             missing, pending = self._flush_remaining()
             n = len(self._buckets)
+            clock = self._clock
+            clock.poll()  # what finished during backward was hidden
             for bucket, work, send in self._works:
                 self._wait(work, lambda bucket=bucket, send=send: (
                     f"all-reduce of bucket {bucket.index + 1}/{n} "
                     f"({describe_tensors(bucket.names, send.numel() * send.element_size())})"))
+                if clock.open:
+                    clock.poll()
                 if send is not bucket.buffer:
                     bucket.buffer.copy_(send)
             synced = time.perf_counter()
             if self._timed:
-                self._add_comm_time(backward_end, self._clock.spans())
+                self._add_comm_time(backward_end, clock.spans())
             unused = self._settle_unused(*pending)
             for i in missing:  # no gradient here: takes the average, unless no rank used it
                 if i not in unused:
