@@ -18,7 +18,7 @@ from raytrain_ddp.parallel import (
     STRATEGIES, LocalModel, WrappedModel, accumulation_window, chunked, wrap_model,
 )
 from raytrain_ddp.parallel import tuning
-from raytrain_ddp.parallel.base import split_comm_time
+from raytrain_ddp.parallel.base import CommClock, split_comm_time
 from raytrain_ddp.parallel.bucketed import assign_buckets
 
 pytestmark = pytest.mark.timeout(60)
@@ -107,6 +107,33 @@ def test_exposed_communication_is_the_union_of_spans_after_backward():
     assert split_comm_time(10.0, [(0.0, 1.0)]) == (1.0, 0.0)  # all hidden
     assert split_comm_time(0.0, [(1.0, 2.0), (1.5, 2.5)]) == (1.5, 1.5)  # all exposed (naive)
     assert split_comm_time(0.0, []) == (0.0, 0.0)
+
+
+class _Work:
+    """A collective that completes when the test says so (what CommClock asks of a work)."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def test_comm_clock_stamps_completions_when_the_training_thread_sees_them():
+    clock, first, second = CommClock(), _Work(), _Work()
+    clock.launched(first)
+    clock.launched(second)
+    clock.poll()  # nothing finished yet
+    assert clock.ended == [0.0, 0.0] and clock.open == [0, 1]
+    second.done = True  # out of order: gloo may finish a later bucket first
+    clock.poll()
+    assert clock.ended[0] == 0.0 and clock.ended[1] >= clock.started[1] and clock.open == [0]
+    seen = clock.ended[1]
+    first.done = True
+    clock.poll()
+    assert clock.open == [] and clock.ended[0] >= seen and clock.ended[1] == seen  # a stamp is kept
+    (s0, e0), (s1, e1) = clock.spans()
+    assert s0 <= s1 <= e1 <= e0
 
 
 def test_paired_ratio_compares_within_rounds_and_ignores_a_disturbed_round():
