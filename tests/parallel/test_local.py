@@ -149,6 +149,20 @@ def test_paired_ratio_compares_within_rounds_and_ignores_a_disturbed_round():
     assert math.isnan(paired_ratio([1.0], [1.0], 3))
 
 
+def test_paired_interval_brackets_the_ratio_and_narrows_with_rounds():
+    from raytrain_ddp.ops.bench.strategies import paired_ci, paired_ratio
+
+    noisy = [1.0 + 0.1 * ((7 * r) % 5 - 2) for r in range(40)]  # per-round ratios 0.8..1.2, median 1.0
+    b = [10.0 + r for r in range(40) for _ in range(2)]  # two steps a round, the load drifting
+    a = [x * noisy[i // 2] for i, x in enumerate(b)]
+    low, high = paired_ci(a, b, 2)
+    assert low <= paired_ratio(a, b, 2) <= high and 0.8 <= low < high <= 1.2
+    few_low, few_high = paired_ci(a[:10], b[:10], 2)
+    assert few_high - few_low >= high - low  # five rounds say less than forty
+    assert paired_ci(a, b, 2) == (low, high)  # seeded: a results file reproduces
+    assert all(math.isnan(x) for x in paired_ci(a[:2], b[:2], 2))
+
+
 def test_auto_tuner_visits_every_candidate_then_keeps_the_fastest():
     options = [tuning.Candidate(1.0, None, 4), tuning.Candidate(25.0, None, 1), tuning.Candidate(1.0, "bf16", 4)]
     tuner = tuning.AutoTuner(options, rounds=2)

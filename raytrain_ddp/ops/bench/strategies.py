@@ -20,6 +20,14 @@ How it is measured, and why:
 - Warm-up steps are excluded; every step is timed on its own and the median with the
   interquartile range and min/max is reported. `bucketed_auto` warms up until its tuning
   has decided (about 20 synced steps), so its timed steps use the chosen layout.
+- The #19 question, bucketed (25 MB, the default) against torch DDP, gets a focused phase
+  after the round-robin (`parity`): only those two, alternated A-B / B-A over
+  `sizes.parity_rounds` rounds of `PARITY_STEPS` timed steps, so each pair of medians is
+  taken seconds apart. Per-step times on this 2-core machine spread by 2x (other
+  processes, gloo's threads against backward), and with eight variants per round the
+  paired ratio of twelve rounds moved by +-5 % between runs of the same code; eighty
+  rounds of two give the ratio with a bootstrap 95 % interval over rounds (`parity_ci`),
+  which says whether a difference is there at all.
 - Exposed communication (`comm`): each wrapper's own `comm_stats` over the timed steps
   (`comm_s`, `exposed_comm_s`, see `parallel.base.WrappedModel`), per step, mean over
   ranks: how long gradient all-reduces were in flight, how much of it came after backward
@@ -29,6 +37,7 @@ How it is measured, and why:
 from __future__ import annotations
 
 import copy
+import random
 import statistics
 import time
 from typing import Any, Optional
@@ -45,6 +54,8 @@ MLP_SHAPE = dict(in_features=1024, hidden_sizes=[1024, 1024, 256], num_classes=2
 GPT_SHAPE = dict(vocab_size=256, seq_len=64, d_model=128, n_layers=2, n_heads=4, dropout=0.0)
 BUCKET_CAPS_MB = (1.0, 25.0, 100.0)
 AUTO_WARMUP_LIMIT = 60  # synced steps bucketed_auto may take to decide (it needs about 20)
+PARITY = ("bucketed_25mb", "torch_ddp")  # the focused phase's pair (#19), in the ratio's order
+PARITY_STEPS = 4  # timed steps per variant per parity round (after one untimed step)
 
 
 def build_model(name: str, shape: Optional[dict] = None, seed: int = 0) -> nn.Module:
@@ -162,7 +173,19 @@ def time_variants(world_rank: int, world_size: int, model_name: str, sizes: Size
                 for key in ("comm_s", "exposed_comm_s"):
                     acc[key] += after[key] - before.get(key, 0.0)
                 acc["steps"] += sizes.steps_per_round
-    return {"times_ms": times, "grad_bytes": grad_bytes(base), "comm": comm, "tuned": tuned,
+    pair = [v for label in PARITY for v in variants if v[0] == label]
+    parity: dict[str, list[float]] = {label: [] for label, _, _ in pair}
+    for r in range(sizes.parity_rounds if len(pair) == 2 else 0):
+        for label, model, opt in (pair if r % 2 == 0 else pair[::-1]):
+            dist.barrier()
+            step(model, opt)
+            _sync(device)
+            for _ in range(PARITY_STEPS):
+                start = time.perf_counter()
+                step(model, opt)
+                _sync(device)
+                parity[label].append((time.perf_counter() - start) * 1e3)
+    return {"times_ms": times, "parity_ms": parity, "grad_bytes": grad_bytes(base), "comm": comm, "tuned": tuned,
             "params": sum(p.numel() for p in base.parameters()), "batch": batch,
             "threads": torch.get_num_threads()}
 
@@ -185,13 +208,33 @@ def paired_ratio(a: list[float], b: list[float], steps_per_round: int) -> float:
     return statistics.median(per_round)
 
 
+def paired_ci(a: list[float], b: list[float], steps_per_round: int, level: float = 0.95,
+              resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """Bootstrap interval of `paired_ratio(a, b)`: the rounds' ratios resampled with
+    replacement (seeded, so a results file reproduces), the median of each resample, and
+    the central `level` of those medians. (nan, nan) with fewer than two rounds."""
+    n = min(len(a), len(b)) // steps_per_round
+    if n < 2:
+        return float("nan"), float("nan")
+    per_round = [statistics.median(a[r * steps_per_round:(r + 1) * steps_per_round])
+                 / statistics.median(b[r * steps_per_round:(r + 1) * steps_per_round]) for r in range(n)]
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(per_round, k=n)) for _ in range(resamples))
+    tail = (1.0 - level) / 2
+    return medians[int(tail * (resamples - 1))], medians[int((1.0 - tail) * (resamples - 1))]
+
+
+def _slowest_rank(rank_results: list[dict], key: str) -> dict[str, list[float]]:
+    """Per variant, each step's time on the slowest rank (every rank waits for it in the all-reduce)."""
+    return {label: [max(r[key][label][i] for r in rank_results) for i in range(len(steps))]
+            for label, steps in rank_results[0][key].items()}
+
+
 def summarise(model_name: str, rank_results: list[dict], world_size: int,
               steps_per_round: Optional[int] = None) -> dict[str, Any]:
     """Per-step time is the slowest rank's (every rank waits for it in the all-reduce).
     `steps_per_round` (the steps each round timed per variant, in order) adds `paired`."""
-    labels = list(rank_results[0]["times_ms"])
-    per_step = {label: [max(r["times_ms"][label][i] for r in rank_results)
-                        for i in range(len(rank_results[0]["times_ms"][label]))] for label in labels}
+    per_step = _slowest_rank(rank_results, "times_ms")
     variants = {label: stats(values) for label, values in per_step.items()}
     med = {label: v["median"] for label, v in variants.items()}
     first = rank_results[0]
@@ -219,6 +262,12 @@ def summarise(model_name: str, rank_results: list[dict], world_size: int,
     if steps_per_round and "torch_ddp" in per_step:
         out["paired_over_torch_ddp"] = {label: paired_ratio(per_step[label], per_step["torch_ddp"], steps_per_round)
                                         for label in PAIRED if label in per_step}
+    parity = _slowest_rank(rank_results, "parity_ms") if rank_results[0].get("parity_ms") else {}
+    if all(parity.get(label) for label in PARITY):
+        a, b = (parity[label] for label in PARITY)
+        out["parity"] = {"ratio": paired_ratio(a, b, PARITY_STEPS), "ci95": list(paired_ci(a, b, PARITY_STEPS)),
+                         "rounds": len(a) // PARITY_STEPS, "steps_per_round": PARITY_STEPS,
+                         "step_ms": {label: statistics.median(parity[label]) for label in PARITY}}
     out["comm"] = comm_summary(rank_results)
     tuned = first.get("tuned", {}).get("bucketed_auto")
     if tuned is not None:
