@@ -149,18 +149,18 @@ def test_paired_ratio_compares_within_rounds_and_ignores_a_disturbed_round():
     assert math.isnan(paired_ratio([1.0], [1.0], 3))
 
 
-def test_paired_interval_brackets_the_ratio_and_narrows_with_rounds():
-    from raytrain_ddp.ops.bench.strategies import paired_ci, paired_ratio
+def test_launch_interval_is_a_t_interval_of_the_log_ratios():
+    from raytrain_ddp.ops.bench.strategies import launch_interval
 
-    noisy = [1.0 + 0.1 * ((7 * r) % 5 - 2) for r in range(40)]  # per-round ratios 0.8..1.2, median 1.0
-    b = [10.0 + r for r in range(40) for _ in range(2)]  # two steps a round, the load drifting
-    a = [x * noisy[i // 2] for i, x in enumerate(b)]
-    low, high = paired_ci(a, b, 2)
-    assert low <= paired_ratio(a, b, 2) <= high and 0.8 <= low < high <= 1.2
-    few_low, few_high = paired_ci(a[:10], b[:10], 2)
-    assert few_high - few_low >= high - low  # five rounds say less than forty
-    assert paired_ci(a, b, 2) == (low, high)  # seeded: a results file reproduces
-    assert all(math.isnan(x) for x in paired_ci(a[:2], b[:2], 2))
+    mean, low, high = launch_interval([1.02, 1.02, 1.02])
+    assert mean == pytest.approx(1.02) and low == pytest.approx(1.02) and high == pytest.approx(1.02)
+    mean, low, high = launch_interval([0.98, 1.03, 1.01, 1.04])
+    assert mean == pytest.approx((0.98 * 1.03 * 1.01 * 1.04) ** 0.25)
+    assert low < 1.0 < high and low * high == pytest.approx(mean * mean)  # symmetric in logs
+    wide = launch_interval([0.98, 1.03])  # two launches: the t quantile is 12.7
+    assert wide[1] < low and wide[2] > high
+    one = launch_interval([1.05])
+    assert one[0] == pytest.approx(1.05) and math.isnan(one[1]) and math.isnan(one[2])
 
 
 def test_auto_tuner_visits_every_candidate_then_keeps_the_fastest():

@@ -38,15 +38,16 @@ class Sizes:
     ingest_rows: int
     ingest_passes: int
     train_steps: int  # optimizer steps of the real training run (data wait)
-    parity_rounds: int = 0  # strategies: bucketed_25mb / torch_ddp alone, alternated (the #19 verdict)
+    parity_launches: int = 0  # strategies: launches of bucketed_25mb / torch_ddp / control (the #19 verdict)
+    parity_rounds: int = 0  # rotated rounds in each of those launches
 
 
 FULL = Sizes("full", rounds=12, steps_per_round=8, warmup_steps=3, mlp_batch=64, gpt_batch=16,
              accum_steps=4, ray_steps=60, ray_warmup=10, ingest_rows=65536, ingest_passes=5,
-             train_steps=60, parity_rounds=80)
+             train_steps=60, parity_launches=4, parity_rounds=20)
 QUICK = Sizes("quick", rounds=3, steps_per_round=4, warmup_steps=2, mlp_batch=64, gpt_batch=16,
               accum_steps=2, ray_steps=20, ray_warmup=5, ingest_rows=16384, ingest_passes=2,
-              train_steps=15, parity_rounds=10)
+              train_steps=15, parity_launches=2, parity_rounds=6)
 
 
 def stats(values: list[float]) -> dict[str, float]:

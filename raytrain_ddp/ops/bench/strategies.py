@@ -20,14 +20,15 @@ How it is measured, and why:
 - Warm-up steps are excluded; every step is timed on its own and the median with the
   interquartile range and min/max is reported. `bucketed_auto` warms up until its tuning
   has decided (about 20 synced steps), so its timed steps use the chosen layout.
-- The #19 question, bucketed (25 MB, the default) against torch DDP, gets a focused phase
-  after the round-robin (`parity`): only those two, alternated A-B / B-A over
-  `sizes.parity_rounds` rounds of `PARITY_STEPS` timed steps, so each pair of medians is
-  taken seconds apart. Per-step times on this 2-core machine spread by 2x (other
-  processes, gloo's threads against backward), and with eight variants per round the
-  paired ratio of twelve rounds moved by +-5 % between runs of the same code; eighty
-  rounds of two give the ratio with a bootstrap 95 % interval over rounds (`parity_ci`),
-  which says whether a difference is there at all.
+- The #19 question, bucketed (25 MB, the default) against torch DDP, is asked separately
+  (`parity`): `sizes.parity_launches` fresh launches of three variants only, bucketed,
+  torch DDP and a second, identical torch DDP (the control), `sizes.parity_rounds`
+  rotated rounds each. Two findings on this 2-core machine shaped it: per-step times
+  spread by 2x, and a launch itself biases a comparison (two identical torch DDP copies
+  in one launch differed by up to 2.5 %, one way or the other, between launches), so no
+  number of rounds inside one launch settles a 1-3 % question. Each launch gives a paired
+  ratio; the verdict is their geometric mean with a t interval over launches, and the
+  control's ratio shows what "no difference" looks like in the same runs.
 - Exposed communication (`comm`): each wrapper's own `comm_stats` over the timed steps
   (`comm_s`, `exposed_comm_s`, see `parallel.base.WrappedModel`), per step, mean over
   ranks: how long gradient all-reduces were in flight, how much of it came after backward
@@ -37,7 +38,7 @@ How it is measured, and why:
 from __future__ import annotations
 
 import copy
-import random
+import math
 import statistics
 import time
 from typing import Any, Optional
@@ -54,8 +55,10 @@ MLP_SHAPE = dict(in_features=1024, hidden_sizes=[1024, 1024, 256], num_classes=2
 GPT_SHAPE = dict(vocab_size=256, seq_len=64, d_model=128, n_layers=2, n_heads=4, dropout=0.0)
 BUCKET_CAPS_MB = (1.0, 25.0, 100.0)
 AUTO_WARMUP_LIMIT = 60  # synced steps bucketed_auto may take to decide (it needs about 20)
-PARITY = ("bucketed_25mb", "torch_ddp")  # the focused phase's pair (#19), in the ratio's order
+PARITY = ("bucketed_25mb", "torch_ddp", "torch_ddp_control")  # the #19 launches' variants
 PARITY_STEPS = 4  # timed steps per variant per parity round (after one untimed step)
+# two-sided 95 % Student t quantiles by degrees of freedom (launches - 1)
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
 def build_model(name: str, shape: Optional[dict] = None, seed: int = 0) -> nn.Module:
@@ -173,19 +176,7 @@ def time_variants(world_rank: int, world_size: int, model_name: str, sizes: Size
                 for key in ("comm_s", "exposed_comm_s"):
                     acc[key] += after[key] - before.get(key, 0.0)
                 acc["steps"] += sizes.steps_per_round
-    pair = [v for label in PARITY for v in variants if v[0] == label]
-    parity: dict[str, list[float]] = {label: [] for label, _, _ in pair}
-    for r in range(sizes.parity_rounds if len(pair) == 2 else 0):
-        for label, model, opt in (pair if r % 2 == 0 else pair[::-1]):
-            dist.barrier()
-            step(model, opt)
-            _sync(device)
-            for _ in range(PARITY_STEPS):
-                start = time.perf_counter()
-                step(model, opt)
-                _sync(device)
-                parity[label].append((time.perf_counter() - start) * 1e3)
-    return {"times_ms": times, "parity_ms": parity, "grad_bytes": grad_bytes(base), "comm": comm, "tuned": tuned,
+    return {"times_ms": times, "grad_bytes": grad_bytes(base), "comm": comm, "tuned": tuned,
             "params": sum(p.numel() for p in base.parameters()), "batch": batch,
             "threads": torch.get_num_threads()}
 
@@ -208,20 +199,72 @@ def paired_ratio(a: list[float], b: list[float], steps_per_round: int) -> float:
     return statistics.median(per_round)
 
 
-def paired_ci(a: list[float], b: list[float], steps_per_round: int, level: float = 0.95,
-              resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """Bootstrap interval of `paired_ratio(a, b)`: the rounds' ratios resampled with
-    replacement (seeded, so a results file reproduces), the median of each resample, and
-    the central `level` of those medians. (nan, nan) with fewer than two rounds."""
-    n = min(len(a), len(b)) // steps_per_round
-    if n < 2:
-        return float("nan"), float("nan")
-    per_round = [statistics.median(a[r * steps_per_round:(r + 1) * steps_per_round])
-                 / statistics.median(b[r * steps_per_round:(r + 1) * steps_per_round]) for r in range(n)]
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(per_round, k=n)) for _ in range(resamples))
-    tail = (1.0 - level) / 2
-    return medians[int(tail * (resamples - 1))], medians[int((1.0 - tail) * (resamples - 1))]
+def launch_interval(ratios: list[float]) -> tuple[float, float, float]:
+    """(geometric mean, low, high): the ratios of independent launches, with the 95 % t
+    interval of their mean log. Interval (nan, nan) with one launch."""
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    if len(logs) < 2:
+        return math.exp(mean), float("nan"), float("nan")
+    half = _T95.get(len(logs) - 1, 1.96) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def time_parity(world_rank: int, world_size: int, model_name: str, sizes: Sizes, device_name: str,
+                shape: Optional[dict] = None) -> dict[str, Any]:
+    """Rank body of one #19 launch: bucketed_25mb, torch DDP and an identical torch DDP,
+    rotated round by round; step times (ms) per variant."""
+    device = torch.device(device_name, world_rank) if device_name == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    base = build_model(model_name, shape)
+    batch = sizes.mlp_batch if model_name == "mlp" else sizes.gpt_batch
+    x, y = make_batch(base, model_name, batch, seed=1000 + world_rank, device=device)
+    variants = []
+    for label in PARITY:
+        model = _wrap(base, "bucketed" if label.startswith("bucketed") else "torch_ddp", 25.0, device)
+        variants.append((label, model, torch.optim.SGD(model.parameters(), lr=1e-3)))
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        opt.zero_grad(set_to_none=True)
+        cross_entropy(model(x), y).backward()
+        opt.step()
+
+    for _, model, opt in variants:
+        for _ in range(sizes.warmup_steps):
+            step(model, opt)
+    times: dict[str, list[float]] = {label: [] for label in PARITY}
+    for r in range(sizes.parity_rounds):
+        shift = r % len(variants)
+        for label, model, opt in variants[shift:] + variants[:shift]:
+            dist.barrier()
+            step(model, opt)
+            _sync(device)
+            for _ in range(PARITY_STEPS):
+                start = time.perf_counter()
+                step(model, opt)
+                _sync(device)
+                times[label].append((time.perf_counter() - start) * 1e3)
+    return {"times_ms": times}
+
+
+def summarise_parity(launches: list[list[dict]]) -> dict[str, Any]:
+    """Per launch the paired ratios bucketed / torch DDP and control / torch DDP (slowest rank
+    per step); over launches their geometric means with 95 % t intervals."""
+    ours, control, medians = [], [], {label: [] for label in PARITY}
+    for rank_results in launches:
+        per_step = _slowest_rank(rank_results, "times_ms")
+        ours.append(paired_ratio(per_step["bucketed_25mb"], per_step["torch_ddp"], PARITY_STEPS))
+        control.append(paired_ratio(per_step["torch_ddp_control"], per_step["torch_ddp"], PARITY_STEPS))
+        for label in PARITY:
+            medians[label].append(statistics.median(per_step[label]))
+    ratio, low, high = launch_interval(ours)
+    c_ratio, c_low, c_high = launch_interval(control)
+    return {"ratio": ratio, "ci95": [low, high], "per_launch": ours,
+            "control": c_ratio, "control_ci95": [c_low, c_high], "control_per_launch": control,
+            "launches": len(launches), "rounds_per_launch": len(launches[0][0]["times_ms"]["torch_ddp"]) // PARITY_STEPS,
+            "steps_per_round": PARITY_STEPS,
+            "step_ms": {label: statistics.median(v) for label, v in medians.items()}}
 
 
 def _slowest_rank(rank_results: list[dict], key: str) -> dict[str, list[float]]:
@@ -262,12 +305,6 @@ def summarise(model_name: str, rank_results: list[dict], world_size: int,
     if steps_per_round and "torch_ddp" in per_step:
         out["paired_over_torch_ddp"] = {label: paired_ratio(per_step[label], per_step["torch_ddp"], steps_per_round)
                                         for label in PAIRED if label in per_step}
-    parity = _slowest_rank(rank_results, "parity_ms") if rank_results[0].get("parity_ms") else {}
-    if all(parity.get(label) for label in PARITY):
-        a, b = (parity[label] for label in PARITY)
-        out["parity"] = {"ratio": paired_ratio(a, b, PARITY_STEPS), "ci95": list(paired_ci(a, b, PARITY_STEPS)),
-                         "rounds": len(a) // PARITY_STEPS, "steps_per_round": PARITY_STEPS,
-                         "step_ms": {label: statistics.median(parity[label]) for label in PARITY}}
     out["comm"] = comm_summary(rank_results)
     tuned = first.get("tuned", {}).get("bucketed_auto")
     if tuned is not None:
@@ -309,4 +346,9 @@ def run(sizes: Sizes, device: str = "cpu", world_size: int = 2, models: tuple[st
         results = run_ranks(time_variants, world_size, name, sizes, device, with_dp, shape,
                             backend=backend, threads=threads, timeout_s=600)
         section[name] = summarise(name, results, world_size, sizes.steps_per_round)
+        if sizes.parity_launches and world_size > 1:
+            log(f"  strategies: {name}, bucketed / torch DDP in {sizes.parity_launches} launch(es) ...")
+            launches = [run_ranks(time_parity, world_size, name, sizes, device, shape, backend=backend,
+                                  threads=threads, timeout_s=600) for _ in range(sizes.parity_launches)]
+            section[name]["parity"] = summarise_parity(launches)
     return section

@@ -32,7 +32,7 @@ SIZE_ENV = "RAYTRAIN_DDP_BENCH_SIZE"  # "smoke": the test suite's even smaller p
 DEFAULT_OUT_DIR = Path("benchmarks")  # without --out: benchmarks/bench-<preset>.json (git-ignored)
 SMOKE = Sizes("smoke", rounds=2, steps_per_round=3, warmup_steps=1, mlp_batch=64, gpt_batch=16,
               accum_steps=1, ray_steps=10, ray_warmup=3, ingest_rows=8192, ingest_passes=1,
-              train_steps=10, parity_rounds=2)
+              train_steps=10, parity_launches=1, parity_rounds=2)
 
 
 def _section(results: dict, name: str, fn: Callable[[], dict]) -> None:
