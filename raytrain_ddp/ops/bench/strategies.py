@@ -25,8 +25,8 @@ How it is measured, and why:
   torch DDP and a second, identical torch DDP (the control), `sizes.parity_rounds`
   rotated rounds each. Two findings on this 2-core machine shaped it: per-step times
   spread by 2x, and a launch itself biases a comparison (two identical torch DDP copies
-  in one launch differed by up to 2.5 %, one way or the other, between launches), so no
-  number of rounds inside one launch settles a 1-3 % question. Each launch gives a paired
+  in one launch came out 0.95-1.07 of each other, launch by launch), so no number of
+  rounds inside one launch settles a 1-3 % question. Each launch gives a paired
   ratio; the verdict is their geometric mean with a t interval over launches, and the
   control's ratio shows what "no difference" looks like in the same runs.
 - Exposed communication (`comm`): each wrapper's own `comm_stats` over the timed steps
