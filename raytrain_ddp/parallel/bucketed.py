@@ -272,11 +272,11 @@ class BucketedDDP(ScratchBase):
 
     def _finish(self) -> None:
         backward_end = time.perf_counter()
+        clock = self._clock
         try:
+            clock.poll()  # what finished during backward was hidden
             missing, pending = self._flush_remaining()
             n = len(self._buckets)
-            clock = self._clock
-            clock.poll()  # what finished during backward was hidden
             for bucket, work, send in self._works:
                 self._wait(work, lambda bucket=bucket, send=send: (
                     f"all-reduce of bucket {bucket.index + 1}/{n} "
