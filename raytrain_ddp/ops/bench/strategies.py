@@ -119,63 +119,79 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_variants(world_rank: int, world_size: int, model_name: str, sizes: Sizes, device_name: str,
-                  with_dp: bool, shape: Optional[dict] = None) -> dict[str, Any]:
-    """Rank body: every variant, round-robin; returns step times (ms) per variant."""
+def _rank_setup(world_rank: int, model_name: str, sizes: Sizes, device_name: str,
+                shape: Optional[dict]) -> tuple[torch.device, nn.Module, int, tuple]:
+    """What every rank body starts from: its device, the seeded model and this rank's fixed batch."""
     device = torch.device(device_name, world_rank) if device_name == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     base = build_model(model_name, shape)
+    batch = sizes.mlp_batch if model_name == "mlp" else sizes.gpt_batch
+    return device, base, batch, make_batch(base, model_name, batch, seed=1000 + world_rank, device=device)
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, data: tuple) -> None:
+    x, y = data
+    opt.zero_grad(set_to_none=True)
+    cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def _timed_rounds(variants: list[tuple[str, nn.Module, torch.optim.Optimizer]], data: tuple, rounds: int,
+                  steps_per_round: int, device: torch.device,
+                  comm: Optional[dict[str, dict[str, float]]] = None) -> dict[str, list[float]]:
+    """Step times (ms) per variant over `rounds` rounds that visit every variant, the order
+    rotated each round; each visit is one untimed step (caches, buckets) and then
+    `steps_per_round` timed ones. With `comm`, each wrapper's comm_stats timing over the
+    timed steps is added to it."""
+    _sync(device)
+    times: dict[str, list[float]] = {label: [] for label, _, _ in variants}
+    for r in range(rounds):
+        shift = r % len(variants)
+        for label, model, opt in variants[shift:] + variants[:shift]:
+            dist.barrier()
+            _step(model, opt, data)
+            _sync(device)
+            before = dict(getattr(model, "comm_stats", {}))
+            for _ in range(steps_per_round):
+                start = time.perf_counter()
+                _step(model, opt, data)
+                _sync(device)
+                times[label].append((time.perf_counter() - start) * 1e3)
+            after = getattr(model, "comm_stats", {})
+            if comm is not None and "comm_s" in after:
+                acc = comm.setdefault(label, {"comm_s": 0.0, "exposed_comm_s": 0.0, "steps": 0})
+                for key in ("comm_s", "exposed_comm_s"):
+                    acc[key] += after[key] - before.get(key, 0.0)
+                acc["steps"] += steps_per_round
+    return times
+
+
+def time_variants(world_rank: int, world_size: int, model_name: str, sizes: Sizes, device_name: str,
+                  with_dp: bool, shape: Optional[dict] = None) -> dict[str, Any]:
+    """Rank body: every variant, round-robin; returns step times (ms) per variant."""
     if sizes.name == "smoke":  # the test suite's preset: checks the code paths, so tune briefly
         from raytrain_ddp.parallel import tuning
 
         tuning.STEPS, tuning.ROUNDS = 4, 1  # this rank process only
-    batch = sizes.mlp_batch if model_name == "mlp" else sizes.gpt_batch
-    x, y = make_batch(base, model_name, batch, seed=1000 + world_rank, device=device)
-    specs = variant_specs(device_name, with_dp)
+    device, base, batch, data = _rank_setup(world_rank, model_name, sizes, device_name, shape)
     variants = []
-    for label, strategy, cap in specs:
+    for label, strategy, cap in variant_specs(device_name, with_dp):
         model = _wrap(base, strategy, cap, device)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        variants.append((label, model, opt))
-
-    def step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
-        opt.zero_grad(set_to_none=True)
-        cross_entropy(model(x), y).backward()
-        opt.step()
-
+        variants.append((label, model, torch.optim.SGD(model.parameters(), lr=1e-3)))
     tuned: dict[str, Any] = {}
     for label, model, opt in variants:
         for _ in range(sizes.warmup_steps):
-            step(model, opt)
+            _step(model, opt, data)
         auto = getattr(model, "bucket_cap_mb", None) == "auto" and world_size > 1
         for _ in range(AUTO_WARMUP_LIMIT if auto else 0):
             if model.tuning is not None:
                 break
-            step(model, opt)  # the tuning steps (same count on every rank: they are collectives)
+            _step(model, opt, data)  # the tuning steps (same count on every rank: they are collectives)
         if auto:
             tuned[label] = model.tuning
-    _sync(device)
-    times: dict[str, list[float]] = {label: [] for label, _, _ in variants}
     comm: dict[str, dict[str, float]] = {}
-    for r in range(sizes.rounds):
-        shift = r % len(variants)
-        for label, model, opt in variants[shift:] + variants[:shift]:
-            dist.barrier()
-            step(model, opt)  # one untimed step after switching variants (caches, buckets)
-            _sync(device)
-            before = dict(getattr(model, "comm_stats", {}))
-            for _ in range(sizes.steps_per_round):
-                start = time.perf_counter()
-                step(model, opt)
-                _sync(device)
-                times[label].append((time.perf_counter() - start) * 1e3)
-            after = getattr(model, "comm_stats", {})
-            if "comm_s" in after:
-                acc = comm.setdefault(label, {"comm_s": 0.0, "exposed_comm_s": 0.0, "steps": 0})
-                for key in ("comm_s", "exposed_comm_s"):
-                    acc[key] += after[key] - before.get(key, 0.0)
-                acc["steps"] += sizes.steps_per_round
+    times = _timed_rounds(variants, data, sizes.rounds, sizes.steps_per_round, device, comm)
     return {"times_ms": times, "grad_bytes": grad_bytes(base), "comm": comm, "tuned": tuned,
             "params": sum(p.numel() for p in base.parameters()), "batch": batch,
             "threads": torch.get_num_threads()}
@@ -214,38 +230,15 @@ def time_parity(world_rank: int, world_size: int, model_name: str, sizes: Sizes,
                 shape: Optional[dict] = None) -> dict[str, Any]:
     """Rank body of one #19 launch: bucketed_25mb, torch DDP and an identical torch DDP,
     rotated round by round; step times (ms) per variant."""
-    device = torch.device(device_name, world_rank) if device_name == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    base = build_model(model_name, shape)
-    batch = sizes.mlp_batch if model_name == "mlp" else sizes.gpt_batch
-    x, y = make_batch(base, model_name, batch, seed=1000 + world_rank, device=device)
+    device, base, _, data = _rank_setup(world_rank, model_name, sizes, device_name, shape)
     variants = []
     for label in PARITY:
         model = _wrap(base, "bucketed" if label.startswith("bucketed") else "torch_ddp", 25.0, device)
         variants.append((label, model, torch.optim.SGD(model.parameters(), lr=1e-3)))
-
-    def step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
-        opt.zero_grad(set_to_none=True)
-        cross_entropy(model(x), y).backward()
-        opt.step()
-
     for _, model, opt in variants:
         for _ in range(sizes.warmup_steps):
-            step(model, opt)
-    times: dict[str, list[float]] = {label: [] for label in PARITY}
-    for r in range(sizes.parity_rounds):
-        shift = r % len(variants)
-        for label, model, opt in variants[shift:] + variants[:shift]:
-            dist.barrier()
-            step(model, opt)
-            _sync(device)
-            for _ in range(PARITY_STEPS):
-                start = time.perf_counter()
-                step(model, opt)
-                _sync(device)
-                times[label].append((time.perf_counter() - start) * 1e3)
-    return {"times_ms": times}
+            _step(model, opt, data)
+    return {"times_ms": _timed_rounds(variants, data, sizes.parity_rounds, PARITY_STEPS, device)}
 
 
 def summarise_parity(launches: list[list[dict]]) -> dict[str, Any]:
