@@ -39,7 +39,7 @@ import tempfile
 import warnings
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
@@ -180,8 +180,10 @@ def write_chunk_store(path: Path, out: Path, chunk_rows: int) -> Any:
 
 
 def sharded_reader(root: Any, rows: int, chunk_rows: int, device: str, world: int = 1, rank: int = 0,
-                   prefetch: int = 4) -> Any:
-    """A `WorkerData` of `data.sharding: sharded` over the store: micro batch BATCH, one per step."""
+                   prefetch: int = 4, inline_read_s: Optional[float] = None) -> Any:
+    """A `WorkerData` of `data.sharding: sharded` over the store: micro batch BATCH, one per step.
+    `inline_read_s` replaces its threshold for reading in the consumer's thread (0: every read
+    counts as slow, so the reader thread takes over from the second step)."""
     import torch
 
     from raytrain_ddp.config import load_config
@@ -192,7 +194,10 @@ def sharded_reader(root: Any, rows: int, chunk_rows: int, device: str, world: in
                              f"train.micro_batch_size={BATCH}", f"train.global_batch_size={BATCH * world}",
                              f"data.prefetch_batches={prefetch}", f"scaling.num_workers={world}"])
     spec = DataSpec("classification", (FEATURES,), CLASSES, rows, 0, "bench", store=root)
-    return WorkerData(cfg, spec, rank, world, torch.device(device))
+    data = WorkerData(cfg, spec, rank, world, torch.device(device))
+    if inline_read_s is not None:
+        data.inline_read_s = inline_read_s
+    return data
 
 
 _RSS_PROBE = """
@@ -286,14 +291,15 @@ def readers(sizes: Sizes, tmp: Path, log=print, device: str = "cpu") -> dict[str
     rows = {name: sizes.ingest_rows for name in makers}
     epochs = itertools.count()
     stores: dict[int, Any] = {}
-    for name, chunk, world, prefetch in (("sharded", 64, 1, 4), ("sharded_thread", 64, 1, 4),
-                                         ("sharded_inline", 64, 1, 0), ("sharded_chunk256", 256, 1, 4),
-                                         ("sharded_rank0_of_2", 64, 2, 4)):
+    # (name, chunk rows, world size, prefetch, inline-read threshold: None = the product's)
+    for name, chunk, world, prefetch, inline_s in (("sharded", 64, 1, 4, None), ("sharded_thread", 64, 1, 4, 0.0),
+                                                   ("sharded_inline", 64, 1, 0, None),
+                                                   ("sharded_chunk256", 256, 1, 4, None),
+                                                   ("sharded_rank0_of_2", 64, 2, 4, None)):
         if chunk not in stores:
             stores[chunk] = write_chunk_store(path, tmp / f"store-{chunk}", chunk)
-        reader = sharded_reader(stores[chunk], sizes.ingest_rows, chunk, device, world, prefetch=prefetch)
-        if name == "sharded_thread":
-            reader.inline_read_s = 0.0  # every read counts as slow: the reader thread from the second step
+        reader = sharded_reader(stores[chunk], sizes.ingest_rows, chunk, device, world, prefetch=prefetch,
+                                inline_read_s=inline_s)
         makers[name] = lambda reader=reader: sharded_iter(reader, next(epochs))
         rows[name] = reader.steps_per_epoch * BATCH
     # Interleave: one pass of each reader per round, so drift hits them alike. One torch
