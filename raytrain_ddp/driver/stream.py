@@ -15,8 +15,9 @@ the driver long-polls (`take` returns as soon as anything arrived), so a line re
 the run directory within milliseconds of being made.
 
 Events (dicts, in the order rank 0 sent them: each carries its `attempt` and a `seq`
-counted from the attempt's start, which restore that order should Ray deliver two calls
-of an async actor out of order):
+counted from the attempt's start; Ray may run two calls of an async actor out of order,
+and a later call can even be taken before an earlier one has arrived, so the recorder
+holds an event back until every earlier one of its attempt was applied -- see `Reorder`):
     {"kind": "attempt",   "record": {...}}   a worker group started (attempts.jsonl)
     {"kind": "metrics",   "record": {...}}   a train or validation line (metrics.jsonl); one of
                                              each per step: a redone one replaces its earlier self
@@ -42,6 +43,8 @@ from raytrain_ddp.rundir import ABORT_FILE, ATTEMPTS_FILE, METRICS_FILE, JsonlFi
 logger = logging.getLogger(__name__)
 
 REMOTE_FLUSH_S = 1.0  # object stores: rewrite metrics.jsonl at most this often (one PUT each)
+FLUSH_TIMEOUT_S = 10.0  # rank 0's final flush waits at most this long for its puts to land
+GAP_TIMEOUT_S = 5.0  # an event missing this long is taken as lost: what waited behind it goes on
 
 
 class Mailbox:
@@ -50,6 +53,7 @@ class Mailbox:
     def __init__(self) -> None:
         self._events: list[dict[str, Any]] = []
         self._attempts = 0
+        self._received: dict[int, int] = {}  # attempt -> puts queued so far
         self._arrived: Optional[asyncio.Event] = None
 
     def _signal(self) -> asyncio.Event:
@@ -67,10 +71,21 @@ class Mailbox:
 
     async def put(self, event: dict[str, Any]) -> None:
         self._events.append(event)
+        attempt = event.get("attempt", 0)
+        self._received[attempt] = self._received.get(attempt, 0) + 1
         self._signal().set()
 
-    async def flush(self) -> bool:
-        """Returns once every earlier `put` of the caller has been queued (a round trip)."""
+    async def flush(self, attempt: int = 0, sent: int = 0, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
+        """Returns once the `sent` puts of `attempt` have all been queued (False: not within `timeout_s`).
+
+        Not a plain round trip: Ray runs an async actor's calls in any order, so this call
+        can overtake the puts sent before it.
+        """
+        deadline = time.monotonic() + timeout_s
+        while self._received.get(attempt, 0) < sent:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.005)
         return True
 
     async def take(self, timeout_s: float) -> list[dict[str, Any]]:
@@ -108,6 +123,62 @@ def open_mailbox() -> Any:
     return actor.remote()
 
 
+class Reorder:
+    """Puts events back into the order rank 0 sent them, across `take`s.
+
+    An attempt's events are numbered 1, 2, ... (its `attempt` event, made by the mailbox
+    itself, is 0). `push` returns what can be applied now: the events that continue the
+    attempt's sequence, and none past a gap. A gap that stays open `gap_timeout_s` (an
+    event lost with its sender) releases what waited, in order; so does a newer attempt
+    (nothing of the old one can still be on its way) and `release_all` at the end.
+    Events of an attempt older than the newest pass straight through.
+    """
+
+    def __init__(self, gap_timeout_s: float = GAP_TIMEOUT_S, clock: Any = time.monotonic) -> None:
+        self.gap_timeout_s, self._clock = gap_timeout_s, clock
+        self.attempt = 0  # the newest attempt seen
+        self._next = 1  # the seq of its next event
+        self._held: dict[int, dict[str, Any]] = {}
+        self._gap_since: Optional[float] = None
+
+    def push(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        ready: list[dict[str, Any]] = []
+        for event in sorted(events, key=lambda e: (e.get("attempt", 0), e.get("seq", 0))):
+            attempt, seq = int(event.get("attempt", 0)), int(event.get("seq", 0))
+            if attempt > self.attempt:  # a new worker group: the old one sends nothing more
+                ready += self.release_all()
+                self.attempt, self._next = attempt, 1
+            if attempt < self.attempt or seq < self._next:
+                ready.append(event)
+            else:
+                self._held[seq] = event
+        before = self._next
+        while self._next in self._held:
+            ready.append(self._held.pop(self._next))
+            self._next += 1
+        if not self._held:
+            self._gap_since = None
+        elif self._gap_since is None or self._next != before:  # a gap opened, or the old one closed on a new one
+            self._gap_since = self._clock()
+        return ready + self.overdue()
+
+    def overdue(self) -> list[dict[str, Any]]:
+        """What waited behind a gap open longer than `gap_timeout_s` (else nothing)."""
+        if self._gap_since is None or self._clock() - self._gap_since < self.gap_timeout_s:
+            return []
+        logger.warning("record stream: event %d of attempt %d never arrived; going on without it",
+                       self._next, self.attempt)
+        return self.release_all()
+
+    def release_all(self) -> list[dict[str, Any]]:
+        """Everything held, in order, gaps skipped."""
+        ordered = [self._held[seq] for seq in sorted(self._held)]
+        if ordered:
+            self._next = max(self._held) + 1
+        self._held, self._gap_since = {}, None
+        return ordered
+
+
 class Recorder:
     """Driver side: takes the mailbox's events in a thread and hands them on.
 
@@ -129,6 +200,7 @@ class Recorder:
         self.checkpoints: list[dict[str, Any]] = []
         self.last_step = 0
         self._flushed_at = 0.0
+        self._order = Reorder()
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="raytrain-ddp-recorder", daemon=True)
@@ -151,6 +223,7 @@ class Recorder:
         if self._thread.is_alive():
             self._thread.join(timeout=10)
         self._drain(timeout_s=0.0)
+        self.handle([], final=True)  # an event still missing now is not coming
         self.flush(force=True)
 
     def close(self, status: str) -> None:
@@ -186,10 +259,11 @@ class Recorder:
 
     # ------------------------------------------------------------ events
 
-    def handle(self, events: list[dict[str, Any]]) -> None:
-        """Apply a batch of events in the order rank 0 sent them, then write."""
+    def handle(self, events: list[dict[str, Any]], final: bool = False) -> None:
+        """Apply the events that rank 0's order allows now (`final`: all that are held), then write."""
         with self._lock:
-            for event in sorted(events, key=lambda e: (e.get("attempt", 0), e.get("seq", 0))):
+            ready = self._order.push(events)
+            for event in ready + (self._order.release_all() if final else []):
                 self._apply(event)
             self.flush()
 

@@ -105,9 +105,10 @@ class StepMeter:
 class Outbox:
     """Rank 0's end of the record stream; a no-op on other ranks and without a mailbox.
 
-    `send` does not wait (a Ray actor call whose result nobody reads); `flush` is one
-    round trip, after which every earlier send has reached the mailbox (calls from one
-    sender run in order), so nothing is lost when the worker exits right after.
+    `send` does not wait (a Ray actor call whose result nobody reads); `flush` returns
+    once every earlier send has reached the mailbox (it names how many there were: an
+    async actor's calls can run in any order), so nothing is lost when the worker exits
+    right after.
     """
 
     def __init__(self, mailbox: Any, enabled: bool = True) -> None:
@@ -128,7 +129,7 @@ class Outbox:
 
     def flush(self) -> None:
         if self.mailbox is not None:
-            self._call("flush", wait=True)
+            self._call("flush", self.attempt, self.seq, wait=True)
 
     def _call(self, method: str, *args: Any, wait: bool) -> Any:
         fn = getattr(self.mailbox, method)

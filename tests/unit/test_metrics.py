@@ -32,6 +32,56 @@ def test_rank0_outbox_numbers_attempts_and_keeps_the_order_of_its_sends():
         ("attempt", 1, 0), ("attempt", 2, 0), ("metrics", 1, 1), ("resumed", 1, 2)]
 
 
+def test_recorder_restores_rank0s_order_across_takes_and_gives_up_on_a_lost_event():
+    """Ray runs an async actor's calls in any order: step 10's put can be taken by the driver
+    before step 9's has arrived (seen in CI: metrics.jsonl read 1..8, 10, 9, 11, 12)."""
+    from raytrain_ddp.driver.stream import Reorder
+
+    now = [0.0]
+    order = Reorder(gap_timeout_s=5.0, clock=lambda: now[0])
+
+    def ev(attempt, seq):
+        return {"kind": "metrics", "attempt": attempt, "seq": seq}
+
+    def seqs(events):
+        return [(e["attempt"], e["seq"]) for e in events]
+
+    assert seqs(order.push([{"kind": "attempt", "attempt": 1, "seq": 0}, ev(1, 1)])) == [(1, 0), (1, 1)]
+    assert order.push([ev(1, 3)]) == []  # 2 is still on its way: 3 waits, across takes
+    now[0] = 4.0
+    assert order.push([ev(1, 4)]) == []
+    assert seqs(order.push([ev(1, 2)])) == [(1, 2), (1, 3), (1, 4)]
+    # a gap that stays open past the timeout: what waited goes on, in order, and later ones follow
+    assert order.push([ev(1, 7), ev(1, 6)]) == []
+    now[0] = 8.9
+    assert order.push([]) == []
+    now[0] = 9.0
+    assert seqs(order.push([])) == [(1, 6), (1, 7)]
+    assert seqs(order.push([ev(1, 8)])) == [(1, 8)]
+    assert seqs(order.push([ev(1, 5)])) == [(1, 5)]  # the late one still counts, after the others
+    # a new attempt: the old one's held events go first; old events arriving late pass straight on
+    assert order.push([ev(1, 10)]) == []
+    assert seqs(order.push([ev(2, 1), {"kind": "attempt", "attempt": 2, "seq": 0}])) == [(1, 10), (2, 0), (2, 1)]
+    assert seqs(order.push([ev(1, 9)])) == [(1, 9)]
+    # the end of the fit: everything held, gaps skipped
+    assert order.push([ev(2, 3), ev(2, 5)]) == []
+    assert seqs(order.release_all()) == [(2, 3), (2, 5)] and order.release_all() == []
+
+
+def test_mailbox_flush_waits_for_the_puts_it_names_even_when_it_overtakes_them():
+    async def story():
+        mailbox = Mailbox()
+        flushed = asyncio.ensure_future(mailbox.flush(1, 2, timeout_s=5.0))  # overtakes put 2
+        await mailbox.put({"kind": "metrics", "attempt": 1, "seq": 1})
+        await asyncio.sleep(0.02)
+        assert not flushed.done()
+        await mailbox.put({"kind": "metrics", "attempt": 1, "seq": 2})
+        assert await asyncio.wait_for(flushed, 5.0) is True
+        assert await mailbox.flush(1, 3, timeout_s=0.05) is False  # one never sent: bounded, not a hang
+
+    asyncio.run(story())
+
+
 def test_final_metrics_overlays_last_validation_on_last_train_line():
     records = [{"step": 1, "loss": 2.0}, {"step": 1, "val_loss": 1.5, "val_accuracy": 0.5},
                {"step": 2, "loss": 1.0, "lr": 0.1}]
