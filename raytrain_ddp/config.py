@@ -259,6 +259,12 @@ class ParallelConfig(_Section):
         "a parameter fails the step with an error naming it; turn on only when needed (it costs "
         "one small all-reduce per step).",
     )
+    shm: bool = Field(
+        True, description="bucketed, CPU: when every worker is on one host, all-reduce gradients "
+        "through shared memory (/dev/shm) instead of gloo's TCP: the same sums, less time "
+        "(docs/parallel.md). Decided by all workers together at the first synced step; gloo "
+        "wherever a worker cannot open the segment or /dev/shm is short of space.",
+    )
 
     @field_validator("bucket_cap_mb", mode="before")
     @classmethod

@@ -67,6 +67,7 @@ def wrap_model(
     broadcast_buffers: bool = True,
     find_unused_parameters: bool = False,
     param_dtype: Optional[torch.dtype] = None,
+    shm: bool = True,
 ) -> WrappedModel:
     """Wrap `module` (already on its device) for data-parallel training.
 
@@ -107,6 +108,10 @@ def wrap_model(
 
     param_dtype          fsdp only: FSDP2's mixed-precision parameter dtype (e.g.
                          torch.bfloat16); the other strategies leave precision to autocast.
+    shm                  bucketed, CPU: when every rank of the group is on one host, all-reduce
+                         the buckets through shared memory (/dev/shm) instead of gloo's TCP,
+                         the same sums; decided together at the first synced backward, gloo
+                         otherwise (`wrapper.transport` says which). False: always the group.
 
     Sharded strategies (`SHARDED_STRATEGIES`: "zero1" written from scratch, "fsdp" = torch
     FSDP2) keep 1/W of the optimizer state per rank: build the optimizer with
@@ -157,6 +162,8 @@ def wrap_model(
         options["param_dtype"] = param_dtype
     if strategy in ("bucketed", "native", "zero1"):
         options["first_bucket_mb"] = first_bucket_mb
+    if strategy == "bucketed":
+        options["shm"] = shm
     wrapper = _build(module, strategy, bucket_cap_mb, compress, process_group, device_ids, options)
     _LIVE_WRAPPERS[module] = weakref.ref(wrapper)
     return wrapper

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raytrain_ddp.parallel import tuning
+from raytrain_ddp.parallel import shm, tuning
 from raytrain_ddp.parallel.base import CommClock, ScratchBase, _queue_callback, comm_timing, describe_tensors
 
 _FIRST_BUCKET_BYTES = 1024 * 1024  # torch DDP's dist._DEFAULT_FIRST_BUCKET_BYTES
@@ -60,11 +60,13 @@ _SMALL_NUMEL = 16384
 
 
 class _Bucket:
-    __slots__ = ("index", "members", "names", "buffer", "nbytes")
+    __slots__ = ("index", "members", "names", "buffer", "nbytes", "flat", "lo", "hi")
 
-    def __init__(self, index: int, members: list[int], names: list[str], buffer: torch.Tensor) -> None:
+    def __init__(self, index: int, members: list[int], names: list[str], buffer: torch.Tensor,
+                 flat: int, lo: int, hi: int) -> None:
         self.index, self.members, self.names, self.buffer = index, members, names, buffer
         self.nbytes = buffer.numel() * buffer.element_size()
+        self.flat, self.lo, self.hi = flat, lo, hi  # buffer = flat buffer number `flat`, [lo:hi]
 
 
 def assign_buckets(params: list[torch.Tensor], cap_bytes: int,
@@ -100,15 +102,16 @@ class BucketedDDP(ScratchBase):
     """Flat gradient buckets, all-reduced asynchronously as soon as they are full."""
 
     strategy = "bucketed"
-    _transient = ("_handles", "_buckets", "_views", "_works", "_flats", "_clock")
+    _transient = ("_handles", "_buckets", "_views", "_works", "_flats", "_clock", "_shm")
     _plain_state = ScratchBase._plain_state | {"_pending", "_ready", "_scaled", "_next", "_works", "_clock",
                                                "_backward_start", "_wire_dtype"}
 
     def __init__(self, module: nn.Module, process_group=None, *, bucket_cap_mb: Union[float, str] = 25.0,
                  first_bucket_mb: float = 1.0, compress: Optional[str] = None, verify_init: bool = False,
                  collective_timeout_s: Optional[float] = None, broadcast_buffers: bool = True,
-                 find_unused_parameters: bool = False) -> None:
+                 find_unused_parameters: bool = False, shm: bool = True) -> None:
         self.compress = compress
+        self.shm = shm
         self.bucket_cap_mb = bucket_cap_mb
         self.first_bucket_mb = first_bucket_mb
         self._tuner: Optional[tuning.AutoTuner] = None
@@ -136,6 +139,8 @@ class BucketedDDP(ScratchBase):
         self._params = [p for _, p in self._tracked]
         self._views: list[torch.Tensor] = []
         self._buckets: list[_Bucket] = []
+        self._shm: Optional[shm.ShmExchange] = None
+        self._shm_due = False
         self._bucket_of: list[int] = [0] * len(self._params)
         self._timed = False
         if self.world_size > 1:
@@ -143,6 +148,7 @@ class BucketedDDP(ScratchBase):
             if "auto" in (self.bucket_cap_mb, self.compress):
                 cap_mb = self._start_tuning()
             self._build_buckets(int(cap_mb * 2**20))
+            self._shm_due = self.shm  # opened at the first launch (it communicates; _build may not)
             self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
                              for i, p in enumerate(self._params)]
             self._timed = bool(self._params) and comm_timing(self._params[0].device)
@@ -195,13 +201,15 @@ class BucketedDDP(ScratchBase):
     def _set_layout(self, cap_bytes: int) -> None:
         """Cut the flat buffers into buckets (between backwards only: no copy, no allocation)."""
         self._buckets = []
+        keys = list(self._flats)
         for b, members in enumerate(assign_buckets(self._params, cap_bytes, self._first_cap_bytes)):
             first, last = self._params[members[0]], self._params[members[-1]]
             lo, hi = self._offsets[members[0]], self._offsets[members[-1]] + last.numel()
             for i in members:
                 self._bucket_of[i] = b
+            key = (first.dtype, first.device)
             self._buckets.append(_Bucket(b, members, [self._names[i] for i in members],
-                                         self._flats[(first.dtype, first.device)][lo:hi]))
+                                         self._flats[key][lo:hi], keys.index(key), lo, hi))
         self._stats["buckets"] = len(self._buckets)
 
     def _reset_backward(self) -> None:
@@ -261,10 +269,16 @@ class BucketedDDP(ScratchBase):
         unscaled = [self._views[i] for i in bucket.members if not self._scaled[i]]
         if unscaled:
             torch._foreach_mul_(unscaled, self._inv_world_size)
-        send = bucket.buffer if self._wire_dtype is None else bucket.buffer.to(self._wire_dtype)
-        # The process group's own method: `dist.all_reduce`'s Python checks cost more than
-        # the launch itself, once per bucket per step.
-        work = (self._pg if self._pg is not None else dist.group.WORLD).allreduce([send])
+        if self._shm_due:
+            self._open_shm()
+        if self._shm is not None and self._wire_dtype is None:
+            send = bucket.buffer
+            work = self._shm.launch(bucket.flat, send, bucket.lo, bucket.hi)
+        else:
+            send = bucket.buffer if self._wire_dtype is None else bucket.buffer.to(self._wire_dtype)
+            # The process group's own method: `dist.all_reduce`'s Python checks cost more than
+            # the launch itself, once per bucket per step.
+            work = (self._pg if self._pg is not None else dist.group.WORLD).allreduce([send])
         if self._timed:
             self._clock.launched(work)
         self._count(send)
@@ -285,6 +299,8 @@ class BucketedDDP(ScratchBase):
                     clock.poll()
                 if send is not bucket.buffer:
                     bucket.buffer.copy_(send)
+            if self._shm is not None:
+                self._shm.synced()
             synced = time.perf_counter()
             if self._timed:
                 self._add_comm_time(backward_end, clock.spans())
@@ -298,6 +314,22 @@ class BucketedDDP(ScratchBase):
         finally:
             self._reset_backward()
             self._end_sync()
+
+    def _open_shm(self) -> None:
+        """The first launch after a (re)build: every rank decides together whether this set of
+        flat buffers goes through shared memory (`shm.open_exchange`); None means gloo."""
+        self._shm_due = False
+        flats = list(self._flats.values())
+        if flats and all(f.device.type == "cpu" for f in flats):
+            self._shm = shm.open_exchange(flats, self._pg, self.world_rank, self.world_size)
+
+    @property
+    def transport(self) -> str:
+        """What carries the gradient all-reduces: "shm" (shared memory, ranks on one host,
+        CPU), "process_group" (gloo/NCCL), or "undecided" before the first synced backward."""
+        if self._shm_due:
+            return "undecided"
+        return "shm" if self._shm is not None else "process_group"
 
     def _flush_remaining(self) -> tuple[list[int], tuple]:
         """End of backward: launch every bucket the hooks did not complete (parameters without a

@@ -161,6 +161,7 @@ class RunLog:
         self.last_loss = math.nan
         self._blocked_s = 0.0  # checkpoint time the step loop waited for, since the previous line
         self._tuning_said = False
+        self._transport_said = False
         # The lines made at the last completed step (train, validation), on every rank: a
         # survivor's copy of that step carries them, since rank 0's sends die with rank 0.
         self.step_lines: list[dict[str, Any]] = []
@@ -226,10 +227,20 @@ class RunLog:
             self.meter.resume(self.data.wait_seconds)
 
     def _announce_tuning(self) -> None:
-        """parallel.bucket_cap_mb/compress auto: rank 0 prints the layout once it is chosen."""
+        """Rank 0 prints, once each, what the wrapper decided while training: the layout
+        (parallel.bucket_cap_mb/compress auto) and where bucketed's all-reduces go (parallel.shm)."""
+        wrapper = self.state.wrapper
+        if not self._transport_said and getattr(wrapper, "transport", "undecided") != "undecided":
+            self._transport_said = True
+            if wrapper.transport == "shm":
+                self.rank.say(f"gradients all-reduced through shared memory: all {self.rank.world_size} "
+                              "workers are on one host (parallel.shm)")
+            elif getattr(wrapper, "shm", False) and wrapper.world_size > 1 and self.rank.device.type == "cpu":
+                self.rank.say("gradients all-reduced by the process group: shared memory needs every "
+                              "worker on one host, CPU tensors and room in /dev/shm")
         if self._tuning_said:
             return
-        tuned = getattr(self.state.wrapper, "tuning", None)
+        tuned = getattr(wrapper, "tuning", None)
         if tuned is not None:
             self._tuning_said = True
             self.rank.say(f"parallel auto tuning at step {self.state.progress.step}: {tuned['text']}")

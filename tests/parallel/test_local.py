@@ -285,3 +285,67 @@ def test_rewrapping_closes_the_previous_wrapper():
     for first_calls, second_calls, n_trainable in run_ranks(_rewrap, 2, timeout_s=45):
         assert first_calls == 0  # the closed bucketed wrapper no longer syncs
         assert second_calls == n_trainable
+
+
+def _shm_transport(world_rank, world_size, dirs):
+    """bucketed on CPU ranks of one host: shared memory, decided at the first synced backward;
+    the same bits as gloo; nothing left in /dev/shm; every rank falls back together."""
+    import os
+
+    import torch.distributed as dist
+
+    from raytrain_ddp.parallel import shm
+
+    def train(**options):
+        net = make_model(seed=1)
+        wrapper = wrap_model(net, "bucketed", bucket_cap_mb=0.0001, first_bucket_mb=0.0001, **options)
+        before = wrapper.transport
+        opt = make_optimizer("sgd", net.parameters())
+        for step in range(3):
+            opt.zero_grad(set_to_none=True)
+            x, y = step_data(step, 4 * world_size)
+            nn.functional.mse_loss(wrapper(x[world_rank::world_size]), y[world_rank::world_size]).backward()
+            opt.step()
+        return before, wrapper.transport, len(wrapper._buckets), [p.detach().clone() for p in net.parameters()]
+
+    out = {"shm": train(), "gloo": train(shm=False)}
+    out["left_in_dev_shm"] = [f for f in os.listdir(shm.SHM_DIR) if f.startswith("raytrain_ddp_")]
+    flats = [torch.zeros(1000), torch.zeros(10, dtype=torch.float64)]
+    # another host (here: another directory per rank), or no room: None on every rank
+    out["apart"] = shm.open_exchange(flats, None, world_rank, world_size, shm_dir=dirs[world_rank]) is None
+    out["no_room"] = shm.open_exchange(flats, None, world_rank, world_size, budget_bytes=0) is None
+    out["left_apart"] = sorted(os.listdir(dirs[world_rank]))
+    # two flat buffers (two dtypes), one exchange each, summed in rank order on every rank
+    ex = shm.open_exchange(flats, None, world_rank, world_size)
+    sums = []
+    for parity in range(3):
+        works = []
+        for i, flat in enumerate(flats):
+            flat.copy_(torch.arange(flat.numel(), dtype=flat.dtype) * (world_rank + 1) + parity)
+            works.append(ex.launch(i, flat[2:7], 2, 7))
+        for work in works:
+            assert not work.is_completed()
+            work.wait()
+            assert work.is_completed()
+        ex.synced()
+        sums.append([flat.tolist()[:8] for flat in flats])
+    dist.barrier()
+    return out, sums
+
+
+@pytest.mark.distributed
+def test_bucketed_goes_through_shared_memory_on_one_host_with_gloos_bits(tmp_path):
+    dirs = [str(tmp_path / f"rank{r}") for r in range(2)]
+    for d in dirs:
+        (tmp_path / d).mkdir()
+    for world_rank, (out, sums) in enumerate(run_ranks(_shm_transport, 2, dirs, timeout_s=60)):
+        before, after, buckets, params = out["shm"]
+        assert (before, after) == ("undecided", "shm") and buckets == 2
+        assert out["gloo"][1] == "process_group" and out["gloo"][2] == buckets
+        assert all(torch.equal(a, b) for a, b in zip(params, out["gloo"][3]))  # bit for bit
+        assert out["left_in_dev_shm"] == []  # unlinked once every rank held it
+        assert out["apart"] and out["no_room"] and out["left_apart"] == []
+        for parity, (floats, doubles) in enumerate(sums):
+            # elements 2..6 are (1 + 2) * k + 2 * parity summed over ranks; the rest this rank's own
+            expected = [k * (world_rank + 1) + parity if not 2 <= k < 7 else 3 * k + 2 * parity for k in range(8)]
+            assert floats == expected and doubles[:8] == expected

@@ -92,4 +92,4 @@ def test_public_key_set_is_frozen():
     }
     keys = set(config_keys())
     assert contract <= keys
-    assert len(keys) == 69, sorted(keys - contract)
+    assert len(keys) == 70, sorted(keys - contract)

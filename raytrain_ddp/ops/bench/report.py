@@ -82,22 +82,25 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
 
 
 def _parity_lines(strat: dict[str, Any], models: list[str]) -> list[str]:
-    """#19's launches: bucketed_25mb / torch_ddp and the control, with their intervals."""
+    """#19's launches: bucketed_25mb (and over gloo) / torch_ddp and the control, with their intervals."""
     rows = []
     for m in models:
         p = strat[m].get("parity")
         if p:
-            rows.append([m, _f(p["ratio"], 3), "-".join(_f(v, 3) for v in p["ci95"]),
+            gloo = ([_f(p["gloo"], 3), "-".join(_f(v, 3) for v in p["gloo_ci95"])] if "gloo" in p else ["-", "-"])
+            rows.append([m, _f(p["ratio"], 3), "-".join(_f(v, 3) for v in p["ci95"]), *gloo,
                          _f(p["control"], 3), "-".join(_f(v, 3) for v in p["control_ci95"]),
                          " ".join(_f(v, 3) for v in p["per_launch"]),
                          f"{p['launches']} x {p['rounds_per_launch']}"])
     if not rows:
         return []
-    return ["\n**bucketed / torch DDP over separate launches** (#19; each launch: bucketed_25mb, torch_ddp and "
-            "an identical torch_ddp, the control, in rotated rounds; per launch the paired ratio against torch_ddp; "
-            "geometric mean over launches, 95 % t interval)\n",
-            _table(["model", "bucketed / torch DDP", "95 % interval", "control / torch DDP", "control interval",
-                    "bucketed per launch", "launches x rounds"], rows)]
+    return ["\n**bucketed / torch DDP over separate launches** (#19; each launch: bucketed_25mb as configured "
+            "by default (shared memory between ranks on one host), the same over gloo, torch_ddp and an identical "
+            "torch_ddp, the control, in rotated rounds; per launch the paired ratio against torch_ddp; geometric "
+            "mean over launches, 95 % t interval)\n",
+            _table(["model", "bucketed / torch DDP", "95 % interval", "bucketed over gloo / torch DDP",
+                    "gloo interval", "control / torch DDP", "control interval", "bucketed per launch",
+                    "launches x rounds"], rows)]
 
 
 def _comm_tables(strat: dict[str, Any], models: list[str]) -> list[str]:

@@ -55,7 +55,9 @@ MLP_SHAPE = dict(in_features=1024, hidden_sizes=[1024, 1024, 256], num_classes=2
 GPT_SHAPE = dict(vocab_size=256, seq_len=64, d_model=128, n_layers=2, n_heads=4, dropout=0.0)
 BUCKET_CAPS_MB = (1.0, 25.0, 100.0)
 AUTO_WARMUP_LIMIT = 60  # synced steps bucketed_auto may take to decide (it needs about 20)
-PARITY = ("bucketed_25mb", "torch_ddp", "torch_ddp_control")  # the #19 launches' variants
+# the #19 launches' variants: bucketed as configured by default (shared memory between the
+# ranks of one host, parallel.shm) and over gloo as torch DDP is, torch DDP twice
+PARITY = ("bucketed_25mb", "bucketed_25mb_gloo", "torch_ddp", "torch_ddp_control")
 PARITY_STEPS = 4  # timed steps per variant per parity round (after one untimed step)
 # two-sided 95 % Student t quantiles by degrees of freedom (launches - 1)
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
@@ -91,6 +93,8 @@ def grad_bytes(model: nn.Module) -> int:
 def variant_specs(device: str, with_dp: bool) -> list[tuple[str, Optional[str], Any]]:
     specs: list[tuple[str, Optional[str], Any]] = [("single", None, 0.0), ("naive", "naive", 25.0)]
     specs += [(f"bucketed_{int(cap)}mb", "bucketed", cap) for cap in BUCKET_CAPS_MB]
+    if device == "cpu":  # the same wrapper with its all-reduces through gloo (parallel.shm: false)
+        specs.append(("bucketed_25mb_gloo", "bucketed_gloo", 25.0))
     specs.append(("bucketed_auto", "bucketed", "auto"))
     specs.append(("native", "native", 25.0))
     specs.append(("torch_ddp", "torch_ddp", 25.0))
@@ -111,6 +115,8 @@ def _wrap(base: nn.Module, strategy: Optional[str], cap: Any, device: torch.devi
     if strategy == "torch_ddp":  # the reference users compare against: no counting hook, and
         # torch's default buckets (an explicit bucket_cap_mb, even 25, drops its 1 MB first bucket)
         return nn.parallel.DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True)
+    if strategy == "bucketed_gloo":
+        return wrap_model(module, "bucketed", bucket_cap_mb=cap, shm=False)
     return wrap_model(module, strategy, bucket_cap_mb=cap, device_ids=device_ids)
 
 
@@ -197,7 +203,7 @@ def time_variants(world_rank: int, world_size: int, model_name: str, sizes: Size
             "threads": torch.get_num_threads()}
 
 
-PAIRED = ("bucketed_25mb", "bucketed_auto", "native")  # each against torch_ddp, round by round
+PAIRED = ("bucketed_25mb", "bucketed_25mb_gloo", "bucketed_auto", "native")  # each against torch_ddp, round by round
 
 
 def paired_ratio(a: list[float], b: list[float], steps_per_round: int) -> float:
@@ -228,12 +234,13 @@ def launch_interval(ratios: list[float]) -> tuple[float, float, float]:
 
 def time_parity(world_rank: int, world_size: int, model_name: str, sizes: Sizes, device_name: str,
                 shape: Optional[dict] = None) -> dict[str, Any]:
-    """Rank body of one #19 launch: bucketed_25mb, torch DDP and an identical torch DDP,
-    rotated round by round; step times (ms) per variant."""
+    """Rank body of one #19 launch: bucketed_25mb (over gloo too, on CPU), torch DDP and an
+    identical torch DDP, rotated round by round; step times (ms) per variant."""
     device, base, _, data = _rank_setup(world_rank, model_name, sizes, device_name, shape)
     variants = []
-    for label in PARITY:
-        model = _wrap(base, "bucketed" if label.startswith("bucketed") else "torch_ddp", 25.0, device)
+    for label in parity_variants(device_name):
+        strategy = {"bucketed_25mb": "bucketed", "bucketed_25mb_gloo": "bucketed_gloo"}.get(label, "torch_ddp")
+        model = _wrap(base, strategy, 25.0, device)
         variants.append((label, model, torch.optim.SGD(model.parameters(), lr=1e-3)))
     for _, model, opt in variants:
         for _ in range(sizes.warmup_steps):
@@ -241,19 +248,31 @@ def time_parity(world_rank: int, world_size: int, model_name: str, sizes: Sizes,
     return {"times_ms": _timed_rounds(variants, data, sizes.parity_rounds, PARITY_STEPS, device)}
 
 
+def parity_variants(device_name: str) -> tuple[str, ...]:
+    return PARITY if device_name == "cpu" else tuple(v for v in PARITY if v != "bucketed_25mb_gloo")
+
+
 def summarise_parity(launches: list[list[dict]]) -> dict[str, Any]:
-    """Per launch the paired ratios bucketed / torch DDP and control / torch DDP (slowest rank
-    per step); over launches their geometric means with 95 % t intervals."""
-    ours, control, medians = [], [], {label: [] for label in PARITY}
+    """Per launch the paired ratios bucketed / torch DDP (as configured by default, and over
+    gloo where it ran) and control / torch DDP (slowest rank per step); over launches their
+    geometric means with 95 % t intervals."""
+    labels = list(launches[0][0]["times_ms"])
+    ours, gloo, control, medians = [], [], [], {label: [] for label in labels}
     for rank_results in launches:
         per_step = _slowest_rank(rank_results, "times_ms")
         ours.append(paired_ratio(per_step["bucketed_25mb"], per_step["torch_ddp"], PARITY_STEPS))
+        if "bucketed_25mb_gloo" in per_step:
+            gloo.append(paired_ratio(per_step["bucketed_25mb_gloo"], per_step["torch_ddp"], PARITY_STEPS))
         control.append(paired_ratio(per_step["torch_ddp_control"], per_step["torch_ddp"], PARITY_STEPS))
-        for label in PARITY:
+        for label in labels:
             medians[label].append(statistics.median(per_step[label]))
     ratio, low, high = launch_interval(ours)
     c_ratio, c_low, c_high = launch_interval(control)
-    return {"ratio": ratio, "ci95": [low, high], "per_launch": ours,
+    extra: dict[str, Any] = {}
+    if gloo:
+        g_ratio, g_low, g_high = launch_interval(gloo)
+        extra = {"gloo": g_ratio, "gloo_ci95": [g_low, g_high], "gloo_per_launch": gloo}
+    return {"ratio": ratio, "ci95": [low, high], "per_launch": ours, **extra,
             "control": c_ratio, "control_ci95": [c_low, c_high], "control_per_launch": control,
             "launches": len(launches), "rounds_per_launch": len(launches[0][0]["times_ms"]["torch_ddp"]) // PARITY_STEPS,
             "steps_per_round": PARITY_STEPS,
