@@ -18,7 +18,9 @@ ready (and every earlier bucket has been launched; ranks must issue collectives 
 order) an ASYNC all-reduce of the bucket starts at once, overlapping the rest of backward.
 The callback at the end of backward launches whatever is left (a parameter no gradient
 reached sends zeros, or its gradient from an earlier micro-step of the window) and waits
-for everything. On CPU each all-reduce is timed (`base.CommClock`): `comm_stats` gains
+for everything. When every rank is on one host and the buckets are on CPU, each all-reduce
+goes through shared memory rather than gloo (`shm.py`; `shm=False` turns it off), decided
+by all ranks together at the first launch after a (re)build. On CPU each all-reduce is timed (`base.CommClock`): `comm_stats` gains
 `comm_s` and `exposed_comm_s`, how much of the communication backward hid and how long
 the step waited for the rest.
 
@@ -48,7 +50,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raytrain_ddp.parallel import shm, tuning
+from raytrain_ddp.parallel import tuning
+from raytrain_ddp.parallel.shm import ShmExchange, open_exchange
 from raytrain_ddp.parallel.base import CommClock, ScratchBase, _queue_callback, comm_timing, describe_tensors
 
 _FIRST_BUCKET_BYTES = 1024 * 1024  # torch DDP's dist._DEFAULT_FIRST_BUCKET_BYTES
@@ -139,7 +142,7 @@ class BucketedDDP(ScratchBase):
         self._params = [p for _, p in self._tracked]
         self._views: list[torch.Tensor] = []
         self._buckets: list[_Bucket] = []
-        self._shm: Optional[shm.ShmExchange] = None
+        self._shm: Optional[ShmExchange] = None
         self._shm_due = False
         self._bucket_of: list[int] = [0] * len(self._params)
         self._timed = False
@@ -321,7 +324,7 @@ class BucketedDDP(ScratchBase):
         self._shm_due = False
         flats = list(self._flats.values())
         if flats and all(f.device.type == "cpu" for f in flats):
-            self._shm = shm.open_exchange(flats, self._pg, self.world_rank, self.world_size)
+            self._shm = open_exchange(flats, self._pg, self.world_rank, self.world_size, wait=self._wait)
 
     @property
     def transport(self) -> str:

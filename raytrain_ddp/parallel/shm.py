@@ -31,7 +31,7 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -69,13 +69,12 @@ class ShmExchange:
         self._segments = segments  # [2][world][numel] per flat buffer, views of shared memory
         self._pg = pg if pg is not None else dist.group.WORLD
         self.rank, self.world_size = world_rank, world_size
-        self._flag = torch.zeros(1, dtype=torch.int32)
         self.syncs = 0  # completed synced backwards: the parity in use
 
     def launch(self, flat_index: int, bucket: torch.Tensor, lo: int, hi: int) -> ShmWork:
         slots = self._segments[flat_index][self.syncs % 2]
         slots[self.rank, lo:hi].copy_(bucket)
-        barrier = self._pg.allreduce([self._flag])
+        barrier = self._pg.allreduce([torch.zeros(1, dtype=torch.int32)])  # its own: several are in flight
         if self.world_size == 2:
             finish = lambda: torch.add(slots[0, lo:hi], slots[1, lo:hi], out=bucket)  # noqa: E731
         else:
@@ -88,13 +87,15 @@ class ShmExchange:
 
 
 def open_exchange(flats: list[torch.Tensor], pg, world_rank: int, world_size: int,
-                  budget_bytes: int = BUDGET_BYTES, shm_dir: str = SHM_DIR) -> Optional[ShmExchange]:
+                  budget_bytes: int = BUDGET_BYTES, shm_dir: str = SHM_DIR,
+                  wait: Callable[[Any, str], None] = lambda work, what: work.wait()) -> Optional[ShmExchange]:
     """Collective: every rank of `pg` calls it with its flat buffers (same sizes everywhere).
 
     Rank 0 creates the segments (and reserves their pages, so a full /dev/shm is an error
     here and not a SIGBUS later), the others open them by a name rank 0 broadcasts; rank 0
     unlinks the files once every rank holds them, so nothing outlives the processes. Returns
     None on every rank where any rank could not (another host, no space, not CPU).
+    `wait(work, what)` waits for its two collectives (the wrapper's, with its timeout).
     """
     group_rank_0 = dist.get_global_rank(pg, 0) if pg is not None else 0
     sizes = [2 * world_size * f.numel() * f.element_size() for f in flats]
@@ -107,17 +108,20 @@ def open_exchange(flats: list[torch.Tensor], pg, world_rank: int, world_size: in
             segments = _open_all(_paths(shm_dir, token, len(flats)), sizes, flats, world_size, create=True)
             if segments is None:
                 token.zero_()  # all zeros: not this time
-    dist.broadcast(token, src=group_rank_0, group=pg)
+    wait(dist.broadcast(token, src=group_rank_0, group=pg, async_op=True), "broadcast of the shared-memory name")
     if not token.any():
         return None
     paths = _paths(shm_dir, token, len(flats))
     if world_rank != 0:
         segments = _open_all(paths, sizes, flats, world_size, create=False)
     ok = torch.tensor([segments is not None], dtype=torch.int32)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=pg)  # after it, every rank holds them (or gave up)
-    if world_rank == 0:
-        for path in paths:
-            _unlink(path)
+    # after it every rank holds them (or all give up); rank 0 unlinks them even if this fails
+    try:
+        wait(dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=pg, async_op=True), "all-reduce of the shared-memory check")
+    finally:
+        if world_rank == 0:
+            for path in paths:
+                _unlink(path)
     if not ok.item():
         return None
     return ShmExchange(segments, pg, world_rank, world_size)
