@@ -66,7 +66,7 @@ class _Bucket:
     __slots__ = ("index", "members", "names", "buffer", "nbytes", "flat", "lo", "hi")
 
     def __init__(self, index: int, members: list[int], names: list[str], buffer: torch.Tensor,
-                 flat: int, lo: int, hi: int) -> None:
+                 flat: int = 0, lo: int = 0, hi: int = -1) -> None:
         self.index, self.members, self.names, self.buffer = index, members, names, buffer
         self.nbytes = buffer.numel() * buffer.element_size()
         self.flat, self.lo, self.hi = flat, lo, hi  # buffer = flat buffer number `flat`, [lo:hi]

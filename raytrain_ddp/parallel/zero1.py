@@ -113,7 +113,8 @@ class Zero1DDP(BucketedDDP):
         self._stale = False  # the optimizer stepped and the gradients were not cleared yet
         super().__init__(module, process_group, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb,
                          compress=compress, verify_init=verify_init, collective_timeout_s=collective_timeout_s,
-                         broadcast_buffers=broadcast_buffers, find_unused_parameters=find_unused_parameters)
+                         broadcast_buffers=broadcast_buffers, find_unused_parameters=find_unused_parameters,
+                         shm=False)  # reduce-scatter through the process group (shm all-reduces only)
         for key in SHARD_STAT_KEYS:
             self._stats.setdefault(key, 0)
 
