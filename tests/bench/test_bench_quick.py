@@ -179,3 +179,14 @@ def test_gpu_code_paths_dry_run_on_cpu():
         assert _positive(variant["tokens_per_s"]) and math.isnan(variant["mfu"])  # no peak known on CPU
     assert gpt["flops_per_token"] > 6 * 0.4e6
     assert gpu.peak_flops("NVIDIA H200") == pytest.approx(989.4e12)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_transport_table_times_both_transports():
+    from raytrain_ddp.ops.bench import transport
+
+    rows = transport.measure(sizes_mib=(0.0625, 1.0), reps=2)
+    assert [row["mib"] for row in rows] == [0.0625, 1.0]
+    assert all(_positive(row["gloo_ms"]) and _positive(row["shm_ms"]) and _positive(row["shm_over_gloo"])
+               for row in rows), rows
