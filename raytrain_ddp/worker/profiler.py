@@ -41,7 +41,7 @@ PROFILE_DIR = "profile"
 SUMMARY_FILE = "summary.md"
 BACKWARD_PREFIX = "autograd::engine::evaluate_function:"
 OPTIMIZER_PREFIXES = ("Optimizer.step#", "Optimizer.zero_grad#")
-ALLREDUCE_NAMES = ("gloo:all_reduce", "nccl:all_reduce")
+ALLREDUCE_NAMES = ("gloo:all_reduce", "nccl:all_reduce", "shm:all_reduce")  # shm: parallel/shm.py's SPAN
 
 
 class StepProfiler:
@@ -181,7 +181,8 @@ def summarize_trace(path: os.PathLike | str) -> dict[str, Any]:
     `backward` sums the autograd engine's node evaluations; `optimizer` torch's
     `Optimizer.step#` / `zero_grad#` labels; `all-reduce` the collectives' own spans on
     the communication thread (they overlap backward: bucketed and native DDP launch them
-    while backward runs); `other` is the step minus data, forward, backward and
+    while backward runs), and bucketed's shared-memory copies and sums (`shm:all_reduce`,
+    on the training thread, the copy inside backward); `other` is the step minus data, forward, backward and
     optimizer (loss, clipping, the finiteness vote, scheduling, waiting for the last
     bucket when it is not inside backward). Also `top`: the 10 names with the most
     self time (their own, without the spans nested in them: torch's "Self CPU"), as
@@ -237,7 +238,8 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     step = max(summary["step"], 1e-9)
     rows = ["| part of a step | ms per step | share of the step |", "| --- | ---: | ---: |"]
     for key in ("data", "forward", "backward", "all-reduce", "optimizer", "other"):
-        note = {"all-reduce": " (communication thread, overlaps backward)",
+        note = {"all-reduce": " (communication thread, overlaps backward; through shared memory: "
+                              "the copies and sums, on the training thread)",
                 "other": " (loss, clipping, votes across ranks, Python between ops, waits)"}.get(key, "")
         rows.append(f"| {key}{note} | {summary[key]:.2f} | {100 * summary[key] / step:.0f}% |")
     rows.append(f"| **step (wall)** | **{summary['step']:.2f}** | {summary['steps']} steps recorded |")

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "configs" / "tiny.yaml"
 
 PLAN = re.compile(r"^(raytrain-ddp: run '[\w.-]+' -> |  (data|model|batch|schedule|resume) {2,}\S)")
-PROGRESS = re.compile(r"^(step +\d+/\d+ \| epoch \d+ \| |\[rank 0\] (attempt \d+: |run\.profile: ))")
+PROGRESS = re.compile(r"^(step +\d+/\d+ \| epoch \d+ \| |\[rank 0\] (attempt \d+: |run\.profile: |gradients all-reduced ))")
 SUMMARY = re.compile(r"^raytrain-ddp: (status ok \| |run directory |latest checkpoint )")
 WARNING = re.compile(r"^raytrain-ddp: warning: ")
 
@@ -61,6 +61,9 @@ def test_console_profile_and_run_record_over_two_fits(tmp_path):
     assert [line.split("|")[0].split()[1] for line in out if line.startswith("step ")] == ["5/20", "10/20", "15/20",
                                                                                           "20/20", "20/20"]
     assert sum(line.startswith("[rank 0] attempt 1:") for line in out) == 1  # once, not once per stream
+    # bucketed on 2 CPU workers of one host: shared memory, said once
+    assert [line for line in out if "gradients all-reduced" in line] == [
+        "[rank 0] gradients all-reduced through shared memory: all 2 workers are on one host (parallel.shm)"]
     assert out[-3].startswith("raytrain-ddp: status ok | 20 steps")
 
     # The trace: Kineto's Chrome-trace JSON (what Perfetto and TensorBoard's profiler read).
@@ -74,7 +77,8 @@ def test_console_profile_and_run_record_over_two_fits(tmp_path):
         "ProfilerStep#1", "ProfilerStep#2", "ProfilerStep#3"]  # steps 5, 6, 7 after one warm-up step
     summary = summarize_trace(traces[0])
     assert summary["steps"] == 3 and summary["step"] > 0
-    assert any("allreduce" in name.replace("_", "") for name, _ in summary["top"][:5]), summary["top"]
+    # the all-reduces: shared memory's copies and sums, and its barriers through gloo
+    assert {"shm:all_reduce", "gloo:all_reduce"} <= {e["name"] for e in events}
     assert all(summary[k] > 0 for k in ("data", "forward", "backward", "all-reduce", "optimizer")), summary
     assert "| backward |" in (run_dir / "profile" / "summary.md").read_text()
 
