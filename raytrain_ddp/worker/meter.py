@@ -191,7 +191,7 @@ class RunLog:
         self.meter.step_done()
         self.last_loss = result.loss
         self.step_lines = []
-        self._announce_tuning()
+        self._announce_decisions()
         step = self.state.progress.step
         if step % self.job.cfg.run.log_every_steps == 0 or step >= self.total_steps or end_of_epoch:
             self._line({"step": step, "epoch": epoch + 1, "time": time.time(), "loss": result.loss,
@@ -226,7 +226,7 @@ class RunLog:
         finally:
             self.meter.resume(self.data.wait_seconds)
 
-    def _announce_tuning(self) -> None:
+    def _announce_decisions(self) -> None:
         """Rank 0 prints, once each, what the wrapper decided while training: the layout
         (parallel.bucket_cap_mb/compress auto) and where bucketed's all-reduces go (parallel.shm)."""
         wrapper = self.state.wrapper

@@ -334,18 +334,28 @@ def _shm_transport(world_rank, world_size, dirs):
 
 
 @pytest.mark.distributed
-def test_bucketed_goes_through_shared_memory_on_one_host_with_gloos_bits(tmp_path):
-    dirs = [str(tmp_path / f"rank{r}") for r in range(2)]
+@pytest.mark.parametrize("world", [2, 3])
+def test_bucketed_goes_through_shared_memory_on_one_host_with_gloos_bits(tmp_path, world):
+    """Two ranks: gloo's bits exactly. Three (slots summed with torch.sum): the same bits on
+    every rank, and gloo's result up to the order of the sum."""
+    dirs = [str(tmp_path / f"rank{r}") for r in range(world)]
     for d in dirs:
         (tmp_path / d).mkdir()
-    for world_rank, (out, sums) in enumerate(run_ranks(_shm_transport, 2, dirs, timeout_s=60)):
+    ranks = run_ranks(_shm_transport, world, dirs, timeout_s=90)
+    for world_rank, (out, sums) in enumerate(ranks):
         before, after, buckets, params = out["shm"]
         assert (before, after) == ("undecided", "shm") and buckets == 2
         assert out["gloo"][1] == "process_group" and out["gloo"][2] == buckets
-        assert all(torch.equal(a, b) for a, b in zip(params, out["gloo"][3]))  # bit for bit
+        if world == 2:
+            assert all(torch.equal(a, b) for a, b in zip(params, out["gloo"][3]))  # bit for bit
+        else:
+            assert max((a - b).abs().max().item() for a, b in zip(params, out["gloo"][3])) < 1e-12
+        assert all(torch.equal(a, b) for a, b in zip(params, ranks[0][0]["shm"][3]))  # replicas stay identical
         assert out["left_in_dev_shm"] == []  # unlinked once every rank held it
         assert out["apart"] and out["no_room"] and out["left_apart"] == []
         for parity, (floats, doubles) in enumerate(sums):
-            # elements 2..6 are (1 + 2) * k + 2 * parity summed over ranks; the rest this rank's own
-            expected = [k * (world_rank + 1) + parity if not 2 <= k < 7 else 3 * k + 2 * parity for k in range(8)]
+            # elements 2..6 are k * (1 + 2 + ... + W) + W * parity, summed over ranks; the rest this rank's own
+            total = world * (world + 1) // 2
+            expected = [k * (world_rank + 1) + parity if not 2 <= k < 7 else total * k + world * parity
+                        for k in range(8)]
             assert floats == expected and doubles[:8] == expected
