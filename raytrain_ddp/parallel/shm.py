@@ -104,28 +104,28 @@ def open_exchange(flats: list[torch.Tensor], pg, world_rank: int, world_size: in
     group_rank_0 = dist.get_global_rank(pg, 0) if pg is not None else 0
     sizes = [2 * world_size * f.numel() * f.element_size() for f in flats]
     token = torch.zeros(16, dtype=torch.uint8)
-    segments: list[torch.Tensor] = []
+    segments: Optional[list[torch.Tensor]] = []
+    created: list[str] = []  # rank 0 unlinks them however this ends: nothing outlives the processes
     if world_rank == 0:  # create first: the others open as soon as they hear the name
         fits = sum(sizes) <= min(budget_bytes, _free_bytes(shm_dir) // 2)
         if flats and fits and all(f.device.type == "cpu" for f in flats):
             token.copy_(torch.frombuffer(bytearray(secrets.token_bytes(16)), dtype=torch.uint8))
-            segments = _open_all(_paths(shm_dir, token, len(flats)), sizes, flats, world_size, create=True)
+            created = _paths(shm_dir, token, len(flats))
+            segments = _open_all(created, sizes, flats, world_size, create=True)
             if segments is None:
                 token.zero_()  # all zeros: not this time
-    wait(dist.broadcast(token, src=group_rank_0, group=pg, async_op=True), "broadcast of the shared-memory name")
-    if not token.any():
-        return None
-    paths = _paths(shm_dir, token, len(flats))
-    if world_rank != 0:
-        segments = _open_all(paths, sizes, flats, world_size, create=False)
-    ok = torch.tensor([segments is not None], dtype=torch.int32)
-    # after it every rank holds them (or all give up); rank 0 unlinks them even if this fails
     try:
+        wait(dist.broadcast(token, src=group_rank_0, group=pg, async_op=True), "broadcast of the shared-memory name")
+        if not token.any():
+            return None
+        if world_rank != 0:
+            segments = _open_all(_paths(shm_dir, token, len(flats)), sizes, flats, world_size, create=False)
+        ok = torch.tensor([segments is not None], dtype=torch.int32)
+        # after it every rank holds them, or all give up
         wait(dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=pg, async_op=True), "all-reduce of the shared-memory check")
     finally:
-        if world_rank == 0:
-            for path in paths:
-                _unlink(path)
+        for path in created:
+            _unlink(path)
     if not ok.item():
         return None
     return ShmExchange(segments, pg, world_rank, world_size)
