@@ -464,7 +464,7 @@ def _run(kind: str, build, micro, world_rank: int, cfg: Any, find_unused: bool) 
         else:
             model = wrap_model(module, kind, process_group=pg, bucket_cap_mb=cap, first_bucket_mb=p.first_bucket_mb,
                                broadcast_buffers=p.broadcast_buffers, find_unused_parameters=find_unused,
-                               collective_timeout_s=20, **({"shm": p.shm} if kind == "bucketed" else {}))
+                               collective_timeout_s=20, shm=p.shm)
         sharded = kind in SHARDED_STRATEGIES
         if kind == REFERENCE:
             opt = _optimizer(cfg, model.parameters())

@@ -322,9 +322,8 @@ class BucketedDDP(ScratchBase):
         """The first launch after a (re)build: every rank decides together whether this set of
         flat buffers goes through shared memory (`shm.open_exchange`); None means gloo."""
         self._shm_due = False
-        flats = list(self._flats.values())
-        if flats and all(f.device.type == "cpu" for f in flats):
-            self._shm = open_exchange(flats, self._pg, self.world_rank, self.world_size, wait=self._wait)
+        self._shm = open_exchange(list(self._flats.values()), self._pg, self.world_rank, self.world_size,
+                                  wait=self._wait)
 
     @property
     def transport(self) -> str:

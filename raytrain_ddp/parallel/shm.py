@@ -98,17 +98,19 @@ def open_exchange(flats: list[torch.Tensor], pg, world_rank: int, world_size: in
     Rank 0 creates the segments (and reserves their pages, so a full /dev/shm is an error
     here and not a SIGBUS later), the others open them by a name rank 0 broadcasts; rank 0
     unlinks the files once every rank holds them, so nothing outlives the processes. Returns
-    None on every rank where any rank could not (another host, no space, not CPU).
+    None on every rank where any rank could not (another host, no space), and without any
+    communication when there is nothing to share or it is not on CPU (the same on every rank).
     `wait(work, what)` waits for its two collectives (the wrapper's, with its timeout).
     """
+    if not flats or any(f.device.type != "cpu" for f in flats):
+        return None
     group_rank_0 = dist.get_global_rank(pg, 0) if pg is not None else 0
     sizes = [2 * world_size * f.numel() * f.element_size() for f in flats]
     token = torch.zeros(16, dtype=torch.uint8)
     segments: Optional[list[torch.Tensor]] = []
     created: list[str] = []  # rank 0 unlinks them however this ends: nothing outlives the processes
     if world_rank == 0:  # create first: the others open as soon as they hear the name
-        fits = sum(sizes) <= min(budget_bytes, _free_bytes(shm_dir) // 2)
-        if flats and fits and all(f.device.type == "cpu" for f in flats):
+        if sum(sizes) <= min(budget_bytes, _free_bytes(shm_dir) // 2):
             token.copy_(torch.frombuffer(bytearray(secrets.token_bytes(16)), dtype=torch.uint8))
             created = _paths(shm_dir, token, len(flats))
             segments = _open_all(created, sizes, flats, world_size, create=True)

@@ -177,7 +177,7 @@ def build_state(job: Job, rank: Rank, total_steps: int) -> TrainState:
         param_dtype={"bf16": torch.bfloat16}.get(cfg.train.precision),  # fsdp's mixed precision
         broadcast_buffers=cfg.parallel.broadcast_buffers,
         find_unused_parameters=cfg.parallel.find_unused_parameters,
-        **({"shm": cfg.parallel.shm} if cfg.parallel.strategy == "bucketed" else {}),
+        shm=cfg.parallel.shm,
     )
     params = [p for p in wrapper.module.parameters() if p.requires_grad]
     optimizer = wrapper.make_optimizer(lambda trainable: build_optimizer(trainable, cfg.train))

@@ -237,19 +237,16 @@ def time_parity(world_rank: int, world_size: int, model_name: str, sizes: Sizes,
     """Rank body of one #19 launch: bucketed_25mb (over gloo too, on CPU), torch DDP and an
     identical torch DDP, rotated round by round; step times (ms) per variant."""
     device, base, _, data = _rank_setup(world_rank, model_name, sizes, device_name, shape)
+    specs = {label: (strategy, cap) for label, strategy, cap in variant_specs(device_name, with_dp=False)}
+    specs["torch_ddp_control"] = specs["torch_ddp"]
     variants = []
-    for label in parity_variants(device_name):
-        strategy = {"bucketed_25mb": "bucketed", "bucketed_25mb_gloo": "bucketed_gloo"}.get(label, "torch_ddp")
-        model = _wrap(base, strategy, 25.0, device)
+    for label in (label for label in PARITY if label in specs):  # bucketed_25mb_gloo: CPU only
+        model = _wrap(base, *specs[label], device)
         variants.append((label, model, torch.optim.SGD(model.parameters(), lr=1e-3)))
     for _, model, opt in variants:
         for _ in range(sizes.warmup_steps):
             _step(model, opt, data)
     return {"times_ms": _timed_rounds(variants, data, sizes.parity_rounds, PARITY_STEPS, device)}
-
-
-def parity_variants(device_name: str) -> tuple[str, ...]:
-    return PARITY if device_name == "cpu" else tuple(v for v in PARITY if v != "bucketed_25mb_gloo")
 
 
 def summarise_parity(launches: list[list[dict]]) -> dict[str, Any]:
