@@ -73,7 +73,8 @@ def print_summary(summary: dict[str, Any]) -> None:
     out = sys.stdout if summary["status"] == "ok" else sys.stderr
     print("raytrain-ddp: " + " | ".join(parts), file=out, flush=True)
     if summary["status"] == "interrupted":
-        where = (f"the same command continues from checkpoint {summary['checkpoint']}" if summary.get("checkpoint")
+        where = (f"the same command continues from step {summary.get('checkpoint_step')} "
+                 f"(checkpoint {summary['checkpoint']})" if summary.get("checkpoint")
                  else "no checkpoint yet: the same command starts from the beginning")
         print(f"raytrain-ddp: interrupted at step {summary['steps']}; {where}", file=out, flush=True)
     if summary.get("error"):

@@ -36,10 +36,11 @@ Decisions, and why:
   The quickstart checkpoints every ~0.3 s of training, so the controller polls every
   `CONTROLLER_POLL_S` (Ray's own `RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`, which a user's
   setting overrides): a few small RPCs per second.
-* Ctrl-C during `fit` aborts Ray Train's controller (what Ray's own handler does, which
-  would then `sys.exit(0)` silently), so the driver can still write `summary.json`
-  (status `interrupted`) and say how to continue; `run_training`'s `finally` stops the
-  embedded Ray instance, and the CLI exits 130.
+* Ctrl-C during `fit` asks the workers to save the step they are at and stop (`_Interrupt`;
+  Ray's own handler would abort the controller and `sys.exit(0)` silently, throwing away
+  every step since the last checkpoint), so the driver still writes `summary.json`
+  (status `interrupted`) and says where the next run starts; `run_training`'s `finally`
+  stops the embedded Ray instance, and the CLI exits 130.
 * `RAYTRAIN_DDP_*` environment variables of the driver are forwarded to the workers
   (tests name their hooks there: `RAYTRAIN_DDP_HOOKS`, see `worker/hooks.py`).
 * The user's model factory, loss and preprocess (`raytrain_ddp.user`) are imported and
@@ -57,6 +58,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -66,6 +68,7 @@ from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import Config
 from raytrain_ddp.driver.console import ProgressPrinter, final_metrics, print_plan, print_summary
 from raytrain_ddp.driver import ray_console
+from raytrain_ddp.driver.ray_compat import forget_earlier_fits, install_sigint_handler
 from raytrain_ddp.driver.placement import Unschedulable, wait_for_placement, worker_resources
 from raytrain_ddp.driver.preflight import preflight
 from raytrain_ddp.driver.resume import (
@@ -81,6 +84,7 @@ from raytrain_ddp.rundir import (
 
 DATA_HEADROOM_CPUS = 2
 CONTROLLER_POLL_S = 0.25  # see the module docstring
+STOP_WAIT_S = 30.0  # after a Ctrl-C, how long the workers get to save their step and stop
 POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"  # propagated by Ray Train to its controller
 ENV_PREFIX = "RAYTRAIN_DDP_"
 
@@ -215,6 +219,7 @@ def _prepare(cfg: Config, run_dir: Location, resume_from: Any, checked: Any, cod
     ray.data.DataContext.get_current().enable_progress_bars = False
     prepared = prepare_datasets(cfg, checked, code, given)
     run_dir.mkdir()
+    forget_earlier_fits(run_dir)  # Ray's checkpoint history must never contradict ours (ray_compat.py)
     fit_id = uuid.uuid4().hex
     record_config(cfg, run_dir, resume_from, fit_id)  # config.yaml + config-history.jsonl (resume.py)
     for stale in (SUMMARY_FILE, ABORT_FILE):
@@ -275,10 +280,8 @@ def _fit(cfg: Config, run_dir: Location, resume_from: Any, checked: Any, code: A
     )
     started = time.time()
     status, error = "ok", None
-    interrupt = _Interrupt()
-    # Ray 2.60 calls this (main thread only) to install its SIGINT handler; ours aborts
-    # the same way but lets the driver finish (see the module docstring).
-    trainer._register_sigint_handler = interrupt.register
+    interrupt = _Interrupt(job.mailbox)  # ours lets the driver finish (see the module docstring)
+    install_sigint_handler(trainer, interrupt.register)
     recorder = Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir)],
                         job.mailbox, write_metrics="jsonl" in cfg.run.loggers)
     try:
@@ -289,6 +292,8 @@ def _fit(cfg: Config, run_dir: Location, resume_from: Any, checked: Any, code: A
                 result = trainer.fit()
                 if result.error is not None:  # pragma: no cover - fit raises in V2, kept for safety
                     raise result.error
+                if interrupt.fired:  # the workers stopped where they were, as asked
+                    status = "interrupted"
             except Unschedulable as exc:
                 status, error = "unschedulable", str(exc)
             except KeyboardInterrupt:
@@ -320,26 +325,48 @@ def _storage(run_dir: Location) -> dict[str, Any]:
 
 
 class _Interrupt:
-    """Ctrl-C while `fit` runs: abort Ray Train's controller, and remember that it was asked for."""
+    """Ctrl-C while `fit` runs: first a stop at the next step boundary, saved; then an abort.
 
-    def __init__(self) -> None:
-        self.fired = False
+    The first Ctrl-C asks the workers, through the mailbox, to save the step they are at
+    and return (rank 0 polls about once a second: `worker/preemption.py`), so what was
+    trained is kept; if they have not ended within `STOP_WAIT_S`, or on a second Ctrl-C,
+    Ray Train's controller is aborted (what Ray's own handler does) and the run continues
+    from its newest checkpoint. A third stops waiting for the workers at all.
+    """
+
+    def __init__(self, mailbox: Any = None) -> None:
+        self.mailbox = mailbox
+        self.presses = 0
         self.controller: Any = None
         self._previous: Any = None
+        self._timer: Optional[threading.Timer] = None
+
+    @property
+    def fired(self) -> bool:
+        return self.presses > 0
 
     def register(self, controller: Any) -> None:
         self.controller = controller
         self._previous = signal.signal(signal.SIGINT, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.fired:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop waiting for the workers
+        self.presses += 1
+        if self.presses == 1 and self.mailbox is not None:
+            print("raytrain-ddp: interrupted: the workers save the step they are at and stop "
+                  "(Ctrl-C again to stop at once, from the newest checkpoint)", file=sys.stderr, flush=True)
+            self.mailbox.request_stop.remote()
+            self._timer = threading.Timer(STOP_WAIT_S, self.abort)
+            self._timer.daemon = True
+            self._timer.start()
+            return
+        if self.presses > 2:
+            raise KeyboardInterrupt  # stop waiting for the workers
         print("raytrain-ddp: interrupted: stopping the workers (Ctrl-C again to stop waiting)",
               file=sys.stderr, flush=True)
         self.abort()
 
     def abort(self) -> None:
-        self.fired = True
+        self.presses = max(self.presses, 1)
         if self.controller is not None:
             try:
                 self.controller.abort.remote()  # the controller stops the workers, then exits
@@ -347,6 +374,8 @@ class _Interrupt:
                 pass
 
     def restore(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
             self._previous = None
@@ -359,7 +388,7 @@ def build_summary(job: Job, *, status: str, error: Optional[str], elapsed_s: flo
     latest = ckpt.load_latest_valid(ckpt.find_checkpoints(run_dir))
     manifest = ckpt.read_manifest(latest[1]) if latest else {}
     if recorder is not None:
-        attempts, records = recorder.fit_attempts(), recorder.records
+        attempts, records = recorder.fit_attempts(), recorder.fit_records()
     else:
         attempts = [r for r in read_jsonl(run_dir / ATTEMPTS_FILE) if r.get("fit_id") == job.fit_id]
         records = read_metrics(run_dir / METRICS_FILE)
@@ -373,6 +402,7 @@ def build_summary(job: Job, *, status: str, error: Optional[str], elapsed_s: flo
         "attempts": len(attempts),
         "final_metrics": final_metrics(records),
         "checkpoint": str(latest[1]) if latest else None,
+        "checkpoint_step": int(manifest["step"]) if latest else None,  # where the same command continues
         "resumed_from": str(job.resume_from) if job.resume_from else None,
         "workers": attempts[-1]["world_size"] if attempts else None,
         "elapsed_s": round(elapsed_s, 2),

@@ -27,6 +27,8 @@ holds an event back until every earlier one of its attempt was applied -- see `R
                                              copy) fill in those a lost rank 0 never delivered
     {"kind": "abort",     "record": {...}}   every rank stopped together (abort.json)
     {"kind": "checkpoint", "step": N, "name": ..., "blocked_s": ...}
+The other way, the driver -> the workers: `request_stop` (Ctrl-C), which rank 0 reads at
+its step-boundary polls (`stop_requested`) and all ranks agree on.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class Mailbox:
         self._attempts = 0
         self._received: dict[int, int] = {}  # attempt -> puts queued so far
         self._arrived: Optional[asyncio.Event] = None
+        self._stop = False
 
     def _signal(self) -> asyncio.Event:
         if self._arrived is None:  # created inside the actor's event loop
@@ -87,6 +90,14 @@ class Mailbox:
                 return False
             await asyncio.sleep(0.005)
         return True
+
+    async def request_stop(self) -> None:
+        """The driver's Ctrl-C: the workers stop at their next agreed step boundary, saved."""
+        self._stop = True
+
+    async def stop_requested(self) -> bool:
+        """Asked by rank 0 at its step-boundary polls (`worker/preemption.py`)."""
+        return self._stop
 
     async def take(self, timeout_s: float) -> list[dict[str, Any]]:
         """Everything queued so far; waits up to `timeout_s` for the first event."""
@@ -194,6 +205,7 @@ class Recorder:
         self.run_dir, self.fit_id, self.sinks, self.mailbox = run_dir, fit_id, list(sinks), mailbox
         self.metrics = JsonlFile(run_dir / METRICS_FILE)
         self._lines = {_line_key(r) for r in self.metrics.records}  # (step, kind) of every line held
+        self._fit_lines: set[tuple[int, str]] = set()  # those this fit made (earlier fits' are not its outcome)
         self.attempts = JsonlFile(run_dir / ATTEMPTS_FILE)
         self.write_metrics = write_metrics
         self.abort: Optional[dict[str, Any]] = None
@@ -275,6 +287,7 @@ class Recorder:
             if key in self._lines:  # a redone line (validation after a restart at an epoch's end) replaces its earlier self
                 self.metrics.keep(lambda r: _line_key(r) != key)
             self._lines.add(key)
+            self._fit_lines.add(key)
             self.metrics.append([record])
             self.last_step = max(self.last_step, int(record.get("step", 0)))
             for sink in self.sinks:
@@ -321,6 +334,10 @@ class Recorder:
     @property
     def records(self) -> list[dict[str, Any]]:
         return list(self.metrics.records)
+
+    def fit_records(self) -> list[dict[str, Any]]:
+        """The lines this fit made and kept (a redone step's line counts once, the committed one)."""
+        return [r for r in self.metrics.records if _line_key(r) in self._fit_lines]
 
     def fit_attempts(self) -> list[dict[str, Any]]:
         return [r for r in self.attempts.records if r.get("fit_id") == self.fit_id]

@@ -42,7 +42,7 @@ import pyarrow.fs as pafs
 
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.job import Job
-from raytrain_ddp.parallel.collectives import check_same
+from raytrain_ddp.parallel.collectives import check_same, max_over_ranks
 from raytrain_ddp.rundir import Location
 from raytrain_ddp.worker.context import Rank
 from raytrain_ddp.worker.meter import RunLog
@@ -50,6 +50,7 @@ from raytrain_ddp.worker.preemption import PreemptionGuard
 from raytrain_ddp.worker.replica import WINDOW, is_peer_loss, write_last_step, written_by_survivor
 from raytrain_ddp.worker.state import TrainState
 
+STAGING_PREFIX, STAGING_NAME_SEP = "raytrain_ddp_ckpt_", "--"  # rank 0's staging copy: <prefix><random>--<name>
 MAX_PENDING_UPLOADS = 2  # staging copies waiting for Ray's asynchronous upload, at most
 UPLOAD_WAIT_S = 600.0  # bounded: a stuck upload delays the next checkpoint, never hangs the run
 
@@ -59,8 +60,13 @@ class Checkpointer:
         self.job, self.rank, self.state, self.log = job, rank, state, log
         self.every = job.cfg.run.checkpoint_every_steps
         self.upload = getattr(job.cfg.run, "checkpoint_upload", "async")
-        self.guard = PreemptionGuard.for_worker(job.cfg, rank, hooks)  # spot reclaims
-        self.saved_step = 0  # the newest step in a checkpoint: a survivor's copy must be newer
+        # spot reclaims, and the driver's Ctrl-C (rank 0 asks the driver at the same polls)
+        self.guard = PreemptionGuard.for_worker(job.cfg, rank, hooks, stop_source=log.outbox.stop_requested)
+        # The newest step known to be in storage: a survivor's copy must be newer. An
+        # asynchronous save does not count: its upload runs in rank 0's process, and a kill
+        # of rank 0 before it finished left a restart with nothing (issue #25).
+        self.saved_step = 0
+        self.last_saved = ""  # the name of this group's newest checkpoint
         self._copied_step, self._copy_lock = 0, threading.Lock()
         self._staged: list[str] = []  # rank 0's staging copies Ray has not uploaded (and deleted) yet
         if state.last_step is not None:
@@ -76,6 +82,10 @@ class Checkpointer:
 
     def restore(self, accumulation_steps: int) -> None:
         """Load the newest valid checkpoint of this fit (or the driver's choice) into every component."""
+        if self.rank.is_main:
+            for where in publish_orphaned_uploads(self.job, _run_dir(self.job, None)):
+                self.rank.say(f"uploaded {where}: its asynchronous upload had died with an earlier rank 0")
+        max_over_ranks([0.0], self.rank.device)  # a barrier: every rank lists storage after that
         found = find_resume_state(self.job)
         if found is not None:
             self.state.load_state_dict(found[0])
@@ -155,15 +165,23 @@ class Checkpointer:
                 return
             time.sleep(0.05)
 
-    def after_step(self, end_of_epoch: bool) -> None:
-        """Periodic and just-in-time saves, at a step boundary that is not the run's last."""
+    def after_step(self, end_of_epoch: bool) -> bool:
+        """Periodic and just-in-time saves, at a step boundary that is not the run's last.
+
+        True: stop here -- the driver asked (Ctrl-C), and this step is now in storage.
+        """
         step = self.state.progress.step
         periodic = bool(self.every) and step % self.every == 0
-        preempted = self.guard.after_step(step)  # a collective: the same answer on every rank
+        signalled = self.guard.after_step(step)  # a collective: the same answer on every rank
+        preempted = signalled and not self.guard.stopping
         # Never on an epoch's last step: the epoch-end save follows at the same step,
-        # right after validation.
-        if (periodic or preempted) and not end_of_epoch:
-            self.save({"loss": self.log.last_loss, **({"preemption": 1} if preempted else {})}, durable=preempted)
+        # right after validation (a stop then waits for the next boundary).
+        if (periodic or signalled) and not end_of_epoch:
+            self.save({"loss": self.log.last_loss, **({"preemption": 1} if preempted else {})}, durable=signalled)
+            if self.guard.stopping:
+                self.log.stopped(step, self.last_saved)
+                return True
+        return False
 
     def save(self, metrics: dict[str, Any], durable: bool = False) -> None:
         """Rank 0 writes the checkpoint; every rank reports (Ray's report is a barrier).
@@ -186,7 +204,9 @@ class Checkpointer:
                                        asynchronous=self.upload == "async" and not durable)
             self._staged += [staged] if staged else []
         blocked = time.perf_counter() - started
-        self.saved_step = progress.step
+        if self.upload != "async" or durable:  # in storage now (see `saved_step`)
+            self.saved_step = progress.step
+        self.last_saved = name
         self.log.checkpoint_saved(progress.step, name, blocked)
         # What the preemption policy plans with. Asynchronous saves block for less than
         # a synchronous just-in-time save takes; its own duration replaces this one.
@@ -208,7 +228,7 @@ def report_checkpoint(state_dict: Optional[Any], metrics: dict[str, Any], name: 
 
     staging, checkpoint = None, None
     if state_dict is not None:
-        staging = tempfile.mkdtemp(prefix="raytrain_ddp_ckpt_")
+        staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, suffix=STAGING_NAME_SEP + name)
         ckpt.save_checkpoint(staging, state_dict())
         checkpoint = ray.train.Checkpoint.from_directory(staging)
     try:
@@ -220,6 +240,34 @@ def report_checkpoint(state_dict: Optional[Any], metrics: dict[str, Any], name: 
             shutil.rmtree(staging, ignore_errors=True)
         raise
     return staging
+
+
+def publish_orphaned_uploads(job: Job, run_dir: Location) -> list[Location]:
+    """Rank 0, before a worker group picks its state: this fit's staging copies on this node
+    whose asynchronous upload died with an earlier rank 0 go up under their own names.
+
+    Ray uploads from rank 0's process, so a rank 0 killed right after an asynchronous save
+    took the upload with it, and a group whose every worker died (one worker, a lost node)
+    had no survivor to write the step either: it restarted from an older checkpoint, or
+    from scratch (issue #25). The staging copy itself is complete on local disk (the
+    manifest is written last); a copy that does not verify is deleted, not uploaded.
+    Only this node's copies are found: a rank 0 restarted on another node falls back to
+    the survivors' copy or the newest durable checkpoint.
+    """
+    published = []
+    for staging in sorted(Path(tempfile.gettempdir()).glob(f"{STAGING_PREFIX}*{STAGING_NAME_SEP}*")):
+        if _manifest_of(staging).get("fit_id") != job.fit_id:
+            continue  # half-written (no manifest yet), or another fit's
+        target = run_dir / staging.name.split(STAGING_NAME_SEP, 1)[1]
+        try:
+            ckpt.load_checkpoint(staging)
+            if not (target / ckpt.MANIFEST_FILE).exists():
+                target.upload_from(staging)
+                published.append(target)
+        except ckpt.CheckpointError:
+            pass
+        shutil.rmtree(staging, ignore_errors=True)
+    return published
 
 
 def find_resume_state(job: Job) -> Optional[tuple[dict, Any]]:

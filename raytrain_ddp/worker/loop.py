@@ -57,7 +57,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                     log.step(result, epoch, progress.epoch_ended(data.steps_per_epoch))
                     if progress.step >= total_steps:
                         break
-                    checkpointer.after_step(progress.epoch_ended(data.steps_per_epoch))
+                    if checkpointer.after_step(progress.epoch_ended(data.steps_per_epoch)):
+                        return  # the driver asked to stop (Ctrl-C), and this step is saved
                 if progress.step < total_steps or progress.epoch_ended(data.steps_per_epoch):
                     progress.next_epoch(epoch)  # exhausted (see the invariants above)
                 with log.paused():

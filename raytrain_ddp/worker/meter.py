@@ -131,6 +131,10 @@ class Outbox:
         if self.mailbox is not None:
             self._call("flush", self.attempt, self.seq, wait=True)
 
+    def stop_requested(self) -> bool:
+        """Whether the driver asked the run to stop (its Ctrl-C); False on ranks other than 0."""
+        return bool(self._call("stop_requested", wait=True)) if self.mailbox is not None else False
+
     def _call(self, method: str, *args: Any, wait: bool) -> Any:
         fn = getattr(self.mailbox, method)
         if hasattr(fn, "remote"):  # the mailbox actor
@@ -207,6 +211,11 @@ class RunLog:
         """A checkpoint held the step loop for `blocked_s` (counted into the next train line)."""
         self._blocked_s += blocked_s
         self.outbox.send("checkpoint", step=step, name=name, blocked_s=blocked_s)
+
+    def stopped(self, step: int, name: str) -> None:
+        """The driver asked to stop (Ctrl-C) and every rank stops after `step`, saved as `name`."""
+        self.outbox.flush()
+        self.rank.say(f"stopped after step {step} as the driver asked (Ctrl-C); it is saved ({name})")
 
     def abort(self, reason: str) -> None:
         """Every rank stops together (non-finite policy): the failed step's line and why."""

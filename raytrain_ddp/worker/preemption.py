@@ -1,7 +1,8 @@
-"""Spot and preemption awareness inside the loop: when to ask Ray, and when to save.
+"""Signals from outside the loop: Ray's preemption notice and the driver's Ctrl-C.
 
 Owns: the policy that turns Ray Train's preemption signal into "checkpoint at this step
-boundary", and how often that signal is polled.
+boundary", the driver's stop request (Ctrl-C) into "checkpoint here and stop", and how
+often both are polled.
 Must not touch: checkpoint files (the loop saves), Ray's controller or FailureConfig
 (the launcher maps `run.max_preemption_failures` / `run.preemption_grace_s`), the step.
 
@@ -31,6 +32,12 @@ step, and the answer only changes every 5 s anyway. So:
 * Each distinct signal is answered once; a changed one (another node, an earlier
   deadline) is answered again.
 * Until the first checkpoint of an attempt, its duration is unknown and taken as zero.
+* The driver's Ctrl-C (issue #25) rides on the same poll: rank 0 asks the driver's
+  mailbox (`stop_source`, a round trip of a millisecond or so), its answer is a fourth
+  value of the same MAX all-reduce, and from then on every boundary answers "save and
+  stop" (`stopping`) until the loop has saved one that is not an epoch's last (that one
+  is saved after validation). So a Ctrl-C stops about a poll interval later, with the
+  step it stopped at in storage: nothing trained is thrown away.
 
 Tests replace the signal through the hooks object (`Hooks.preemption_source`; see
 `raytrain_ddp.testing.hooks`), which may also poll every step so the checkpoint step is
@@ -87,10 +94,13 @@ class PreemptionGuard:
                  monotonic: Callable[[], float] = time.monotonic,
                  agree: Optional[Callable[[Sequence[float]], list[float]]] = None,
                  device: Optional[torch.device] = None,
+                 stop_source: Callable[[], bool] = lambda: False,
                  log: Callable[[str], None] = lambda msg: print(msg, flush=True)) -> None:
         self.is_main, self.world_size = is_main, world_size
         self.grace_s, self.poll_interval_s = grace_s, poll_interval_s
         self.source, self.clock, self.monotonic = source, clock, monotonic
+        self.stop_source = stop_source
+        self.stopping = False  # the driver asked to stop: every boundary from now on saves
         self.agree = agree or (lambda values: max_over_ranks(values, device))
         self.log = log
         self.next_poll: Optional[int] = None  # first boundary seen: poll there
@@ -100,11 +110,11 @@ class PreemptionGuard:
         self._mark, self._steps, self._paused_s = monotonic(), 0, 0.0
 
     @classmethod
-    def for_worker(cls, cfg, rank, hooks) -> "PreemptionGuard":
+    def for_worker(cls, cfg, rank, hooks, stop_source: Callable[[], bool] = lambda: False) -> "PreemptionGuard":
         """The loop's guard: Ray's signal, unless the hooks object replaces it (tests)."""
         source, interval = hooks.preemption_source(ray_source) or (ray_source, POLL_INTERVAL_S)
         return cls(is_main=rank.is_main, world_size=rank.world_size, grace_s=cfg.run.preemption_grace_s,
-                   poll_interval_s=interval, source=source, device=rank.device)
+                   poll_interval_s=interval, source=source, device=rank.device, stop_source=stop_source)
 
     def checkpoint_took(self, seconds: float) -> None:
         self.checkpoint_s = seconds
@@ -112,6 +122,8 @@ class PreemptionGuard:
 
     def after_step(self, step: int) -> bool:
         self._steps += 1
+        if self.stopping:
+            return True
         if self.next_poll is not None and step < self.next_poll:
             return False
         return self._poll(step)
@@ -121,11 +133,15 @@ class PreemptionGuard:
         signal = self.source(step)
         now_mono = self.monotonic()
         per_step = max(0.0, now_mono - self._mark - self._paused_s) / max(1, self._steps)
-        per_step, checkpoint_s, now = self.agree(
-            [per_step, self.checkpoint_s, self.clock() if self.is_main else 0.0])
+        stop = 1.0 if self.is_main and self.stop_source() else 0.0
+        per_step, checkpoint_s, now, stop = self.agree(
+            [per_step, self.checkpoint_s, self.clock() if self.is_main else 0.0, stop])
         self._mark, self._steps, self._paused_s = now_mono, 0, 0.0
         every = self.poll_interval_s / per_step if per_step > 0 else 1.0
         self.next_poll = step + min(MAX_STEPS_BETWEEN_POLLS, max(1, math.ceil(every)))
+        if stop > 0:
+            self.stopping = True  # the checkpointer says where it stopped
+            return True
         if signal is None or signal == self.answered:
             return False
         if signal.deadline_s is None:

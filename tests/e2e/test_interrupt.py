@@ -118,10 +118,13 @@ def test_ctrl_c_writes_the_summary_says_how_to_continue_and_leaves_no_process(in
     assert code == 130, out[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["steps"] >= 12, summary
-    state, latest = ckpt.load_latest_valid(ckpt.find_checkpoints(run_dir))  # an upload cut short is skipped
-    assert summary["checkpoint"] == str(latest) and 5 <= state["progress"]["step"] <= summary["steps"]
+    state, latest = ckpt.load_latest_valid(ckpt.find_checkpoints(run_dir))
+    # the workers saved the step they were at and stopped (#25): nothing trained is thrown away
+    assert summary["checkpoint"] == str(latest) and state["progress"]["step"] == summary["steps"]
+    assert summary["checkpoint_step"] == summary["steps"]
+    assert f"stopped after step {summary['steps']} as the driver asked (Ctrl-C)" in out, out[-3000:]
     assert (f"raytrain-ddp: interrupted at step {summary['steps']}; the same command continues from "
-            f"checkpoint {summary['checkpoint']}") in out, out[-3000:]
+            f"step {summary['steps']} (checkpoint {summary['checkpoint']})") in out, out[-3000:]
     assert "Traceback" not in out
     assert len(started) > 3 and not left, [(pid, _stat(pid)[:2]) for pid, _ in left]
 

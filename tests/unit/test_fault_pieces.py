@@ -1,0 +1,112 @@
+"""The pieces issue #25 added to survive faults in sequence, each without Ray's runtime.
+
+- Ray Train's private names the driver relies on are still where `driver/ray_compat.py`
+  looks (each fails by name when a Ray release moves it), and a fit hands Ray an empty
+  checkpoint history;
+- the driver's Ctrl-C rides on the preemption poll: rank 0 asks, all ranks agree, and
+  every boundary after it says "save and stop";
+- the mailbox carries the stop request, and the summary counts only what this fit made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from raytrain_ddp.driver.stream import Mailbox, Recorder
+from raytrain_ddp.rundir import Location
+from raytrain_ddp.worker.meter import Outbox
+from raytrain_ddp.worker.preemption import PreemptionGuard
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_ray_train_still_names_its_checkpoint_snapshot_and_sigint_hook_as_we_expect():
+    from ray.train.torch import TorchTrainer
+
+    from raytrain_ddp.driver.ray_compat import checkpoint_snapshot_name
+
+    assert checkpoint_snapshot_name() == "checkpoint_manager_snapshot.json"
+    assert callable(getattr(TorchTrainer, "_register_sigint_handler", None))
+
+
+def test_a_fit_hands_ray_an_empty_history(tmp_path):
+    from raytrain_ddp.driver.ray_compat import checkpoint_snapshot_name, forget_earlier_fits
+
+    run_dir = Location.parse(tmp_path)
+    snapshot = tmp_path / checkpoint_snapshot_name()
+    # what Ray left after our pruning removed a checkpoint it lists (the #25 report)
+    snapshot.write_text(json.dumps({"checkpoint_results": [{"checkpoint_dir_name": "checkpoint_00000060_x"}]}))
+    (tmp_path / "config.yaml").write_text("name: r\n")
+    assert forget_earlier_fits(run_dir) and not snapshot.exists()
+    assert not forget_earlier_fits(run_dir)  # nothing there: nothing to do
+    assert (tmp_path / "config.yaml").exists()  # ours are untouched
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_ctrl_c_is_agreed_at_the_next_poll_and_sticks_until_the_loop_stops():
+    clock, asked = _Clock(), []
+    stop = {"now": False}
+
+    def stop_source() -> bool:
+        asked.append(clock.now)
+        return stop["now"]
+
+    guard = PreemptionGuard(is_main=True, world_size=1, poll_interval_s=1.0, source=lambda step: None,
+                            clock=clock, monotonic=clock, stop_source=stop_source, log=lambda msg: None)
+    answers = []
+    for step in range(1, 60):
+        clock.now += 0.1
+        if step == 25:
+            stop["now"] = True  # the driver's Ctrl-C lands between two polls
+        answers.append(guard.after_step(step))
+    first = answers.index(True) + 1
+    assert 25 <= first <= 25 + 11, first  # at the next poll: about a second of steps later
+    assert all(answers[first - 1:]) and guard.stopping  # every boundary after it: save and stop
+    assert len(asked) < 10  # asked at polls only, not every step
+
+
+def test_only_rank0_asks_the_driver_and_the_ranks_agree_through_the_max():
+    agreed = []
+
+    def agree(values):  # the MAX all-reduce: rank 0's 1.0 wins over rank 1's 0.0
+        agreed.append(list(values))
+        return [max(v, w) for v, w in zip(values, [0.0, 0.0, 0.0, 1.0])]
+
+    rank1 = PreemptionGuard(is_main=False, world_size=2, source=lambda step: None, agree=agree,
+                            stop_source=lambda: pytest.fail("rank 1 must not ask the driver"))
+    assert rank1.after_step(1) and rank1.stopping
+    assert agreed[0][3] == 0.0
+
+
+def test_the_mailbox_carries_the_stop_request_to_rank0_only():
+    mailbox = Mailbox()
+    rank0, rank1 = Outbox(mailbox), Outbox(mailbox, enabled=False)
+    assert not rank0.stop_requested()
+    asyncio.run(mailbox.request_stop())
+    assert rank0.stop_requested() and not rank1.stop_requested()
+
+
+def test_the_summary_counts_only_the_lines_this_fit_made(tmp_path):
+    run_dir = Location.parse(tmp_path)
+    earlier = Recorder(run_dir, "fit-1", [])
+    earlier.handle([{"kind": "attempt", "attempt": 1, "seq": 0, "record": {"fit_id": "fit-1"}},
+                    {"kind": "metrics", "attempt": 1, "seq": 1, "record": {"step": 10, "loss": 0.5}}])
+    earlier.stop()
+    failed_before_training = Recorder(run_dir, "fit-2", [])
+    assert failed_before_training.records and failed_before_training.fit_records() == []
+    assert failed_before_training.fit_attempts() == []
+    later = Recorder(run_dir, "fit-3", [])
+    later.handle([{"kind": "attempt", "attempt": 1, "seq": 0, "record": {"fit_id": "fit-3"}},
+                  {"kind": "resumed", "attempt": 1, "seq": 1, "step": 10},
+                  {"kind": "metrics", "attempt": 1, "seq": 2, "record": {"step": 11, "loss": 0.4}}])
+    assert [r["step"] for r in later.fit_records()] == [11] and len(later.records) == 2
