@@ -31,7 +31,12 @@ records which samples every optimizer step trained on: a forward pre-hook digest
 row of the model's first input during training, and after each step every rank appends
 `{"attempt", "step", "rank", "world_size", "rows": [digest, ...]}` to
 `DIR/samples-rank<R>-<pid>.jsonl` (the data tests compare these across worker counts
-and across a kill and resume).
+and across a kill and resume), with the wall-clock `time` it was written.
+
+    RAYTRAIN_DDP_STEP_DELAY_S=0.15
+
+sleeps that long after every optimizer step, so that a test acting on a run from
+outside (a Ctrl-C at step 30) finds it still running at a step it can aim for.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from raytrain_ddp.worker.preemption import Signal
 FAULT_ENV = "RAYTRAIN_DDP_FAULT"
 PREEMPT_ENV = "RAYTRAIN_DDP_PREEMPT"
 SAMPLE_LOG_ENV = "RAYTRAIN_DDP_SAMPLE_LOG"
+STEP_DELAY_ENV = "RAYTRAIN_DDP_STEP_DELAY_S"
 ENABLE = {HOOKS_ENV: "raytrain_ddp.testing.hooks:from_env"}  # what a test puts in the driver's env
 
 
@@ -169,7 +175,7 @@ class TestHooks(Hooks):
         out = Path(os.environ[SAMPLE_LOG_ENV]) / f"samples-rank{self.world_rank}-{os.getpid()}.jsonl"
         out.parent.mkdir(parents=True, exist_ok=True)
         line = {"attempt": self.attempt, "step": step, "rank": self.world_rank, "world_size": self.world_size,
-                "rows": self.rows}
+                "time": time.time(), "rows": self.rows}
         with open(out, "a") as handle:
             handle.write(json.dumps(line) + "\n")
         self.rows = []
@@ -186,6 +192,8 @@ class TestHooks(Hooks):
 
     def after_step(self, step: int) -> None:
         self.next_step = step + 1
+        if os.environ.get(STEP_DELAY_ENV):
+            time.sleep(float(os.environ[STEP_DELAY_ENV]))
         if os.environ.get(SAMPLE_LOG_ENV):
             self._write_samples(step)
         if (self.fault is not None and self.fault.mode not in ("nan", "midstep")

@@ -1,0 +1,256 @@
+"""Faults in sequence, then the same command again, until the run completes (issue #25).
+
+A seeded random plan of what a user meets, one CLI invocation after another on the same
+run directory, each an embedded Ray instance as on a laptop:
+
+- during an invocation, maybe a worker dies (`exit`: the process ends after a step, often
+  right after a checkpoint; `midstep`: SIGKILLed inside the next step's forward);
+- then the invocation ends by Ctrl-C (SIGINT to the driver), by a SIGKILLed driver (its
+  whole process group and every process it started), or by finishing;
+- each invocation may run with another worker count or `run.checkpoint_upload`.
+
+Three properties are checked against one uninterrupted run of the same config:
+- exactly once: the committed execution of every step (its last one) trained on the
+  same rows as the uninterrupted run's step (which sees each row once per epoch), on
+  every rank together (`RAYTRAIN_DDP_SAMPLE_LOG`, a digest of each row the model saw);
+- the same weights: bit-identical when every invocation ran 2 workers, within 1e-4
+  with resizes (a different reduction order);
+- the attempts account for everything: `metrics.jsonl` holds steps 1..N once each,
+  every fit in `attempts.jsonl` started at most 1 + (worker deaths) groups, and what an
+  interrupted invocation said it continues from is where the next one starts.
+
+The suite runs the fixed seeds in `SEEDS` (each once failed or covers a distinct path);
+`RAYTRAIN_DDP_FAULT_SEEDS=0-19` runs others (docs/reliability.md quotes that run).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+
+from _harness import TINY
+from raytrain_ddp import checkpoint as ckpt
+from raytrain_ddp.rundir import read_jsonl, read_metrics
+from raytrain_ddp.testing.hooks import ENABLE, FAULT_ENV, SAMPLE_LOG_ENV, STEP_DELAY_ENV
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
+
+CLI = Path(sys.executable).parent / "raytrain-ddp"
+EPOCHS, STEPS_PER_EPOCH = 2, 22  # tiny.yaml: 22 steps per epoch, a checkpoint every 10
+TOTAL = EPOCHS * STEPS_PER_EPOCH
+STEP_DELAY_S = "0.12"  # ~5 s of training: room to aim a Ctrl-C or a kill at a step
+SEEDS = [3]  # fixed cases: add a seed here when it once failed
+
+
+def _seeds() -> list[int]:
+    spec = os.environ.get("RAYTRAIN_DDP_FAULT_SEEDS")
+    if not spec:
+        return SEEDS
+    low, _, high = spec.partition("-")
+    return list(range(int(low), int(high or low) + 1))
+
+
+@dataclass
+class Invocation:
+    workers: int = 2
+    upload: str = "async"
+    worker_fault: Optional[tuple[int, int, str]] = None  # (rank, steps past the resume step or 0: the next
+    #                                                      checkpoint step, mode), made a RAYTRAIN_DDP_FAULT plan
+    end: str = "finish"  # finish | sigint | sigkill
+    after_steps: int = 0  # `end` is sent once this invocation logged that many steps
+    outcome: dict = field(default_factory=dict)
+
+
+def draw_plan(seed: int) -> list[Invocation]:
+    """2-3 faulted invocations (only the last may finish by itself), then plain reruns until done."""
+    rng = random.Random(seed)
+    plan = []
+    count = rng.randint(2, 3)
+    for i in range(count):
+        ends = ["sigint", "sigkill"] + (["finish"] if i == count - 1 else [])
+        inv = Invocation(workers=rng.choice([2, 2, 1, 4]), upload=rng.choice(["async", "sync"]),
+                         end=rng.choice(ends), after_steps=rng.randint(1, 16))
+        if rng.random() < 0.6 and inv.workers > 1:  # often right after a checkpoint
+            inv.worker_fault = (rng.randrange(inv.workers), rng.choice([0, 0, rng.randint(1, 12)]),
+                                rng.choice(["exit", "midstep"]))
+        plan.append(inv)
+    return plan
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(proc.name))
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _train_steps(run_dir: Path, since: float = 0.0) -> list[int]:
+    """The train lines' steps in metrics.jsonl, of lines made after `since` (wall clock)."""
+    try:
+        return [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r and r["time"] > since]
+    except (OSError, ValueError):
+        return []
+
+
+def run_command(tmp: Path, name: str, inv: Invocation, samples: Path, index: int) -> dict:
+    """One `raytrain-ddp train` of the run, with its fault; returns what it printed and exited with."""
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rtseq-", dir="/tmp"))  # its own: no address file is shared
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RAYTRAIN_DDP_"))}
+    env.update(ENABLE, RAY_TMPDIR=str(ray_tmp), PYTHONUNBUFFERED="1", **{SAMPLE_LOG_ENV: str(samples),
+               STEP_DELAY_ENV: STEP_DELAY_S})
+    if inv.worker_fault:
+        rank, offset, mode = inv.worker_fault
+        newest = ckpt.load_latest_valid(ckpt.find_checkpoints(tmp / "runs" / name)) if (tmp / "runs" / name).exists() \
+            else None
+        at = newest[0]["progress"]["step"] if newest else 0
+        step = at + offset if offset else (at // 10 + 1) * 10  # tiny.yaml checkpoints every 10 steps
+        env[FAULT_ENV] = f"rank={rank},step={min(step, TOTAL - 1)},attempt=1,mode={mode}"
+    command = [str(CLI), "train", str(TINY), f"run.storage_path={tmp / 'runs'}", f"name={name}",
+               f"train.epochs={EPOCHS}", "run.log_every_steps=1", f"scaling.num_workers={inv.workers}",
+               f"run.checkpoint_upload={inv.upload}", "run.max_failures=2"]
+    log_path = tmp / f"invocation-{index}.log"
+    run_dir = tmp / "runs" / name
+    started: list[int] = []
+    began = time.time()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + 240
+            if inv.end != "finish":
+                while proc.poll() is None and time.monotonic() < deadline:
+                    started = sorted(set(started) | set(_descendants(proc.pid)))
+                    if len(_train_steps(run_dir, since=began)) >= inv.after_steps:
+                        break
+                    time.sleep(0.1)
+                if proc.poll() is None:
+                    if inv.end == "sigint":
+                        os.kill(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the driver
+                    else:
+                        started = sorted(set(started) | set(_descendants(proc.pid)))
+                        os.killpg(proc.pid, signal.SIGKILL)  # the driver's group: Ray's own processes too
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+            for pid in started:  # only what this driver started, by pid (Ray's daemons leave the group)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            shutil.rmtree(ray_tmp, ignore_errors=True)
+    return {"code": proc.returncode, "out": log_path.read_text(errors="replace")}
+
+
+def committed_rows(samples: Path) -> dict[int, list[str]]:
+    """Step -> the rows its last execution trained on, every rank of that execution together."""
+    lines = [json.loads(line) for f in samples.glob("samples-rank*.jsonl") for line in f.read_text().splitlines()
+             if line.strip()]
+    by_step: dict[int, list[dict]] = collections.defaultdict(list)
+    for line in lines:
+        by_step[line["step"]].append(line)
+    out = {}
+    for step, execs in by_step.items():
+        newest = max(execs, key=lambda r: r["time"])
+        world = newest["world_size"]
+        rows = []
+        for rank in range(world):  # each rank's newest execution of the step belongs to the last group
+            mine = [r for r in execs if r["rank"] == rank and r["world_size"] == world]
+            rows += max(mine, key=lambda r: r["time"])["rows"] if mine else ["<missing rank>"]
+        out[step] = sorted(rows)
+    return out
+
+
+def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
+    state = ckpt.load_checkpoint(ckpt.find_checkpoints(run_dir)[0])
+    assert state["progress"]["step"] == TOTAL, state["progress"]
+    return state["model"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    done = run_command(tmp, "ref", Invocation(), tmp / "samples", 0)
+    assert done["code"] == 0, done["out"][-3000:]
+    rows = committed_rows(tmp / "samples")
+    for epoch in range(EPOCHS):  # the reference itself sees each row once per epoch
+        seen = [r for step in range(epoch * STEPS_PER_EPOCH + 1, (epoch + 1) * STEPS_PER_EPOCH + 1) for r in rows[step]]
+        assert len(seen) == STEPS_PER_EPOCH * 64 and len(set(seen)) >= 0.99 * len(seen)
+    return rows, final_model(tmp / "runs" / "ref")
+
+
+@pytest.mark.parametrize("seed", _seeds())
+def test_any_fault_sequence_then_the_same_command_continues_exactly(reference, tmp_path, seed):
+    ref_rows, ref_model = reference
+    plan = draw_plan(seed)
+    samples, run_dir = tmp_path / "samples", tmp_path / "runs" / "seq"
+    story, continues_at = [f"seed {seed}"], None
+    for index in range(len(plan) + 3):  # the faulted invocations, then plain reruns until done
+        inv = plan[index] if index < len(plan) else Invocation()
+        inv.outcome = run_command(tmp_path, "seq", inv, samples, index + 1)
+        code, out = inv.outcome["code"], inv.outcome["out"]
+        story.append(f"#{index + 1} {inv.workers}w {inv.upload} fault={inv.worker_fault} "
+                     f"end={inv.end}+{inv.after_steps} -> {code}")
+        tail = "\n".join(story) + "\n--- last output:\n" + out[-2500:]
+        assert "Traceback" not in out and "corrupted run directory" not in out, tail
+        assert code in (0, 130, -signal.SIGKILL), tail
+        if continues_at is not None:  # the previous Ctrl-C named where this one starts
+            begun = re.search(r"resume +(?:from \S+ \(step (\d+)\)|fresh start)", out)
+            assert begun and int(begun.group(1) or 0) == continues_at, tail
+        continues_at = None
+        if code == 130:  # Ctrl-C: says where the next run starts
+            said = re.search(r"the same command continues from step (\d+)", out)
+            assert said or "starts from the beginning" in out, tail
+            continues_at = int(said.group(1)) if said else 0
+        if code == 0:
+            break
+    else:
+        pytest.fail("the run never completed:\n" + "\n".join(story))
+    tail = "\n".join(story)
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["steps"] == TOTAL, (tail, summary)
+    assert _train_steps(run_dir) == list(range(1, TOTAL + 1)), tail  # each step once, none missing
+
+    got = committed_rows(samples)
+    wrong = [s for s in range(1, TOTAL + 1) if got.get(s) != ref_rows[s]]
+    assert not wrong, f"{tail}\nsteps whose committed rows differ from the uninterrupted run's: {wrong}"
+
+    model = final_model(run_dir)
+    resized = any(inv.workers != 2 for inv in plan)
+    for key, want in ref_model.items():
+        if resized:
+            assert torch.allclose(model[key], want, rtol=0, atol=1e-4), (tail, key)
+        else:
+            assert torch.equal(model[key], want), (tail, key, (model[key] - want).abs().max())
+
+    attempts = read_jsonl(run_dir / "attempts.jsonl")
+    per_fit = collections.Counter(r["fit_id"] for r in attempts)
+    assert summary["fit_id"] in per_fit and per_fit[summary["fit_id"]] == summary["attempts"], (tail, attempts)
+    assert all(n <= 1 + 2 for n in per_fit.values()), (tail, per_fit)  # run.max_failures=2
