@@ -20,6 +20,7 @@ ConfigLike = Union[str, os.PathLike, dict, Config, None]
 
 def train(config: ConfigLike = None, *, model: Optional[Callable] = None, loss: Optional[Callable] = None,
           datasets: Optional[dict[str, Any]] = None, preprocess: Optional[Callable] = None,
+          optimizer: Optional[Callable] = None, schedule: Optional[Callable] = None,
           overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Train and return the summary (the run's summary.json).
 
@@ -27,34 +28,37 @@ def train(config: ConfigLike = None, *, model: Optional[Callable] = None, loss: 
     are `key.sub=value` strings applied on top. model: `factory(spec, **model.kwargs) ->
     nn.Module`; loss: `(output, batch) -> scalar`; preprocess: a Ray Data batch function
     (dict of numpy arrays in and out); datasets: `{"train": ray.data.Dataset, "val": ...}`
-    (without "val", data.val_fraction of "train" is held out). Each replaces what the
-    config names; `docs/byo.md` shows a whole run.
+    (without "val", data.val_fraction of "train" is held out); optimizer: `fn(model, **train.optimizer_kwargs)
+    -> Optimizer`; schedule: `fn(optimizer, total_steps, **train.schedule_kwargs) -> LRScheduler`.
+    Each replaces what the config names; `docs/byo.md` shows a whole run.
     """
     from raytrain_ddp.driver.launcher import run_training
 
-    cfg, code, datasets = _resolve(config, overrides, model, loss, datasets, preprocess)
+    code_given = dict(model=model, loss=loss, preprocess=preprocess, optimizer=optimizer, schedule=schedule)
+    cfg, code, datasets = _resolve(config, overrides, code_given, datasets)
     return run_training(cfg, code=code, datasets=datasets)
 
 
 def prepare_job(config: ConfigLike = None, *, model: Optional[Callable] = None, loss: Optional[Callable] = None,
                 datasets: Optional[dict[str, Any]] = None, preprocess: Optional[Callable] = None,
+                optimizer: Optional[Callable] = None, schedule: Optional[Callable] = None,
                 overrides: Sequence[str] = ()) -> dict[str, Any]:
     """The inputs of your own `TorchTrainer` running `raytrain_ddp.train_loop_per_worker`:
     `train_loop_config`, `datasets`, `dataset_config`, `worker_runtime_env` (docs/byo.md)."""
     from raytrain_ddp.driver.launcher import prepare_job as _prepare_job
 
-    cfg, code, datasets = _resolve(config, overrides, model, loss, datasets, preprocess)
+    code_given = dict(model=model, loss=loss, preprocess=preprocess, optimizer=optimizer, schedule=schedule)
+    cfg, code, datasets = _resolve(config, overrides, code_given, datasets)
     return _prepare_job(cfg, code=code, datasets=datasets)
 
 
-def _resolve(config: ConfigLike, overrides: Sequence[str], model: Any, loss: Any, datasets: Any,
-             preprocess: Any) -> tuple[Config, Any, Any]:
-    from raytrain_ddp.user import import_path_of, resolve
+def _resolve(config: ConfigLike, overrides: Sequence[str], given: dict[str, Any],
+             datasets: Any) -> tuple[Config, Any, Any]:
+    from raytrain_ddp.user import USER_KEYS, import_path_of, resolve
 
     # The callables are named in the config before it is validated (model.kwargs needs a
     # factory there, data.source=datasets needs the datasets), then `resolve` uses them.
-    named = [f"{key}={import_path_of(obj)}" for key, obj in
-             (("model.name", model), ("train.loss", loss), ("data.preprocess", preprocess)) if callable(obj)]
+    named = [f"{USER_KEYS[part][0]}={import_path_of(obj)}" for part, obj in given.items() if callable(obj)]
     overrides = [*overrides, *named, *(["data.source=datasets"] if datasets is not None else [])]
     path = None
     if isinstance(config, Config):
@@ -64,5 +68,5 @@ def _resolve(config: ConfigLike, overrides: Sequence[str], model: Any, loss: Any
     else:
         path = Path(config) if config is not None else None
         cfg = load_config(path, overrides)
-    cfg, code = resolve(cfg, model=model, loss=loss, preprocess=preprocess, config_path=path)
+    cfg, code = resolve(cfg, config_path=path, **given)
     return cfg, code, datasets

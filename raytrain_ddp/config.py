@@ -40,6 +40,8 @@ class _Section(BaseModel):
 
 BUILTIN_MODELS = ("mlp", "cnn", "gpt")
 BUILTIN_LOSSES = ("cross_entropy", "model")
+BUILTIN_OPTIMIZERS = ("adamw", "sgd")
+BUILTIN_SCHEDULES = ("cosine", "linear", "constant")
 # "package.module:attribute": what `raytrain_ddp.user` imports (the callables of
 # `raytrain_ddp.train(...)` are recorded the same way, so `<lambda>` and `<locals>` pass).
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[\w.<>]+$")
@@ -200,12 +202,32 @@ class TrainConfig(_Section):
         "output['loss'], Hugging Face style); or an import path 'package.module:function' "
         "called as loss(output, batch) -> scalar.",
     )
-    optimizer: Literal["adamw", "sgd"] = Field("adamw", description="adamw, or sgd with train.momentum.")
+    optimizer: str = Field(
+        "adamw", description="adamw; sgd with train.momentum; or your own as an import path "
+        "'package.module:fn', called as fn(model, **train.optimizer_kwargs) -> torch.optim.Optimizer "
+        "(its parameter groups are yours; docs/byo.md).",
+    )
+    optimizer_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for your optimizer function (train.optimizer an import path).",
+    )
+    no_decay: bool = Field(
+        True, description="Built-in optimizers: no weight decay on biases and norm weights (every "
+        "parameter of fewer than 2 dimensions), as transformer recipes do.",
+    )
     lr: float = Field(0.003, gt=0.0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, description="Decoupled (adamw) or L2 (sgd) weight decay.")
     momentum: float = Field(0.9, ge=0.0, lt=1.0, description="sgd only.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps before the cosine decay.")
-    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Cosine floor as a fraction of lr.")
+    schedule: str = Field(
+        "cosine", description="cosine (warm-up, then cosine down to min_lr_ratio x lr), linear (warm-up, "
+        "then linear down to it), constant (warm-up, then lr); or your own as an import path "
+        "'package.module:fn', called as fn(optimizer, total_steps, **train.schedule_kwargs) -> "
+        "torch.optim.lr_scheduler.LRScheduler, stepped once per optimizer step.",
+    )
+    schedule_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for your schedule function (train.schedule an import path).",
+    )
+    warmup_steps: int = Field(0, ge=0, description="Built-in schedules: linear warm-up steps before the decay.")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Built-in schedules: the floor as a fraction of lr.")
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32", description="torch.amp autocast dtype; fp16 adds a GradScaler."
     )
@@ -217,6 +239,24 @@ class TrainConfig(_Section):
     @classmethod
     def _builtin_or_import_path(cls, value: str) -> str:
         return _import_path_or(value, BUILTIN_LOSSES, "function")
+
+    @field_validator("optimizer")
+    @classmethod
+    def _optimizer(cls, value: str) -> str:
+        return _import_path_or(value, BUILTIN_OPTIMIZERS, "fn")
+
+    @field_validator("schedule")
+    @classmethod
+    def _schedule(cls, value: str) -> str:
+        return _import_path_or(value, BUILTIN_SCHEDULES, "fn")
+
+    @model_validator(mode="after")
+    def _kwargs_only_for_user_code(self) -> "TrainConfig":
+        for key, builtins in (("optimizer", BUILTIN_OPTIMIZERS), ("schedule", BUILTIN_SCHEDULES)):
+            if getattr(self, f"{key}_kwargs") and getattr(self, key) in builtins:
+                raise ValueError(f"train.{key}_kwargs is for your own {key} (train.{key} 'package.module:fn'); "
+                                 f"the built-in {getattr(self, key)!r} is set by train.* keys")
+        return self
 
 
 class ParallelConfig(_Section):

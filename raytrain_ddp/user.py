@@ -1,6 +1,7 @@
-"""The user's model factory, loss and preprocess: resolving, checking and shipping them.
+"""The user's model factory, loss, preprocess, optimizer and schedule: resolving, checking and shipping them.
 
-Owns: turning `model.name`, `train.loss` and `data.preprocess` — import paths
+Owns: turning `model.name`, `train.loss`, `data.preprocess`, `train.optimizer` and
+`train.schedule` — import paths
 `"package.module:attribute"`, or the callables given to `raytrain_ddp.train(...)` — into
 one `UserCode`; building the model from it (`build_model`, which `raytrain-ddp verify`
 calls too); the driver's check of the whole pipeline on one small batch before any worker
@@ -31,7 +32,7 @@ from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
-from raytrain_ddp.config import BUILTIN_LOSSES, BUILTIN_MODELS, Config
+from raytrain_ddp.config import BUILTIN_LOSSES, BUILTIN_MODELS, BUILTIN_OPTIMIZERS, BUILTIN_SCHEDULES, Config
 from raytrain_ddp.errors import UserError
 from raytrain_ddp.job import DataSpec
 
@@ -45,10 +46,12 @@ class UserCode:
     model: Optional[Callable[..., Any]] = None  # factory(spec, **model.kwargs) -> nn.Module
     loss: Optional[Callable[[Any, Any], Any]] = None  # (output, batch) -> scalar tensor
     preprocess: Optional[Callable[[dict], dict]] = None  # numpy batch -> numpy batch (Ray Data)
+    optimizer: Optional[Callable[..., Any]] = None  # (model, **train.optimizer_kwargs) -> Optimizer
+    schedule: Optional[Callable[..., Any]] = None  # (optimizer, total_steps, **train.schedule_kwargs) -> LRScheduler
 
     @property
     def custom(self) -> bool:
-        return any(part is not None for part in (self.model, self.loss, self.preprocess))
+        return any(getattr(self, part) is not None for part in USER_KEYS)
 
     def build_model(self, cfg: Config, spec: DataSpec) -> Any:
         """The model for `spec`: the factory's (checked to be an nn.Module) or a built-in."""
@@ -66,6 +69,32 @@ class UserCode:
             raise UserError(f"model.name={cfg.model.name!r}: the factory returned a {type(module).__name__}, "
                             "not a torch.nn.Module")
         return module
+
+    def build_optimizer(self, cfg: Config, model: Any) -> Any:
+        """The user's `train.optimizer(model, **train.optimizer_kwargs)`, checked to be an Optimizer."""
+        import torch
+
+        key = f"train.optimizer={cfg.train.optimizer!r}"
+        try:
+            optimizer = self.optimizer(model, **cfg.train.optimizer_kwargs)
+        except Exception as exc:  # noqa: BLE001 - the user's code: one line, not a traceback
+            raise UserError(f"{key} raised {_one_line(exc)}") from None
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise UserError(f"{key} returned a {type(optimizer).__name__}, not a torch.optim.Optimizer")
+        return optimizer
+
+    def build_schedule(self, cfg: Config, optimizer: Any, total_steps: int) -> Any:
+        """The user's `train.schedule(optimizer, total_steps, **train.schedule_kwargs)`, checked."""
+        import torch
+
+        key = f"train.schedule={cfg.train.schedule!r}"
+        try:
+            scheduler = self.schedule(optimizer, total_steps, **cfg.train.schedule_kwargs)
+        except Exception as exc:  # noqa: BLE001 - the user's code
+            raise UserError(f"{key} raised {_one_line(exc)}") from None
+        if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+            raise UserError(f"{key} returned a {type(scheduler).__name__}, not a torch.optim.lr_scheduler.LRScheduler")
+        return scheduler
 
     def batch_format(self, cfg: Config) -> Any:
         from raytrain_ddp.batch import BatchFormat
@@ -88,34 +117,46 @@ class UserCode:
 # --------------------------------------------------------------------------- resolving
 
 
-def resolve(cfg: Config, *, model: Optional[Callable] = None, loss: Optional[Callable] = None,
-            preprocess: Optional[Callable] = None, config_path: Union[str, os.PathLike, None] = None,
-            ) -> tuple[Config, UserCode]:
-    """Import the config's paths; callables given from Python win and are recorded in the config.
+# Each piece of user code: its config key and the built-ins that key may name instead.
+USER_KEYS = {
+    "model": ("model.name", BUILTIN_MODELS),
+    "loss": ("train.loss", BUILTIN_LOSSES),
+    "preprocess": ("data.preprocess", ()),
+    "optimizer": ("train.optimizer", BUILTIN_OPTIMIZERS),
+    "schedule": ("train.schedule", BUILTIN_SCHEDULES),
+}
+
+
+def resolve(cfg: Config, *, config_path: Union[str, os.PathLike, None] = None,
+            **given: Optional[Callable]) -> tuple[Config, UserCode]:
+    """Import the config's paths; callables given from Python (`model=`, `loss=`, `preprocess=`,
+    `optimizer=`, `schedule=`) win and are recorded in the config.
 
     Returns the config (a copy naming each callable as `module:qualname` when any was
     given, so config.yaml and checkpoints say what trained) and the `UserCode`.
     """
     add_import_dirs(config_path)
-    given = {"model.name": model, "train.loss": loss, "data.preprocess": preprocess}
-    for key, obj in given.items():
-        if obj is not None and not callable(obj):
-            raise UserError(f"{key}: expected a function, got a {type(obj).__name__}")
-    if any(obj is not None for obj in given.values()):
+    unknown = sorted(set(given) - set(USER_KEYS))
+    if unknown:
+        raise TypeError(f"resolve() got unexpected user code {unknown}")
+    given = {part: obj for part, obj in given.items() if obj is not None}
+    for part, obj in given.items():
+        if not callable(obj):
+            raise UserError(f"{USER_KEYS[part][0]}: expected a function, got a {type(obj).__name__}")
+    if given:
         cfg = cfg.model_copy(deep=True)
-        if model is not None:
-            cfg.model.name = import_path_of(model)
-        if loss is not None:
-            cfg.train.loss = import_path_of(loss)
-        if preprocess is not None:
-            cfg.data.preprocess = import_path_of(preprocess)
-    if model is None and cfg.model.name not in BUILTIN_MODELS:
-        model = import_object(cfg.model.name, "model.name")
-    if loss is None and cfg.train.loss not in BUILTIN_LOSSES:
-        loss = import_object(cfg.train.loss, "train.loss")
-    if preprocess is None and cfg.data.preprocess:
-        preprocess = import_object(cfg.data.preprocess, "data.preprocess")
-    return cfg, UserCode(model, loss, preprocess)
+        for part, obj in given.items():
+            section, key = USER_KEYS[part][0].split(".")
+            setattr(getattr(cfg, section), key, import_path_of(obj))
+    code = {}
+    for part, (key, builtins) in USER_KEYS.items():
+        section, name = key.split(".")
+        path = getattr(getattr(cfg, section), name)
+        if part in given:
+            code[part] = given[part]
+        elif path and path not in builtins:
+            code[part] = import_object(path, key)
+    return cfg, UserCode(**code)
 
 
 def build_model(cfg: Config, spec: DataSpec, *, config_path: Union[str, os.PathLike, None] = None) -> Any:
@@ -196,7 +237,7 @@ def _modules_to_ship(code: UserCode) -> list[tuple[str, str]]:
                  if (p := sysconfig.get_paths().get(key))}
     installed.add(Path(__file__).resolve().parent)
     out: list[tuple[str, str]] = []
-    for obj in (code.model, code.loss, code.preprocess):
+    for obj in (getattr(code, part) for part in USER_KEYS):
         if obj is None:
             continue
         target = obj.func if isinstance(obj, functools.partial) else obj
@@ -274,7 +315,8 @@ def run_preprocess(cfg: Config, fn: Callable[[dict], dict], batch: dict[str, np.
 
 
 def check_pipeline(cfg: Config, code: UserCode, sample: dict[str, np.ndarray], spec: DataSpec) -> Checked:
-    """Push one small batch through preprocess, the factory, the forward and the loss.
+    """Push one small batch through preprocess, the factory, the forward and the loss (and
+    build the user's optimizer and schedule once).
 
     `sample` holds raw rows as Ray Data hands them to `map_batches` (a dict of numpy
     arrays); `spec` is what is known of the data so far. For a user pipeline
@@ -318,6 +360,12 @@ def check_pipeline(cfg: Config, code: UserCode, sample: dict[str, np.ndarray], s
     except Exception as exc:  # noqa: BLE001 - the user's loss (or a model without its own loss)
         raise UserError(f"train.loss={cfg.train.loss!r} raised {_one_line(exc)}") from None
     _check_scalar(cfg, loss)
+    if code.optimizer is not None:
+        optimizer = code.build_optimizer(cfg, model)
+        if code.schedule is not None:
+            code.build_schedule(cfg, optimizer, 100)
+    elif code.schedule is not None:
+        code.build_schedule(cfg, torch.optim.SGD(model.parameters(), lr=cfg.train.lr), 100)
     return Checked(spec, sum(p.numel() for p in model.parameters()))
 
 

@@ -28,7 +28,7 @@ from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.batch import BatchFormat
 from raytrain_ddp.job import Job
 from raytrain_ddp.worker.context import Rank
-from raytrain_ddp.worker.optim import WarmupCosine, build_optimizer
+from raytrain_ddp.worker.optim import build_optimizer, build_schedule
 from raytrain_ddp.worker.replica import REPLICATED, LastStep
 
 
@@ -86,7 +86,7 @@ class TrainState:
 
     wrapper: Any
     optimizer: torch.optim.Optimizer
-    schedule: WarmupCosine
+    schedule: Any  # optim.WarmupCosine, or optim.UserSchedule
     scaler: torch.amp.GradScaler
     batch: BatchFormat  # how a batch reaches the model and the loss (`raytrain_ddp.batch`)
     autocast: Callable[[], ContextManager]
@@ -180,8 +180,9 @@ def build_state(job: Job, rank: Rank, total_steps: int) -> TrainState:
         shm=cfg.parallel.shm,
     )
     params = [p for p in wrapper.module.parameters() if p.requires_grad]
-    optimizer = wrapper.make_optimizer(lambda trainable: build_optimizer(trainable, cfg.train))
-    schedule = WarmupCosine.from_config(optimizer, cfg.train, total_steps)
+    optimizer = wrapper.make_optimizer(lambda trainable: build_optimizer(trainable, cfg.train)
+                                       if code.optimizer is None else code.build_optimizer(cfg, wrapper.module))
+    schedule = build_schedule(optimizer, cfg, total_steps, code)
     scaler = torch.amp.GradScaler(rank.device.type, enabled=cfg.train.precision == "fp16")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
 
