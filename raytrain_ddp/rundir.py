@@ -171,7 +171,8 @@ class Location:
             self.local_path.mkdir(parents=True, exist_ok=True)
 
     def upload_from(self, local_dir: Union[str, os.PathLike]) -> None:
-        """Copy a local directory's files to here (the TensorBoard event files)."""
+        """Copy a local directory's files to here (TensorBoard's event files, a checkpoint)."""
+        self.mkdir()  # a local destination must exist: pyarrow creates no directory for the copy
         pafs.copy_files(os.fspath(local_dir), self.path, source_filesystem=pafs.LocalFileSystem(),
                         destination_filesystem=self.fs)
 

@@ -265,7 +265,10 @@ def publish_orphaned_uploads(job: Job, run_dir: Location) -> list[Location]:
                 target.upload_from(staging)
                 published.append(target)
         except ckpt.CheckpointError:
-            pass
+            pass  # incomplete: never a candidate
+        except OSError as exc:  # storage refused it: the group starts from what storage holds
+            print(f"[rank 0] could not upload {staging} to {target}: {exc}", flush=True)
+            continue
         shutil.rmtree(staging, ignore_errors=True)
     return published
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
@@ -110,3 +111,35 @@ def test_the_summary_counts_only_the_lines_this_fit_made(tmp_path):
                   {"kind": "resumed", "attempt": 1, "seq": 1, "step": 10},
                   {"kind": "metrics", "attempt": 1, "seq": 2, "record": {"step": 11, "loss": 0.4}}])
     assert [r["step"] for r in later.fit_records()] == [11] and len(later.records) == 2
+
+
+def test_a_staging_copy_whose_upload_died_is_uploaded_by_the_next_rank0(tmp_path, monkeypatch):
+    """Seed 0 of the fault-sequence test: rank 2 of 4 died right after the step-10 async save;
+    rank 0's upload never ran, and publishing its staging copy failed on a missing directory."""
+    import tempfile
+
+    import torch
+
+    from raytrain_ddp import checkpoint as ckpt
+    from raytrain_ddp.worker.checkpointer import STAGING_NAME_SEP, STAGING_PREFIX, publish_orphaned_uploads
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+
+    def staged(fit: str, step: int, complete: bool = True) -> Path:
+        where = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, suffix=f"{STAGING_NAME_SEP}checkpoint_{step:08d}_{fit}"))
+        state = {"model": {"w": torch.ones(2)}, "optimizer": {}, "progress": {"step": step, "epoch": 0},
+                 "run": {"fit_id": fit}}
+        ckpt.save_checkpoint(where, state)
+        if not complete:
+            (where / ckpt.STATE_FILE).write_bytes(b"truncated")
+        return where
+
+    ours, broken, theirs = staged("fit-a", 10), staged("fit-a", 12, complete=False), staged("fit-b", 10)
+    run_dir = tmp_path / "runs" / "r"  # not there yet: the copy makes it
+    job = type("Job", (), {"fit_id": "fit-a"})()
+    published = publish_orphaned_uploads(job, Location.parse(run_dir))
+    assert [p.name for p in published] == ["checkpoint_00000010_fit-a"]
+    assert ckpt.load_checkpoint(run_dir / "checkpoint_00000010_fit-a")["progress"]["step"] == 10
+    assert not ours.exists() and not broken.exists()  # uploaded, or unusable: gone either way
+    assert theirs.exists()  # another fit's is not ours to touch
