@@ -183,8 +183,20 @@ def _stacks_on_sigusr1() -> bool:
     return True
 
 
+SWITCHES = ("--verbose",)  # flags without a value, accepted anywhere on the command line
+
+
+def _flags_first(argv: list[str]) -> list[str]:
+    """`train CONFIG --verbose k=v` as `train --verbose CONFIG k=v`: argparse cannot take an
+    optional between two runs of one nargs='*' positional (#30)."""
+    if not argv:
+        return argv
+    switches = [a for a in argv[1:] if a in SWITCHES]
+    return [argv[0], *switches, *(a for a in argv[1:] if a not in SWITCHES)]
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_flags_first(sys.argv[1:] if argv is None else list(argv)))
     if getattr(args, "verbose", False):
         os.environ[VERBOSE_ENV] = "1"  # read by the console filter (driver/console.py)
     previous = _terminate_as_interrupt()

@@ -73,3 +73,12 @@ def test_sigusr1_prints_every_threads_stack_and_the_driver_goes_on():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "still running", done.stderr
     assert "Current thread" in done.stderr and done.stderr.count("File ") >= 2, done.stderr  # main + the waiter
+
+
+def test_verbose_is_accepted_anywhere_on_the_command_line():
+    from raytrain_ddp.driver.cli import _flags_first, build_parser
+
+    for argv in (["train", "--verbose", "c.yaml", "train.lr=0.1"], ["train", "c.yaml", "--verbose", "train.lr=0.1"],
+                 ["train", "c.yaml", "train.lr=0.1", "--verbose"]):
+        args = build_parser().parse_args(_flags_first(argv))
+        assert args.verbose and args.config == "c.yaml" and args.overrides == ["train.lr=0.1"], argv
