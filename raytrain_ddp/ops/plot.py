@@ -34,7 +34,8 @@ def plot_run(run_dir: os.PathLike | str, out: Optional[os.PathLike | str] = None
     has_acc = any("val_accuracy" in r for r in val)
     fig, axes = plt.subplots(1, 3 if has_acc else 2, figsize=(15 if has_acc else 10, 4))
     ax_loss, ax_tput = axes[0], axes[-1]
-    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
+    dots = "o-" if len(train) < 20 else "-"  # a short run's few points must show (one alone draws no line)
+    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], dots, label="train loss")
     if val:
         ax_loss.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="val loss")
     ax_loss.set(xlabel="optimizer step", ylabel="loss", title="loss")
@@ -45,7 +46,7 @@ def plot_run(run_dir: os.PathLike | str, out: Optional[os.PathLike | str] = None
         axes[1].plot([r["step"] for r in acc], [100 * r["val_accuracy"] for r in acc], "o-", color="tab:green")
         axes[1].set(xlabel="optimizer step", ylabel="%", title="validation accuracy")
         axes[1].grid(alpha=0.3)
-    ax_tput.plot([r["step"] for r in train], [r.get("samples_per_s", 0.0) for r in train], color="tab:orange")
+    ax_tput.plot([r["step"] for r in train], [r.get("samples_per_s", 0.0) for r in train], dots, color="tab:orange")
     ax_tput.set(xlabel="optimizer step", ylabel="samples / s", title="throughput (all workers)")
     ax_tput.set_ylim(bottom=0)
     for ax in axes:
