@@ -21,7 +21,7 @@ ConfigLike = Union[str, os.PathLike, dict, Config, None]
 def train(config: ConfigLike = None, *, model: Optional[Callable] = None, loss: Optional[Callable] = None,
           datasets: Optional[dict[str, Any]] = None, preprocess: Optional[Callable] = None,
           optimizer: Optional[Callable] = None, schedule: Optional[Callable] = None,
-          overrides: Sequence[str] = ()) -> dict[str, Any]:
+          overrides: Sequence[str] = (), verbose: bool = False) -> dict[str, Any]:
     """Train and return the summary (the run's summary.json).
 
     config: a YAML file, a dict of keys, a `Config`, or None for the defaults; `overrides`
@@ -30,13 +30,22 @@ def train(config: ConfigLike = None, *, model: Optional[Callable] = None, loss: 
     (dict of numpy arrays in and out); datasets: `{"train": ray.data.Dataset, "val": ...}`
     (without "val", data.val_fraction of "train" is held out); optimizer: `fn(model, **train.optimizer_kwargs)
     -> Optimizer`; schedule: `fn(optimizer, total_steps, **train.schedule_kwargs) -> LRScheduler`.
-    Each replaces what the config names; `docs/byo.md` shows a whole run.
+    Each replaces what the config names; `docs/byo.md` shows a whole run. The console shows
+    what `raytrain-ddp train` shows: our lines only, unless `verbose` (Ray's own lines too).
     """
     from raytrain_ddp.driver.launcher import run_training
+    from raytrain_ddp.driver.ray_console import VERBOSE_ENV
 
     code_given = dict(model=model, loss=loss, preprocess=preprocess, optimizer=optimizer, schedule=schedule)
     cfg, code, datasets = _resolve(config, overrides, code_given, datasets)
-    return run_training(cfg, code=code, datasets=datasets)
+    before = os.environ.get(VERBOSE_ENV)
+    if verbose:
+        os.environ[VERBOSE_ENV] = "1"
+    try:
+        return run_training(cfg, code=code, datasets=datasets)
+    finally:
+        if verbose:
+            os.environ.pop(VERBOSE_ENV) if before is None else os.environ.__setitem__(VERBOSE_ENV, before)
 
 
 def prepare_job(config: ConfigLike = None, *, model: Optional[Callable] = None, loss: Optional[Callable] = None,

@@ -146,7 +146,8 @@ def connect_ray(cfg: Config, runtime_env: Optional[dict[str, Any]] = None) -> bo
     """Join `run.address` / $RAY_ADDRESS, or start an embedded instance; True if started here."""
     import ray
 
-    if ray.is_initialized():
+    if ray.is_initialized():  # the caller's Ray (a notebook, or ray.data used before train()): our console too
+        ray_console.after_init()
         return False
     address = cfg.run.address or os.environ.get("RAY_ADDRESS")
     level = ray_console.before_init()  # what of Ray's output reaches the console: ray_console.py

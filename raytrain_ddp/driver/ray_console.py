@@ -79,9 +79,17 @@ class WorkerLines:
 
 
 def after_init() -> None:
-    """Call after `ray.init(log_to_driver=True)`: swap Ray's worker-output handler for ours."""
+    """Call after `ray.init(log_to_driver=True)`, or on a Ray the caller started: swap Ray's
+    worker-output handler for ours, and keep Ray Data's progress bars and INFO lines off the
+    console (the Python API's console equals the CLI's, issue #30)."""
     if verbose():
         return
+    import ray.data
+
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    for name in ("ray", "ray.data", "ray.train"):
+        if logging.getLogger(name).getEffectiveLevel() < logging.WARNING:
+            logging.getLogger(name).setLevel(logging.WARNING)
     try:
         from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
     except ImportError:  # pragma: no cover - Ray moved it: keep Ray's handler

@@ -153,15 +153,25 @@ def _python_blocks(page: Path) -> list[str]:
     return re.findall(r"<!-- tested: tests/e2e/test_byo.py -->\n```python\n(.*?)```", text, re.S)
 
 
-def test_python_api_snippets_of_the_docs_train(ray_cluster, tmp_path, monkeypatch):
+OUR_CONSOLE = ("raytrain-ddp", "[rank ", "step ", "  data ", "  model ", "  batch ", "  schedule ", "  resume ")
+
+
+def test_python_api_snippets_of_the_docs_train(ray_cluster, tmp_path, monkeypatch, capfd):
     snippets = _python_blocks(REPO / "docs" / "byo.md")
     assert len(snippets) == 2, "docs/byo.md: the train() and own-TorchTrainer snippets"
     monkeypatch.chdir(tmp_path)
     for i, code in enumerate(snippets):
         (tmp_path / f"snippet{i}.py").write_text(code)
+        capfd.readouterr()
         scope = runpy.run_path(str(tmp_path / f"snippet{i}.py"), run_name="__main__")
         summary = scope["summary"] if i == 0 else None
         if i == 0:
+            # the Python API's console equals the CLI's: our lines only, none of Ray's (#30),
+            # even on a Ray the caller started (this session's) with its datasets read by Ray Data
+            out, err = capfd.readouterr()
+            foreign = [line for line in (out + err).splitlines()
+                       if line.strip() and not line.startswith(OUR_CONSOLE + ("ok ",))]  # "ok": the snippet's print
+            assert not foreign, foreign[:20]
             assert summary["status"] == "ok" and summary["workers"] == 2, summary
             assert summary["final_metrics"]["val_accuracy"] > 0.8, summary
             config = (Path(summary["run_dir"]) / "config.yaml").read_text()
