@@ -439,5 +439,17 @@ def _describe(batch: Any) -> str:
 
 
 def _one_line(exc: BaseException) -> str:
+    """`Type: first line of the message (at the user's file:line in function)`."""
+    from raytrain_ddp.errors import in_user_code
+
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    head = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    return head + in_user_code(exc) + _hint(exc)
+
+
+def _hint(exc: BaseException) -> str:
+    """What a user in this spot usually needs to know."""
+    if "object" in str(exc) and isinstance(exc, (TypeError, ValueError)):
+        return ("; hint: a parquet list column reaches a preprocess as a numpy object array of rows: "
+                "np.stack(batch[column]) makes it one array")
+    return ""

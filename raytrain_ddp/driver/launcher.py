@@ -425,5 +425,8 @@ def _root_message(exc: BaseException) -> str:
         if nxt is None or nxt is exc:
             break
         exc = nxt
+    from raytrain_ddp.errors import in_user_code
+
     text = str(seen[-1]).strip()
-    return text.splitlines()[-1] if text else type(seen[-1]).__name__
+    where = next((w for e in reversed(seen) if (w := in_user_code(e))), "")  # the user's file:line, if theirs
+    return (text.splitlines()[-1] if text else type(seen[-1]).__name__) + where

@@ -60,6 +60,9 @@ def detached_loss(output, batch):
 def rename(batch):
     return {"pixels": batch["x"], "y": batch["y"]}
 
+def boom(batch):
+    return {"x": batch["x"] / batch["missing"], "y": batch["y"]}
+
 def scale(batch):
     return {"x": np.stack(batch["x"]) * 2.0, "y": batch["y"]}
 
@@ -146,6 +149,8 @@ BAD_INPUTS = [
     (["model.kwargs={bogus: 1}"], "model.name='usermods:build': the factory raised TypeError: build() got an unexpected"),
     (["data.preprocess=usermods:rename"],
      "data.preprocess='usermods:rename': its result has no column 'x' (data.features); it returned columns ['pixels', 'y']"),
+    # the user's file:line, not ours (issue #30)
+    (["data.preprocess=usermods:boom"], "usermods.py:28 in boom) on the first 8 rows"),
     (["train.loss=usermods:per_sample_loss"], "train.loss='usermods:per_sample_loss' returned a tensor of shape [8], not a scalar"),
     (["train.loss=usermods:detached_loss"], "does not depend on the model's parameters"),
     (["model.name=usermods:three_classes"], "but the model outputs 3 classes"),
