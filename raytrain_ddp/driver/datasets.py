@@ -55,6 +55,7 @@ import numpy as np
 import pyarrow as pa
 
 from raytrain_ddp.config import Config
+from raytrain_ddp.driver.memory import check_exact_fits, parquet_bytes
 from raytrain_ddp.errors import DataError, UserError
 from raytrain_ddp.job import DataSpec
 from raytrain_ddp.worker.shard import TRAIN, VAL, stack_column
@@ -201,6 +202,7 @@ def prepare_datasets(cfg: Config, checked: Optional[Prechecked] = None, code: An
     val_rows = datasets[VAL].count() if VAL in datasets else 0  # metadata for in-memory tables
     train_rows = total_rows - val_rows
     _check_row_counts(cfg, train_rows, val_rows, source)
+    check_exact_fits(cfg, table.nbytes if table is not None else parquet_bytes(info.files))  # driver/memory.py
     if cfg.data.sharding == "sharded":
         inputs = [(f, os.path.getsize(f), os.path.getmtime(f)) for f in info.files + (info.val.files if info.val else [])
                   ] if table is None else [source]
@@ -256,6 +258,7 @@ def _prepare_user_data(cfg: Config, checked: Prechecked, code: Any, given: Optio
     with _ray_data_quiet():  # Ray Data logs every execution at INFO on the driver
         if cfg.data.sharding == "exact":
             datasets = {name: ds.materialize() for name, ds in datasets.items()}
+            check_exact_fits(cfg, datasets[TRAIN].size_bytes())  # driver/memory.py
         train_rows = datasets[TRAIN].count()
         val_rows = datasets[VAL].count() if VAL in datasets else 0
     source = checked.pipeline.spec.source
