@@ -54,7 +54,8 @@ CLI = Path(sys.executable).parent / "raytrain-ddp"
 EPOCHS, STEPS_PER_EPOCH = 2, 22  # tiny.yaml: 22 steps per epoch, a checkpoint every 10
 TOTAL = EPOCHS * STEPS_PER_EPOCH
 STEP_DELAY_S = "0.12"  # ~5 s of training: room to aim a Ctrl-C or a kill at a step
-SEEDS = [0, 15]  # 0 once failed (rank 2 of 4 killed right after an async save); 15: the same on rank 0, Ctrl-C, a kill + driver SIGKILL
+SEEDS = [15]  # rank 0 killed right after an async save, Ctrl-C, a kill + driver SIGKILL. Seed 0 once failed
+# (rank 2 of 4 killed right after an async save): test_fault_pieces.py keeps its cause as a unit test
 
 
 def _seeds() -> list[int]:
