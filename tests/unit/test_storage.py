@@ -201,3 +201,25 @@ def test_mlflow_sink_logs_params_and_metrics(tmp_path, monkeypatch):
     assert run.info.status == "FINISHED" and run.data.params["train.lr"] == str(cfg.train.lr)
     history = mlflow.MlflowClient().get_metric_history(run_id, "train/loss")
     assert [(m.step, m.value) for m in history] == [(1, 2.0), (2, 1.0)]
+
+
+def test_a_fit_in_a_bucket_hands_ray_an_empty_history_and_publishes_a_dead_upload(s3, tmp_path, monkeypatch):
+    """Issue #25 on object storage: Ray's snapshot goes (our pruning may have removed what it
+    lists), and a staging copy whose asynchronous upload died is uploaded by the next rank 0."""
+    import tempfile
+
+    from raytrain_ddp.driver.ray_compat import checkpoint_snapshot_name, forget_earlier_fits
+    from raytrain_ddp.worker.checkpointer import STAGING_NAME_SEP, STAGING_PREFIX, publish_orphaned_uploads
+
+    run_dir = Location.parse(f"s3://{BUCKET}/runs/sequence")
+    (run_dir / checkpoint_snapshot_name()).write_text('{"checkpoint_results": []}')
+    assert forget_earlier_fits(run_dir) and not (run_dir / checkpoint_snapshot_name()).exists()
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, suffix=f"{STAGING_NAME_SEP}checkpoint_00000007_{FIT[:8]}"))
+    ckpt.save_checkpoint(staging, _state(7))
+    job = Job.__new__(Job)
+    object.__setattr__(job, "fit_id", FIT)
+    assert [p.name for p in publish_orphaned_uploads(job, run_dir)] == [f"checkpoint_00000007_{FIT[:8]}"]
+    assert ckpt.load_checkpoint(run_dir / f"checkpoint_00000007_{FIT[:8]}")["progress"]["step"] == 7
+    assert not staging.exists()
