@@ -321,7 +321,8 @@ _MAX_WORKERS = 4096
 
 class ScalingConfig(_Section):
     num_workers: Union[int, tuple[int, int]] = Field(
-        2, description="Workers (one per GPU or CPU slot); [min, max] for an elastic run."
+        2, description="Workers (one per GPU or CPU slot); [min, max] for an elastic run; 0: local "
+        "mode, training in this process with no Ray at all (a breakpoint() reaches your terminal)."
     )
     use_gpu: bool = Field(False, description="One GPU per worker; NCCL instead of gloo.")
     cpus_per_worker: float = Field(1.0, gt=0.0, description="Logical CPUs reserved by each worker.")
@@ -352,8 +353,8 @@ class ScalingConfig(_Section):
             lo, hi = value
             if lo < 1 or hi < lo or hi > _MAX_WORKERS:
                 raise ValueError(f"[min, max] needs 1 <= min <= max <= {_MAX_WORKERS}, got [{lo}, {hi}]")
-        elif not 1 <= value <= _MAX_WORKERS:
-            raise ValueError(f"must be between 1 and {_MAX_WORKERS}, got {value}")
+        elif not 0 <= value <= _MAX_WORKERS:
+            raise ValueError(f"must be between 0 (local mode) and {_MAX_WORKERS}, got {value}")
         return value
 
     @property
@@ -361,12 +362,17 @@ class ScalingConfig(_Section):
         return isinstance(self.num_workers, tuple)
 
     @property
+    def local(self) -> bool:
+        """`num_workers: 0`: one process, which is the only rank (world size 1)."""
+        return self.num_workers == 0
+
+    @property
     def min_workers(self) -> int:
-        return self.num_workers[0] if isinstance(self.num_workers, tuple) else self.num_workers
+        return self.num_workers[0] if isinstance(self.num_workers, tuple) else max(1, self.num_workers)
 
     @property
     def max_workers(self) -> int:
-        return self.num_workers[1] if isinstance(self.num_workers, tuple) else self.num_workers
+        return self.num_workers[1] if isinstance(self.num_workers, tuple) else max(1, self.num_workers)
 
 
 class ProfileConfig(_Section):

@@ -108,6 +108,10 @@ def run_training(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, 
     # given from Python are sampled through Ray, once connected).
     checked = precheck(cfg, code) if datasets is None else None
     check_loggers(cfg)
+    if cfg.scaling.local:  # scaling.num_workers: 0 -- this process, no Ray (driver/local.py)
+        from raytrain_ddp.driver.local import run_local
+
+        return run_local(cfg, run_dir, resume_from, checked, code)
     started_here = connect_user_code(cfg, code)
     try:
         warn_local_storage(cfg)
@@ -211,14 +215,16 @@ def prepare_job(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, A
 
 
 def _prepare(cfg: Config, run_dir: Location, resume_from: Any, checked: Any, code: Any,
-             given: Optional[dict[str, Any]]) -> tuple[Job, Any, int]:
-    """Datasets, the run directory's config.yaml, the `Job` and the plan printed: (job, prepared, total steps)."""
-    import ray.data
+             given: Optional[dict[str, Any]], prepared: Any = None) -> tuple[Job, Any, int]:
+    """Datasets (Ray Data's, unless `prepared` already holds local mode's), the run directory's
+    config.yaml, the `Job` and the plan printed: (job, prepared, total steps)."""
+    if prepared is None:
+        import ray.data
 
-    from raytrain_ddp.driver.datasets import prepare_datasets
+        from raytrain_ddp.driver.datasets import prepare_datasets
 
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    prepared = prepare_datasets(cfg, checked, code, given)
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        prepared = prepare_datasets(cfg, checked, code, given)
     run_dir.mkdir()
     forget_earlier_fits(run_dir)  # Ray's checkpoint history must never contradict ours (ray_compat.py)
     fit_id = uuid.uuid4().hex
@@ -306,6 +312,12 @@ def _fit(cfg: Config, run_dir: Location, resume_from: Any, checked: Any, code: A
                 interrupt.restore()
     except KeyboardInterrupt:  # a second Ctrl-C while the last records were written
         status = "interrupted"
+    return report(cfg, run_dir, job, recorder, status, error, started)
+
+
+def report(cfg: Config, run_dir: Location, job: Job, recorder: Recorder, status: str, error: Optional[str],
+           started: float) -> dict[str, Any]:
+    """After a fit: the run directory tidied, summary.json written, the summary printed."""
     if status == "ok" and recorder.abort is not None:
         status, error = "aborted", recorder.abort.get("reason")
     prune_checkpoints(run_dir, cfg.run.num_to_keep)  # run.num_to_keep over all fits, not only this one

@@ -111,6 +111,46 @@ class Mailbox:
         return events
 
 
+class LocalMailbox:
+    """The mailbox of local mode (`scaling.num_workers: 0`): the same calls, in this process,
+    from the loop's thread (rank 0's `Outbox`) to the recorder's; no actor, no Ray."""
+
+    def __init__(self) -> None:
+        self._events: list[dict[str, Any]] = []
+        self._attempts = 0
+        self._stop = False
+        self._arrived = threading.Condition()
+
+    def attempt(self, record: dict[str, Any]) -> int:
+        with self._arrived:
+            self._attempts += 1
+            self._events.append({"kind": "attempt", "attempt": self._attempts, "seq": 0,
+                                 "record": {**record, "attempt": self._attempts}})
+            self._arrived.notify_all()
+            return self._attempts
+
+    def put(self, event: dict[str, Any]) -> None:
+        with self._arrived:
+            self._events.append(event)
+            self._arrived.notify_all()
+
+    def flush(self, attempt: int = 0, sent: int = 0, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
+        return True  # every put is already queued when it returns
+
+    def request_stop(self) -> None:
+        self._stop = True
+
+    def stop_requested(self) -> bool:
+        return self._stop
+
+    def take(self, timeout_s: float) -> list[dict[str, Any]]:
+        with self._arrived:
+            if not self._events:
+                self._arrived.wait(timeout_s)
+            events, self._events = self._events, []
+            return events
+
+
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
 
 
@@ -253,6 +293,9 @@ class Recorder:
         """Apply what the mailbox holds; False once it cannot hold more (no mailbox, Ray shut down)."""
         if self.mailbox is None:
             return False
+        if isinstance(self.mailbox, LocalMailbox):  # local mode: no Ray
+            self.handle(self.mailbox.take(timeout_s))
+            return True
         import ray
 
         if not ray.is_initialized():  # the mailbox went with Ray; calling it would start a new Ray instance

@@ -48,6 +48,7 @@ from raytrain_ddp.worker.context import Rank
 from raytrain_ddp.worker.meter import RunLog
 from raytrain_ddp.worker.preemption import PreemptionGuard
 from raytrain_ddp.worker.replica import WINDOW, is_peer_loss, write_last_step, written_by_survivor
+from raytrain_ddp.worker.runtime import RayTrainRuntime
 from raytrain_ddp.worker.state import TrainState
 
 STAGING_PREFIX, STAGING_NAME_SEP = "raytrain_ddp_ckpt_", "--"  # rank 0's staging copy: <prefix><random>--<name>
@@ -56,12 +57,15 @@ UPLOAD_WAIT_S = 600.0  # bounded: a stuck upload delays the next checkpoint, nev
 
 
 class Checkpointer:
-    def __init__(self, job: Job, rank: Rank, state: TrainState, log: RunLog, hooks: Any) -> None:
+    def __init__(self, job: Job, rank: Rank, state: TrainState, log: RunLog, hooks: Any,
+                 runtime: Any = None) -> None:
         self.job, self.rank, self.state, self.log = job, rank, state, log
+        self.runtime = runtime or RayTrainRuntime()  # where checkpoints go (worker/runtime.py)
         self.every = job.cfg.run.checkpoint_every_steps
         self.upload = getattr(job.cfg.run, "checkpoint_upload", "async")
         # spot reclaims, and the driver's Ctrl-C (rank 0 asks the driver at the same polls)
-        self.guard = PreemptionGuard.for_worker(job.cfg, rank, hooks, stop_source=log.outbox.stop_requested)
+        self.guard = PreemptionGuard.for_worker(job.cfg, rank, hooks, stop_source=log.outbox.stop_requested,
+                                                real=self.runtime.preemption_source())
         # The newest step known to be in storage: a survivor's copy must be newer. An
         # asynchronous save does not count: its upload runs in rank 0's process, and a kill
         # of rank 0 before it finished left a restart with nothing (issue #25).
@@ -74,19 +78,19 @@ class Checkpointer:
 
     @classmethod
     def resume(cls, job: Job, rank: Rank, state: TrainState, log: RunLog, hooks: Any,
-               accumulation_steps: int) -> "Checkpointer":
+               accumulation_steps: int, runtime: Any = None) -> "Checkpointer":
         """A checkpointer for this worker group, with `state` restored from where the fit stands."""
-        checkpointer = cls(job, rank, state, log, hooks)
+        checkpointer = cls(job, rank, state, log, hooks, runtime)
         checkpointer.restore(accumulation_steps)
         return checkpointer
 
     def restore(self, accumulation_steps: int) -> None:
         """Load the newest valid checkpoint of this fit (or the driver's choice) into every component."""
         if self.rank.is_main:
-            for where in publish_orphaned_uploads(self.job, _run_dir(self.job, None)):
+            for where in publish_orphaned_uploads(self.job, self.runtime.run_dir(self.job.run_dir)):
                 self.rank.say(f"uploaded {where}: its asynchronous upload had died with an earlier rank 0")
         max_over_ranks([0.0], self.rank.device)  # a barrier: every rank lists storage after that
-        found = find_resume_state(self.job)
+        found = find_resume_state(self.job, self.runtime)
         if found is not None:
             self.state.load_state_dict(found[0])
         step = self.state.progress.step
@@ -142,8 +146,8 @@ class Checkpointer:
                 return
             lines = [r for r in list(self.log.step_lines) if r.get("step") == step]
             try:
-                where, took = write_last_step(state, _run_dir(self.job, None), self.job.fit_id, self.rank.world_rank,
-                                              lines=lines)
+                where, took = write_last_step(state, self.runtime.run_dir(self.job.run_dir), self.job.fit_id,
+                                              self.rank.world_rank, lines=lines)
             except Exception as exc:  # noqa: BLE001 - the durable checkpoint is the fallback
                 print(f"{say}; could not write the last completed step {step}: {exc}", flush=True)
                 return
@@ -201,7 +205,7 @@ class Checkpointer:
                 self._wait_for_uploads()
             staged = report_checkpoint((lambda: state) if self.rank.is_main else None,
                                        {"step": progress.step, "epoch": progress.epoch, **metrics}, name,
-                                       asynchronous=self.upload == "async" and not durable)
+                                       asynchronous=self.upload == "async" and not durable, runtime=self.runtime)
             self._staged += [staged] if staged else []
         blocked = time.perf_counter() - started
         if self.upload != "async" or durable:  # in storage now (see `saved_step`)
@@ -214,27 +218,21 @@ class Checkpointer:
 
 
 def report_checkpoint(state_dict: Optional[Any], metrics: dict[str, Any], name: str,
-                      asynchronous: bool = True) -> Optional[str]:
+                      asynchronous: bool = True, runtime: Any = None) -> Optional[str]:
     """Hand one checkpoint to Ray Train: rank 0 passes `state_dict` (a callable), the others None.
 
     The state is serialised into a fresh staging directory; Ray copies it to
     `<storage>/<run>/<name>` and deletes the staging copy after the upload (in the
-    background when `asynchronous`). Shared with `raytrain-ddp bench`'s checkpoint
-    section, so the benchmark times exactly this path. Returns rank 0's staging
-    directory (gone once uploaded), None on the other ranks.
+    background when `asynchronous`; in local mode the runtime copies it at once). Shared
+    with `raytrain-ddp bench`'s checkpoint section, so the benchmark times exactly this
+    path. Returns rank 0's staging directory (gone once uploaded), None on the other ranks.
     """
-    import ray.train
-    from ray.train.v2.api.report_config import CheckpointUploadMode
-
-    staging, checkpoint = None, None
+    staging = None
     if state_dict is not None:
         staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, suffix=STAGING_NAME_SEP + name)
         ckpt.save_checkpoint(staging, state_dict())
-        checkpoint = ray.train.Checkpoint.from_directory(staging)
     try:
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name,
-                         checkpoint_upload_mode=CheckpointUploadMode.ASYNC if asynchronous else CheckpointUploadMode.SYNC,
-                         delete_local_checkpoint_after_upload=True)
+        (runtime or RayTrainRuntime()).report(metrics, staging, name, asynchronous)
     except BaseException:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
@@ -273,7 +271,7 @@ def publish_orphaned_uploads(job: Job, run_dir: Location) -> list[Location]:
     return published
 
 
-def find_resume_state(job: Job) -> Optional[tuple[dict, Any]]:
+def find_resume_state(job: Job, runtime: Any = None) -> Optional[tuple[dict, Any]]:
     """The state this worker group starts from, or None for a fresh start.
 
     First the newest valid checkpoint this fit wrote: the one Ray offers a restarted
@@ -281,39 +279,24 @@ def find_resume_state(job: Job) -> Optional[tuple[dict, Any]]:
     filesystem -- Ray registers a checkpoint only when its controller next polls (one
     result per poll), so a worker lost right after a save leaves a complete, verified
     checkpoint Ray does not offer. Then the one the driver chose from `run.resume`.
-    Checkpoints of earlier fits that Ray also offers (it reloads the run directory's
-    snapshot when a name is re-run) are ignored: the driver already applied `run.resume`
-    to them. Nothing here opens the run directory as a local path: it may be a bucket.
+    Checkpoints of earlier fits that Ray also offers are ignored: the driver already
+    applied `run.resume` to them. Nothing here opens the run directory as a local path:
+    it may be a bucket.
     """
-    import ray.train
-
-    offered = ray.train.get_checkpoint()
+    runtime = runtime or RayTrainRuntime()
+    offered = runtime.offered()
     ours: list[Location] = []
     if offered is not None:
         here = _location_of(offered, job)
         if _fit_id_of(here) == job.fit_id:
             ours.append(here)
-    run_dir = _run_dir(job, ours[0].parent if ours else None)
+    run_dir = ours[0].parent if ours else runtime.run_dir(job.run_dir)
     ours += [p for p in ckpt.find_checkpoints(run_dir) if _fit_id_of(p) == job.fit_id and p.path not in
              {o.path for o in ours}]
     ours.sort(key=_step_of, reverse=True)  # newest first, Ray's offer or not
     candidates = ours + ([Location.parse(job.resume_from)] if job.resume_from else [])
     found = ckpt.load_latest_valid(candidates)
     return (found[0], found[1].plain()) if found else None
-
-
-def _run_dir(job: Job, beside_offer: Optional[Location]) -> Location:
-    """The run directory on Ray's storage filesystem (what checkpoints were uploaded to)."""
-    if beside_offer is not None:
-        return beside_offer
-    try:
-        import ray.train
-
-        storage = ray.train.get_context().get_storage()
-        fs, path = storage.storage_filesystem, storage.experiment_fs_path
-        return Location(fs, path, path if isinstance(fs, pafs.LocalFileSystem) else str(job.run_dir))
-    except Exception:  # noqa: BLE001 - outside a Ray Train worker (tests): the driver's path
-        return Location.parse(job.run_dir)
 
 
 def _step_of(where: Location) -> int:

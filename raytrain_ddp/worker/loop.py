@@ -26,7 +26,7 @@ from typing import Any
 
 from raytrain_ddp.job import Job
 from raytrain_ddp.worker.checkpointer import Checkpointer
-from raytrain_ddp.worker.context import Rank
+from raytrain_ddp.worker.runtime import RayTrainRuntime
 from raytrain_ddp.worker.hooks import load_hooks
 from raytrain_ddp.worker.meter import RunLog
 from raytrain_ddp.worker.profiler import StepProfiler
@@ -37,13 +37,14 @@ from raytrain_ddp.worker.step import NonFiniteAbort, train_step, validate
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     job: Job = loop_config["job"]
-    cfg, rank, hooks = job.cfg, Rank.current(), load_hooks()
-    data = WorkerData(cfg, job.spec, rank.world_rank, rank.world_size, rank.device)
+    runtime = loop_config.get("runtime") or RayTrainRuntime()  # a Ray Train worker, or local mode
+    cfg, rank, hooks = job.cfg, runtime.rank(), load_hooks()
+    data = WorkerData(cfg, job.spec, rank.world_rank, rank.world_size, rank.device, shards=runtime.shards())
     total_steps = cfg.train.max_steps or cfg.train.epochs * data.steps_per_epoch
     state = build_state(job, rank, total_steps)
     log = RunLog(job, rank, state, data, total_steps)  # records this attempt
     hooks.on_attempt(rank, log.attempt, state.module)
-    checkpointer = Checkpointer.resume(job, rank, state, log, hooks, data.accumulation_steps)
+    checkpointer = Checkpointer.resume(job, rank, state, log, hooks, data.accumulation_steps, runtime)
     progress = state.progress
     profiler = StepProfiler(job, rank, state, total_steps)  # run.profile: a trace of a few steps
     with checkpointer.last_step_on_peer_loss():  # a worker dies: the survivors write the last step

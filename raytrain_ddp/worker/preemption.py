@@ -110,9 +110,11 @@ class PreemptionGuard:
         self._mark, self._steps, self._paused_s = monotonic(), 0, 0.0
 
     @classmethod
-    def for_worker(cls, cfg, rank, hooks, stop_source: Callable[[], bool] = lambda: False) -> "PreemptionGuard":
-        """The loop's guard: Ray's signal, unless the hooks object replaces it (tests)."""
-        source, interval = hooks.preemption_source(ray_source) or (ray_source, POLL_INTERVAL_S)
+    def for_worker(cls, cfg, rank, hooks, stop_source: Callable[[], bool] = lambda: False,
+                   real: Source = ray_source) -> "PreemptionGuard":
+        """The loop's guard: Ray's signal (`real`: none in local mode), unless the hooks object
+        replaces it (tests)."""
+        source, interval = hooks.preemption_source(real) or (real, POLL_INTERVAL_S)
         return cls(is_main=rank.is_main, world_size=rank.world_size, grace_s=cfg.run.preemption_grace_s,
                    poll_interval_s=interval, source=source, device=rank.device, stop_source=stop_source)
 

@@ -1,0 +1,158 @@
+"""Local mode, `scaling.num_workers: 0`: the whole run in this process, with no Ray at all.
+
+Owns: reading the data in-process (the same seeded split and the same batches as the
+exact-sharding path: `LocalShard` hands the loop what Ray Data would), a process group
+of one, the loop on the main thread through `worker/runtime.LocalRuntime`, and Ctrl-C.
+Must not touch: the loop itself, checkpoints' format, resume decisions (the launcher's).
+
+What users get (issue #30): the same loop, wrapper (world size 1), checkpoints, resume
+and metrics as a Ray run, without `ray.init`, worker processes or Ray Data tasks, so
+`breakpoint()` in a model's forward stops in the user's terminal and start-up costs
+imports only. What needs Ray is refused with one line: Ray Datasets given from Python,
+and the `streaming` / `sharded` data paths (both read through Ray Data).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import sys
+import time
+from typing import Any, Iterator
+
+import numpy as np
+
+from raytrain_ddp.config import Config
+from raytrain_ddp.errors import UserError
+from raytrain_ddp.job import DataSpec
+from raytrain_ddp.rundir import Location
+
+
+def run_local(cfg: Config, run_dir: Location, resume_from: Any, checked: Any, code: Any) -> dict[str, Any]:
+    """Train `cfg` in this process; returns the summary, as `launcher.run_training` does."""
+    import torch
+
+    from raytrain_ddp.driver.console import ProgressPrinter
+    from raytrain_ddp.driver.datasets import PreparedData
+    from raytrain_ddp.driver.launcher import _prepare, _root_message, report
+    from raytrain_ddp.driver.sinks import make_sinks
+    from raytrain_ddp.driver.stream import LocalMailbox, Recorder
+    from raytrain_ddp.worker.loop import train_loop_per_worker
+    from raytrain_ddp.worker.runtime import LocalRuntime
+
+    if "OMP_NUM_THREADS" not in os.environ:  # as Ray sets it for a worker of scaling.cpus_per_worker CPUs
+        torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))  # (measured: 33 -> 1,265 samples/s, busy box)
+    shards, spec = local_data(cfg, checked, code)
+    job, _, total_steps = _prepare(cfg, run_dir, resume_from, checked, code, None,
+                                   prepared=PreparedData({}, spec, None))
+    job = dataclasses.replace(job, mailbox=LocalMailbox())
+    device = torch.device("cuda", 0) if cfg.scaling.use_gpu else torch.device("cpu")
+    recorder = Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir)], job.mailbox,
+                        write_metrics="jsonl" in cfg.run.loggers)
+    started, status, error = time.time(), "ok", None
+    with _ctrl_c_stops(job.mailbox) as pressed:
+        try:
+            with recorder, _one_process_group(device):
+                train_loop_per_worker({"job": job, "runtime": LocalRuntime(shards, run_dir, device)})
+            status = "interrupted" if pressed else "ok"
+        except KeyboardInterrupt:
+            status = "interrupted"
+        except UserError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported in summary.json and printed, as a Ray run's
+            status, error = "failed", _root_message(exc)
+    return report(cfg, run_dir, job, recorder, status, error, started)
+
+
+@contextlib.contextmanager
+def _ctrl_c_stops(mailbox: Any) -> Iterator[list[int]]:
+    """The first Ctrl-C asks the loop to save its step and stop (as in a Ray run), the second
+    stops at once (KeyboardInterrupt); yields the presses so far."""
+    pressed: list[int] = []
+
+    def handle(signum: int, frame: Any) -> None:
+        pressed.append(signum)
+        if len(pressed) > 1:
+            raise KeyboardInterrupt
+        print("raytrain-ddp: interrupted: saving the step it is at and stopping (Ctrl-C again to stop at once)",
+              file=sys.stderr, flush=True)
+        mailbox.request_stop()
+
+    previous = signal.signal(signal.SIGINT, handle)
+    try:
+        yield pressed
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def _one_process_group(device: Any) -> Iterator[None]:
+    """A torch.distributed group of one, in memory (a HashStore): the wrappers' collectives run as is."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # the caller's own (a notebook that set one up): used as is
+        yield
+        return
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def local_data(cfg: Config, checked: Any, code: Any) -> tuple[dict[str, Any], DataSpec]:
+    """The train (and val) rows as in-memory shards, and the data's spec: what the exact
+    path's workers would read through Ray Data, read here with pyarrow."""
+    import pyarrow.parquet as pq
+
+    from raytrain_ddp.driver import datasets as data
+    from raytrain_ddp.user import run_preprocess, uses_own_data
+    from raytrain_ddp.worker.runtime import LocalShard
+    from raytrain_ddp.worker.shard import TRAIN, VAL
+
+    if cfg.data.source == "datasets":
+        raise UserError("scaling.num_workers=0 (local mode) runs without Ray: Ray Datasets given from Python need "
+                        "it; write them to parquet (data.source=parquet), or use scaling.num_workers>=1")
+    if cfg.data.sharding != "exact":
+        raise UserError(f"scaling.num_workers=0 (local mode) reads the data in this process: "
+                        f"data.sharding={cfg.data.sharding!r} reads through Ray Data; use data.sharding=exact")
+    own = uses_own_data(cfg)
+    if cfg.data.source in ("digits", "synthetic"):
+        features, labels = (data.load_digits_arrays() if cfg.data.source == "digits"
+                            else data.synthetic_arrays(cfg))
+        train, val = data._split_table(data._table(features, labels, cfg.data), cfg)
+        shape, classes, task = data._spec_from_arrays(cfg, features, labels)
+        source = cfg.data.source
+    else:
+        info = checked.parquet
+        columns = None if own else [cfg.data.features, cfg.data.label]
+        table = pq.read_table(info.files, columns=columns)
+        if info.val is not None:
+            train, val = table, pq.read_table(info.val.files, columns=columns)
+        else:  # the seeded hold-out of the built-in data (Ray Data's train_test_split is Ray's)
+            train, val = data._split_table(table, cfg)
+        shape, classes, task = data._model_shape(cfg, info.feature_shape), info.num_classes, info.task
+        source = str(cfg.data.path)
+    splits = {TRAIN: _numpy(train), **({VAL: _numpy(val)} if val is not None and val.num_rows else {})}
+    if own:
+        for name, batch in splits.items():
+            if code is not None and code.preprocess is not None:
+                batch = run_preprocess(cfg, code.preprocess, batch)
+            keep = list(batch) if cfg.data.inputs else [cfg.data.features, cfg.data.label]
+            splits[name] = {column: np.asarray(batch[column]) for column in keep}
+    rows = {name: len(next(iter(batch.values()))) for name, batch in splits.items()}
+    data._check_row_counts(cfg, rows[TRAIN], rows.get(VAL, 0), source)
+    if own:
+        spec = dataclasses.replace(checked.pipeline.spec, train_rows=rows[TRAIN], val_rows=rows.get(VAL, 0))
+    else:
+        spec = DataSpec(task, tuple(shape), int(classes), rows[TRAIN], rows.get(VAL, 0), source)
+    return {name: LocalShard(batch) for name, batch in splits.items()}, spec
+
+
+def _numpy(table: Any) -> dict[str, np.ndarray]:
+    """A table as Ray Data's `batch_format="numpy"` hands it over (the same converter; no Ray is contacted)."""
+    from ray.data.block import BlockAccessor
+
+    return BlockAccessor.for_block(table).to_batch_format("numpy")

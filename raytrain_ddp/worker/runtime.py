@@ -1,0 +1,108 @@
+"""Where the loop runs: on a Ray Train worker, or in the driver's own process (local mode).
+
+Owns: what the loop asks of its host, and nothing else -- who this rank is (`rank`), its
+data shards (`shards`), handing a checkpoint over (`report`), the checkpoint it is offered
+(`offered`), the run directory as storage sees it (`run_dir`), and the preemption signal
+(`preemption_source`). Must not touch: training, the checkpoint format.
+
+`RayTrainRuntime` is the product's normal host: `ray.train`'s context, dataset shards,
+report (Ray uploads the staging copy, in the background when asked) and checkpoints.
+`LocalRuntime` is `scaling.num_workers: 0` (issue #30): one process and no Ray at all --
+the driver's main thread runs the loop, shards are in-memory tables, a checkpoint is
+copied into the run directory right away, and nobody is ever preempted. So a
+`breakpoint()` in a model's forward stops in the user's terminal.
+"""
+
+from __future__ import annotations
+
+import shutil
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from raytrain_ddp.rundir import Location
+from raytrain_ddp.worker.context import Rank
+
+
+class RayTrainRuntime:
+    """A Ray Train worker (the default)."""
+
+    def rank(self) -> Rank:
+        return Rank.current()
+
+    def shards(self) -> Optional[dict[str, Any]]:
+        return None  # WorkerData asks ray.train for its dataset shards
+
+    def report(self, metrics: dict[str, Any], staging: Optional[str], name: str, asynchronous: bool) -> None:
+        import ray.train
+        from ray.train.v2.api.report_config import CheckpointUploadMode
+
+        checkpoint = ray.train.Checkpoint.from_directory(staging) if staging is not None else None
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name,
+                         checkpoint_upload_mode=CheckpointUploadMode.ASYNC if asynchronous else CheckpointUploadMode.SYNC,
+                         delete_local_checkpoint_after_upload=True)
+
+    def offered(self) -> Any:
+        import ray.train
+
+        return ray.train.get_checkpoint()
+
+    def run_dir(self, job_run_dir: str) -> Location:
+        """The run directory on Ray's storage filesystem (what checkpoints were uploaded to)."""
+        import pyarrow.fs as pafs
+
+        try:
+            import ray.train
+
+            storage = ray.train.get_context().get_storage()
+            fs, path = storage.storage_filesystem, storage.experiment_fs_path
+            return Location(fs, path, path if isinstance(fs, pafs.LocalFileSystem) else str(job_run_dir))
+        except Exception:  # noqa: BLE001 - outside a Ray Train worker (tests): the driver's path
+            return Location.parse(job_run_dir)
+
+    def preemption_source(self) -> Callable[[int], Any]:
+        from raytrain_ddp.worker.preemption import ray_source
+
+        return ray_source
+
+
+class LocalShard:
+    """An in-memory table that reads like Ray Data's iterator (`iter_batches(..., batch_format="numpy")`)."""
+
+    def __init__(self, columns: dict[str, Any]) -> None:
+        self.columns = columns
+        self.rows = len(next(iter(columns.values()))) if columns else 0
+
+    def iter_batches(self, batch_size: int, batch_format: str = "numpy") -> Iterator[dict[str, Any]]:
+        for start in range(0, self.rows, batch_size):
+            yield {name: column[start:start + batch_size] for name, column in self.columns.items()}
+
+
+class LocalRuntime:
+    """`scaling.num_workers: 0`: the driver's process is the only rank (see the module docstring)."""
+
+    def __init__(self, shards: dict[str, LocalShard], run_dir: Location, device: torch.device) -> None:
+        self._shards, self._run_dir, self.device = shards, run_dir, device
+
+    def rank(self) -> Rank:
+        return Rank(0, 1, 0, self.device)
+
+    def shards(self) -> dict[str, Any]:
+        return dict(self._shards)
+
+    def report(self, metrics: dict[str, Any], staging: Optional[str], name: str, asynchronous: bool) -> None:
+        if staging is None:
+            return
+        try:
+            (self._run_dir / name).upload_from(staging)  # the manifest verifies it; a copy cut short is skipped
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def offered(self) -> Any:
+        return None  # the driver's choice (`job.resume_from`) and this fit's checkpoints are listed instead
+
+    def run_dir(self, job_run_dir: str) -> Location:
+        return self._run_dir
+
+    def preemption_source(self) -> Callable[[int], Any]:
+        return lambda step: None

@@ -1,0 +1,96 @@
+"""Local mode, `scaling.num_workers=0` (issue #30): this process, no Ray, and your debugger.
+
+The real CLI trains the tiny config with a user model whose forward calls `breakpoint()`
+once; pdb reads the commands from the CLI's stdin and prints to its stdout, as it would
+in the user's terminal. Ray never starts: its temp dir (RAY_TMPDIR, private to this test)
+stays empty and the CLI never has a child process. Then the same command with more steps
+continues from the checkpoint, as a Ray run's would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from raytrain_ddp.rundir import read_metrics
+
+pytestmark = pytest.mark.timeout(300)
+
+REPO = Path(__file__).resolve().parents[2]
+CLI = Path(sys.executable).parent / "raytrain-ddp"
+
+USER_MODEL = '''
+from torch import nn
+
+stopped = []
+
+class Net(nn.Module):
+    def __init__(self, spec):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(spec.feature_shape[0], 32), nn.ReLU(), nn.Linear(32, spec.num_classes))
+
+    def forward(self, x):
+        if not stopped:
+            stopped.append(1)
+            secret = "stopped in the user's forward"
+            breakpoint()
+        return self.body(x)
+
+def build(spec):
+    return Net(spec)
+'''
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(proc.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def test_local_mode_trains_without_ray_stops_in_your_debugger_and_resumes(tmp_path):
+    (tmp_path / "usermodel.py").write_text(USER_MODEL)
+    ray_tmp = tmp_path / "raytmp"
+    ray_tmp.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RAYTRAIN_DDP_"))}
+    env.update(RAY_TMPDIR=str(ray_tmp), PYTHONUNBUFFERED="1", PYTHONBREAKPOINT="pdb.set_trace")
+    command = [str(CLI), "train", str(REPO / "examples" / "configs" / "tiny.yaml"), "scaling.num_workers=0",
+               f"run.storage_path={tmp_path / 'runs'}", "name=local", "model.name=usermodel:build",
+               "train.max_steps=30", "run.log_every_steps=1"]
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    children: set[int] = set()
+    deadline = time.monotonic() + 5
+    while proc.poll() is None and time.monotonic() < deadline:  # while it starts and sits in pdb
+        children |= set(_children(proc.pid))
+        time.sleep(0.05)
+    out, _ = proc.communicate("p secret + '!'\nc\n", timeout=240)
+    assert proc.returncode == 0, out[-3000:]
+    assert "\"stopped in the user's forward!\"" in out, out[-3000:]  # pdb ran in this process, on its stdin
+    assert "usermodel.py" in out  # and showed the user's own frame
+    assert not children and not any(ray_tmp.iterdir()), (children, list(ray_tmp.iterdir()))  # no Ray at all
+
+    run_dir = tmp_path / "runs" / "local"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["steps"] == 30 and summary["workers"] == 1, summary
+    lines = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in lines] == list(range(1, 31)) and lines[-1]["loss"] < lines[0]["loss"]
+
+    again = subprocess.run([*command[:-2], "train.max_steps=40", "run.log_every_steps=1"], cwd=tmp_path,
+                           env={**env, "PYTHONBREAKPOINT": "0"},  # this time without stopping
+                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "(step 30)" in again.stdout and not any(ray_tmp.iterdir())
+    lines = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in lines] == list(range(1, 41))
+    assert json.loads((run_dir / "summary.json").read_text())["final_metrics"]["val_accuracy"] > 0.5
