@@ -39,9 +39,12 @@ def _config_and_overrides(args: argparse.Namespace) -> tuple[Optional[str], list
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from raytrain_ddp.config import load_config
+    from raytrain_ddp.driver.hold import refuse_if_held
     from raytrain_ddp.driver.preflight import preflight
 
-    preflight(load_config(*_config_and_overrides(args)))  # refusals before the launcher imports torch and Ray
+    early = load_config(*_config_and_overrides(args))
+    preflight(early)  # refusals before the launcher imports torch and Ray
+    refuse_if_held(early)  # another live fit of this run: exit 2 in about a second (driver/hold.py)
     from raytrain_ddp.driver.launcher import run_training
     from raytrain_ddp.user import resolve
 
