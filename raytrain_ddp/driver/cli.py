@@ -24,7 +24,8 @@ exit status:
   0    trained (or the command succeeded)
   1    the run ended without finishing: failed, aborted (non-finite policy) or unschedulable
        (see summary.json)
-  2    bad input: config, data, checkpoint, or a machine that cannot run it (one line names it)
+  2    bad input: config, data, checkpoint, a machine that cannot run it, or a run directory
+       another live fit holds (one line names it)
   3    nothing to train: the run's checkpoint is already at train.epochs / train.max_steps
   130  interrupted (Ctrl-C or SIGTERM); everything the run started is stopped
 """
