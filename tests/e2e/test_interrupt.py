@@ -122,7 +122,7 @@ def test_ctrl_c_writes_the_summary_says_how_to_continue_and_leaves_no_process(in
     assert summary["checkpoint"] == str(latest) and 5 <= state["progress"]["step"] <= summary["steps"]
     assert (f"raytrain-ddp: interrupted at step {summary['steps']}; the same command continues from "
             f"checkpoint {summary['checkpoint']}") in out, out[-3000:]
-    assert "Traceback" not in out
+    assert "Traceback" not in out and not (run_dir / "hold.json").exists()  # the run's hold released
     assert len(started) > 3 and not left, [(pid, _stat(pid)[:2]) for pid, _ in left]
 
 
