@@ -86,6 +86,7 @@ DATA_HEADROOM_CPUS = 2
 CONTROLLER_POLL_S = 0.25  # see the module docstring
 POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"  # propagated by Ray Train to its controller
 ENV_PREFIX = "RAYTRAIN_DDP_"
+_PREPARED: dict[str, hold.Hold] = {}  # run dir -> the hold `prepare_job` took in this process
 
 
 def run_training(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, Any]] = None) -> dict[str, Any]:
@@ -196,6 +197,8 @@ def prepare_job(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, A
     if code is None:
         cfg, code = resolve(cfg)
     run_dir, fit_id = run_dir_of(cfg), uuid.uuid4().hex
+    if (earlier := _PREPARED.pop(run_dir.uri, None)) is not None:
+        earlier.release()  # prepared again in this process (a notebook cell re-run): the new job replaces it
     held = hold.take(cfg, fit_id)  # released when this process exits: your fit runs after we return
     try:
         resume_from = resolve_resume(cfg, run_dir)
@@ -206,6 +209,7 @@ def prepare_job(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, A
     except BaseException:
         held.release()
         raise
+    _PREPARED[run_dir.uri] = held
     atexit.register(held.release)  # registered before the recorder's stop, so it runs after it
     # Your fit runs outside our launcher: the records rank 0 sends are taken and written by
     # a recorder in the background until this process exits (printed and in metrics.jsonl).
