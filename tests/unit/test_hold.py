@@ -155,3 +155,22 @@ def test_a_sigkilled_holder_is_taken_over_at_once(cfg, tmp_path):
     held = hold.take(cfg, "f" * 32)
     assert time.monotonic() - killed < hold.SETTLE_S + 1.0 and _holder(cfg)["fit_id"] == "f" * 32
     held.release()
+
+
+def test_cli_and_python_api_refuse_a_held_run_before_ray(tmp_path, capsys):
+    """`raytrain-ddp train` and `raytrain_ddp.train(...)` of a run a live fit holds: exit 2 / `RunHeld`, no Ray."""
+    import raytrain_ddp
+    from raytrain_ddp.driver.cli import main
+
+    overrides = [f"run.storage_path={tmp_path}", "name=busy"]
+    held = hold.take(load_config(None, overrides), "7" * 32)
+    try:
+        assert main(["train", *overrides]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("raytrain-ddp: error: run directory ") and "\n" not in err and "fit 77777777" in err
+        with pytest.raises(hold.RunHeld, match="fit 77777777"):
+            raytrain_ddp.train(overrides=overrides)
+        assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+        assert sorted(p.name for p in (tmp_path / "busy").iterdir()) == [HOLD_FILE]  # nothing else written
+    finally:
+        held.release()
