@@ -127,8 +127,9 @@ class Hold:
                 if there is not None and there.fit_id != self.holder.fit_id:
                     self.lost = there
                     print(f"raytrain-ddp: warning: {self.loc} now names fit {there.fit_id[:8]} ({there.host}, pid "
-                          f"{there.pid}): this fit's heartbeats were late by over {STALE_S:.0f} s and its hold "
-                          "was taken over; stop this fit", file=sys.stderr, flush=True)
+                          f"{there.pid}): another fit took this run's hold over (this fit's heartbeat was judged "
+                          "stale, or both took it at once: docs/reliability.md); stop this fit",
+                          file=sys.stderr, flush=True)
                     return
                 self.holder = dataclasses.replace(self.holder, heartbeat=time.time())
                 self.loc.write_bytes(_dumps(self.holder))

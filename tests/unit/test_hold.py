@@ -133,7 +133,7 @@ def test_heartbeat_refreshes_and_a_taken_over_hold_is_left_alone(cfg, monkeypatc
     while held.lost is None and time.monotonic() < deadline:
         _write(cfg, fit_id="d" * 32)  # someone judged us stale and took over (again, if a beat just overwrote it)
         time.sleep(0.3)
-    assert held.lost is not None and "was taken over" in capsys.readouterr().err
+    assert held.lost is not None and "took this run's hold over" in capsys.readouterr().err
     held.release()
     assert _holder(cfg)["fit_id"] == "d" * 32  # not ours to delete
 
