@@ -180,8 +180,8 @@ def test_job_submit_with_token_trains_and_without_token_is_refused(ray_head, tmp
     started = time.monotonic()
     held = _submit(_clean_env(**ray_head["auth"], **base), ray_head["address"], "name=held", timeout_s=120)
     text = held.stdout + held.stderr
-    assert held.returncode != 0 and f"held by a running fit: host {holder.host}, pid {os.getpid()}, fit 99999999" in text, \
-        text[-3000:]
+    named = f"held by a running fit: host {holder.host}, pid {os.getpid()}, fit 99999999"
+    assert held.returncode != 0 and named in text, text[-3000:]
     assert sorted(p.name for p in (storage / "held").iterdir()) == ["hold.json"]
     print(f"a held run's job refused in {time.monotonic() - started:.1f} s (submission included)")
 
