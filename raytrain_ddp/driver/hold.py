@@ -37,7 +37,7 @@ from raytrain_ddp.errors import UserError
 from raytrain_ddp.rundir import HOLD_FILE, Location, run_dir_of, unused_name
 
 HEARTBEAT_S = 5.0  # the holder rewrites its heartbeat this often
-STALE_S = 20.0  # a hold whose heartbeat is older is taken over (four missed heartbeats)
+STALE_S = 20.0  # a hold whose heartbeat is older is taken over (four heartbeat periods)
 SETTLE_S = 1.0  # a write that is not an atomic create is read back after this long
 
 
