@@ -14,6 +14,7 @@ meter and the driver's console do), checkpoint contents (`checkpoint.py`), Ray.
     abort.json       why every rank stopped together (non-finite policy; rank 0 -> driver)
     tensorboard/     event files, when `run.loggers` has tensorboard (driver)
     checkpoint_*/    checkpoints (`checkpoint.py`), written by Ray Train's report
+    hold.json        who holds the run while a fit runs (`driver/hold.py`)
 
 Why one abstraction: on a cluster whose nodes have their own disks the run directory
 lives in object storage, and the same code must serve a laptop's `./runs`. Only the
@@ -31,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
@@ -44,6 +46,7 @@ SUMMARY_FILE = "summary.json"
 ABORT_FILE = "abort.json"
 TENSORBOARD_DIR = "tensorboard"
 CHECKPOINT_PREFIX = "checkpoint_"
+HOLD_FILE = "hold.json"
 OBJECT_STORE_SCHEMES = ("s3", "gs", "gcs", "abfs", "abfss", "hdfs")
 
 
@@ -150,6 +153,31 @@ class Location:
     def write_text(self, text: str) -> None:
         self.write_bytes(text.encode())
 
+    def create_new(self, payload: bytes) -> bool:
+        """Write the file only if it is not there; True when this call created it.
+
+        Atomic locally: a complete temporary file is hard-linked to the name (`link`
+        fails when the name exists, as `O_EXCL` does). pyarrow exposes no conditional
+        PUT, so on object stores this is a check then a PUT: a writer racing this one
+        may replace it, and callers that need to know read it back (`driver/hold.py`).
+        """
+        if not self.is_local:
+            if self.exists():
+                return False
+            self.write_bytes(payload)
+            return True
+        path = self.local_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.new-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        tmp.write_bytes(payload)
+        try:
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink()
+
     def append_text(self, text: str) -> None:
         """Local files only (object stores cannot append; `JsonlFile` rewrites there)."""
         path = self.local_path
@@ -183,6 +211,17 @@ Where = Union[str, os.PathLike, Location]
 def run_dir_of(cfg: Any) -> Location:
     """`<run.storage_path>/<name>` as a `Location` (local paths made absolute)."""
     return Location.parse(cfg.run.storage_path) / cfg.name
+
+
+def unused_name(cfg: Any) -> str:
+    """`name=<name>-N` for the first N whose run directory does not exist yet (local storage)."""
+    base = cfg.name
+    storage = cfg.run.storage_path
+    for n in range(2, 1000):
+        candidate = f"{base}-{n}"
+        if "://" in storage or not (Path(storage).expanduser() / candidate).exists():
+            return f"name={candidate}"
+    return f"name={base}-new"
 
 
 def is_object_store(storage_path: str) -> bool:

@@ -24,7 +24,8 @@ exit status:
   0    trained (or the command succeeded)
   1    the run ended without finishing: failed, aborted (non-finite policy) or unschedulable
        (see summary.json)
-  2    bad input: config, data, checkpoint, or a machine that cannot run it (one line names it)
+  2    bad input: config, data, checkpoint, a machine that cannot run it, or a run directory
+       another live fit holds (one line names it)
   3    nothing to train: the run's checkpoint is already at train.epochs / train.max_steps
   130  interrupted (Ctrl-C or SIGTERM); everything the run started is stopped
 """
@@ -39,9 +40,12 @@ def _config_and_overrides(args: argparse.Namespace) -> tuple[Optional[str], list
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from raytrain_ddp.config import load_config
+    from raytrain_ddp.driver.hold import refuse_if_held
     from raytrain_ddp.driver.preflight import preflight
 
-    preflight(load_config(*_config_and_overrides(args)))  # refusals before the launcher imports torch and Ray
+    early = load_config(*_config_and_overrides(args))
+    preflight(early)  # refusals before the launcher imports torch and Ray
+    refuse_if_held(early)  # another live fit of this run: exit 2 in about a second (driver/hold.py)
     from raytrain_ddp.driver.launcher import run_training
     from raytrain_ddp.user import resolve
 

@@ -36,6 +36,9 @@ Decisions, and why:
   The quickstart checkpoints every ~0.3 s of training, so the controller polls every
   `CONTROLLER_POLL_S` (Ray's own `RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`, which a user's
   setting overrides): a few small RPCs per second.
+* One fit at a time per run directory: the fit holds it (`driver/hold.py`) from before
+  the resume decision until after its embedded Ray is stopped; `prepare_job` holds it
+  until the process exits, since the caller's own fit runs after it returns.
 * Ctrl-C during `fit` asks the workers to save the step they are at and stop (`_Interrupt`;
   Ray's own handler would abort the controller and `sys.exit(0)` silently, throwing away
   every step since the last checkpoint), so the driver still writes `summary.json`
@@ -67,7 +70,7 @@ from typing import Any, Optional
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import Config
 from raytrain_ddp.driver.console import ProgressPrinter, final_metrics, print_plan, print_summary
-from raytrain_ddp.driver import ray_console
+from raytrain_ddp.driver import hold, ray_console
 from raytrain_ddp.driver.ray_compat import forget_earlier_fits, install_sigint_handler
 from raytrain_ddp.driver.placement import Unschedulable, wait_for_placement, worker_resources
 from raytrain_ddp.driver.preflight import preflight
@@ -87,6 +90,7 @@ CONTROLLER_POLL_S = 0.25  # see the module docstring
 STOP_WAIT_S = 30.0  # after a Ctrl-C, how long the workers get to save their step and stop
 POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"  # propagated by Ray Train to its controller
 ENV_PREFIX = "RAYTRAIN_DDP_"
+_PREPARED: dict[str, hold.Hold] = {}  # run dir -> the hold `prepare_job` took in this process
 
 
 def run_training(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, Any]] = None) -> dict[str, Any]:
@@ -101,26 +105,29 @@ def run_training(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, 
     if code is None:
         cfg, code = resolve(cfg)  # an import path that does not import fails here
     preflight(cfg)  # a relative storage path under a Ray job, a machine too small (driver/preflight.py)
-    run_dir = run_dir_of(cfg)
-    resume_from = resolve_resume(cfg, run_dir)
-    check_something_to_train(cfg, resume_from)  # a finished run: exit 3 before Ray, config.yaml untouched
-    # Bad parquet or user code fails here, before Ray or any worker starts (Ray Datasets
-    # given from Python are sampled through Ray, once connected).
-    checked = precheck(cfg, code) if datasets is None else None
-    check_loggers(cfg)
-    if cfg.scaling.local:  # scaling.num_workers: 0 -- this process, no Ray (driver/local.py)
-        from raytrain_ddp.driver.local import run_local
-
-        return run_local(cfg, run_dir, resume_from, checked, code)
-    started_here = connect_user_code(cfg, code)
+    run_dir, fit_id = run_dir_of(cfg), uuid.uuid4().hex
+    held = hold.take(cfg, fit_id)  # another live fit of this run directory: exit 2 here (driver/hold.py)
+    started_here = False
     try:
+        resume_from = resolve_resume(cfg, run_dir)
+        check_something_to_train(cfg, resume_from)  # a finished run: exit 3 before Ray, config.yaml untouched
+        # Bad parquet or user code fails here, before Ray or any worker starts (Ray Datasets
+        # given from Python are sampled through Ray, once connected).
+        checked = precheck(cfg, code) if datasets is None else None
+        check_loggers(cfg)
+        if cfg.scaling.local:  # scaling.num_workers: 0 -- this process, no Ray (driver/local.py)
+            from raytrain_ddp.driver.local import run_local
+
+            return run_local(cfg, run_dir, fit_id, resume_from, checked, code)
+        started_here = connect_user_code(cfg, code)
         warn_local_storage(cfg)
-        return _fit(cfg, run_dir, resume_from, checked or precheck(cfg, code, datasets), code, datasets)
+        return _fit(cfg, run_dir, fit_id, resume_from, checked or precheck(cfg, code, datasets), code, datasets)
     finally:
         if started_here:
             import ray
 
             ray.shutdown()
+        held.release()  # after Ray: no worker of this fit writes any more
 
 
 def connect_user_code(cfg: Config, code: Any) -> bool:
@@ -198,12 +205,21 @@ def prepare_job(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, A
 
     if code is None:
         cfg, code = resolve(cfg)
-    run_dir = run_dir_of(cfg)
-    resume_from = resolve_resume(cfg, run_dir)
-    checked = precheck(cfg, code) if datasets is None else None
-    connect_user_code(cfg, code)
-    job, prepared, total_steps = _prepare(cfg, run_dir, resume_from, checked or precheck(cfg, code, datasets), code,
-                                          datasets)
+    run_dir, fit_id = run_dir_of(cfg), uuid.uuid4().hex
+    if (earlier := _PREPARED.pop(run_dir.uri, None)) is not None:
+        earlier.release()  # prepared again in this process (a notebook cell re-run): the new job replaces it
+    held = hold.take(cfg, fit_id)  # released when this process exits: your fit runs after we return
+    try:
+        resume_from = resolve_resume(cfg, run_dir)
+        checked = precheck(cfg, code) if datasets is None else None
+        connect_user_code(cfg, code)
+        job, prepared, total_steps = _prepare(cfg, run_dir, fit_id, resume_from,
+                                              checked or precheck(cfg, code, datasets), code, datasets)
+    except BaseException:
+        held.release()
+        raise
+    _PREPARED[run_dir.uri] = held
+    atexit.register(held.release)  # registered before the recorder's stop, so it runs after it
     # Your fit runs outside our launcher: the records rank 0 sends are taken and written by
     # a recorder in the background until this process exits (printed and in metrics.jsonl).
     job = dataclasses.replace(job, mailbox=open_mailbox())
@@ -214,7 +230,7 @@ def prepare_job(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, A
     return {"train_loop_config": {"job": job}, "datasets": prepared.datasets, "dataset_config": prepared.data_config}
 
 
-def _prepare(cfg: Config, run_dir: Location, resume_from: Any, checked: Any, code: Any,
+def _prepare(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, checked: Any, code: Any,
              given: Optional[dict[str, Any]], prepared: Any = None) -> tuple[Job, Any, int]:
     """Datasets (Ray Data's, unless `prepared` already holds local mode's), the run directory's
     config.yaml, the `Job` and the plan printed: (job, prepared, total steps)."""
@@ -227,7 +243,6 @@ def _prepare(cfg: Config, run_dir: Location, resume_from: Any, checked: Any, cod
         prepared = prepare_datasets(cfg, checked, code, given)
     run_dir.mkdir()
     forget_earlier_fits(run_dir)  # Ray's checkpoint history must never contradict ours (ray_compat.py)
-    fit_id = uuid.uuid4().hex
     record_config(cfg, run_dir, resume_from, fit_id)  # config.yaml + config-history.jsonl (resume.py)
     for stale in (SUMMARY_FILE, ABORT_FILE):
         (run_dir / stale).delete()
@@ -242,7 +257,7 @@ def _prepare(cfg: Config, run_dir: Location, resume_from: Any, checked: Any, cod
     return job, prepared, total_steps
 
 
-def _fit(cfg: Config, run_dir: Location, resume_from: Any, checked: Any, code: Any,
+def _fit(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, checked: Any, code: Any,
          given: Optional[dict[str, Any]]) -> dict[str, Any]:
     import ray.data
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
@@ -253,7 +268,7 @@ def _fit(cfg: Config, run_dir: Location, resume_from: Any, checked: Any, code: A
     from raytrain_ddp.driver.node_loss import NodeLossWatch
     from raytrain_ddp.worker.replica import GraceForSurvivors
 
-    job, prepared, total_steps = _prepare(cfg, run_dir, resume_from, checked, code, given)
+    job, prepared, total_steps = _prepare(cfg, run_dir, fit_id, resume_from, checked, code, given)
     job = dataclasses.replace(job, mailbox=open_mailbox())
     os.environ.setdefault(POLL_ENV, str(CONTROLLER_POLL_S))
     env_vars = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}

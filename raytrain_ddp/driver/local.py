@@ -30,7 +30,8 @@ from raytrain_ddp.job import DataSpec
 from raytrain_ddp.rundir import Location
 
 
-def run_local(cfg: Config, run_dir: Location, resume_from: Any, checked: Any, code: Any) -> dict[str, Any]:
+def run_local(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, checked: Any,
+              code: Any) -> dict[str, Any]:
     """Train `cfg` in this process; returns the summary, as `launcher.run_training` does."""
     import torch
 
@@ -45,7 +46,7 @@ def run_local(cfg: Config, run_dir: Location, resume_from: Any, checked: Any, co
     if "OMP_NUM_THREADS" not in os.environ:  # as Ray sets it for a worker of scaling.cpus_per_worker CPUs
         torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))  # (measured: 33 -> 1,265 samples/s, busy box)
     shards, spec = local_data(cfg, checked, code)
-    job, _, total_steps = _prepare(cfg, run_dir, resume_from, checked, code, None,
+    job, _, total_steps = _prepare(cfg, run_dir, fit_id, resume_from, checked, code, None,
                                    prepared=PreparedData({}, spec, None))
     job = dataclasses.replace(job, mailbox=LocalMailbox())
     device = torch.device("cuda", 0) if cfg.scaling.use_gpu else torch.device("cpu")

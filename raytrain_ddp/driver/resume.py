@@ -39,7 +39,7 @@ from typing import Any, Optional, Union
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import Config
 from raytrain_ddp.errors import CheckpointError, UserError
-from raytrain_ddp.rundir import Location
+from raytrain_ddp.rundir import HOLD_FILE, Location, unused_name
 
 
 class ResumeError(UserError):
@@ -55,7 +55,7 @@ def resolve_resume(cfg: Config, run_dir: Union[Path, Location]) -> Optional[Unio
     mode = cfg.run.resume
     where = Location.parse(run_dir)
     if mode == "never":
-        if where.exists() and not where.is_empty_dir():
+        if any(child.name != HOLD_FILE for child, _ in where.children()):  # this fit's hold is no content
             resumable = ckpt.load_latest_valid(ckpt.find_checkpoints(where)) is not None
             raise ResumeError(
                 f"run.resume=never but run directory {where} already exists; start a new run under "
@@ -175,17 +175,6 @@ def trained_to_the_end(cfg: Config, step: int, epoch: int) -> bool:
     if cfg.train.max_steps is not None:
         return step >= cfg.train.max_steps
     return epoch >= cfg.train.epochs
-
-
-def unused_name(cfg: Config) -> str:
-    """`name=<name>-N` for the first N whose run directory does not exist yet (local storage)."""
-    base = cfg.name
-    storage = cfg.run.storage_path
-    for n in range(2, 1000):
-        candidate = f"{base}-{n}"
-        if "://" in storage or not (Path(storage).expanduser() / candidate).exists():
-            return f"name={candidate}"
-    return f"name={base}-new"
 
 
 # ------------------------------------------------------------------ the record of what trained

@@ -125,7 +125,7 @@ def test_ctrl_c_writes_the_summary_says_how_to_continue_and_leaves_no_process(in
     assert f"stopped after step {summary['steps']} as the driver asked (Ctrl-C)" in out, out[-3000:]
     assert (f"raytrain-ddp: interrupted at step {summary['steps']}; the same command continues from "
             f"step {summary['steps']} (checkpoint {summary['checkpoint']})") in out, out[-3000:]
-    assert "Traceback" not in out
+    assert "Traceback" not in out and not (run_dir / "hold.json").exists()  # the run's hold released
     assert len(started) > 3 and not left, [(pid, _stat(pid)[:2]) for pid, _ in left]
 
 

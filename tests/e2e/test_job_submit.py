@@ -4,8 +4,9 @@ Starts `ray start --head --block` in its own session (127.0.0.1, free ports, a s
 private --temp-dir, its own token file via RAY_AUTH_TOKEN_PATH so ~/.ray/auth_token is
 never touched), checks that a submission without the token is refused, submits the tiny
 config through examples/submit_quickstart.sh (the real `ray job submit` CLI, uploading
-the repo with .venv present), checks the run directory, then submits a bring-your-own-model
-example the same way (issue #11: its modules travel in the job's runtime_env as
+the repo with .venv present), checks the run directory and that a job of a run another
+fit holds is refused (issue #31), then submits a bring-your-own-model example the same
+way (issue #11: its modules travel in the job's runtime_env as
 py_modules, next to the working_dir; the text example, whose model and data builder are
 both outside the package; the images example takes the same path and is trained, killed
 and resumed locally in test_byo.py), and stops the head by killing its process group.
@@ -14,6 +15,7 @@ Every wait is bounded.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -27,6 +29,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from raytrain_ddp.driver import hold
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -167,6 +171,19 @@ def test_job_submit_with_token_trains_and_without_token_is_refused(ray_head, tmp
                        "name=relative", timeout_s=120)
     text = relative.stdout + relative.stderr
     assert relative.returncode != 0 and "run.storage_path='runs' is relative, and this is Ray job" in text, text[-3000:]
+
+    # A retried job of a run another fit holds (here: a live hold of this test process's) fails
+    # with the one line naming the holder, and leaves the holder's files alone (issue #31).
+    holder = hold.Holder.me("9" * 32)
+    (storage / "held").mkdir()
+    (storage / "held" / "hold.json").write_text(json.dumps(dataclasses.asdict(holder)))
+    started = time.monotonic()
+    held = _submit(_clean_env(**ray_head["auth"], **base), ray_head["address"], "name=held", timeout_s=120)
+    text = held.stdout + held.stderr
+    named = f"held by a running fit: host {holder.host}, pid {os.getpid()}, fit 99999999"
+    assert held.returncode != 0 and named in text, text[-3000:]
+    assert sorted(p.name for p in (storage / "held").iterdir()) == ["hold.json"]
+    print(f"a held run's job refused in {time.monotonic() - started:.1f} s (submission included)")
 
     # Bring your own model: a tiny run of the text example, its data on shared storage.
     data = tmp_path / "data"

@@ -3,8 +3,10 @@
 The driver is the real `raytrain-ddp train` command in its own process group, joined to
 the session's Ray instance (as a laptop driver joins a cluster). Once rank 1 has passed
 the step-10 checkpoint (it parks at step 12 and reports its pid: test-only fault plan),
-the whole driver process group is SIGKILLed. Ray then reaps the run's actors; the same
-command line runs again and must continue from the checkpoint, not start over.
+the same command is refused (exit 2, naming the running driver, issue #31), then the
+whole driver process group is SIGKILLed. Ray then reaps the run's actors; the same
+command line runs again, takes the dead driver's hold over and must continue from the
+checkpoint, not start over.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -54,9 +58,17 @@ def test_rerunning_the_same_command_after_the_driver_died_continues(ray_cluster,
     try:
         wait_for(lambda: pidfile.exists() or first.poll() is not None, 300, "the first driver to reach step 12")
         assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        # The same command while the first runs (a retried CI job): refused before Ray, naming the holder.
+        started = time.monotonic()
+        second = subprocess.run(command, env=_env(address), capture_output=True, text=True, timeout=60)
+        refused_s = time.monotonic() - started
+        assert second.returncode == 2 and refused_s < 5, (refused_s, second.stdout + second.stderr)
+        assert f"held by a running fit: host {socket.gethostname()}, pid {first.pid}, fit " in second.stderr
+        assert len(second.stderr.strip().splitlines()) == 1 and "name=driverless-2" in second.stderr
     finally:
         _kill_group(first)  # the driver is gone: no summary, no goodbye
         log.close()
+    killed = time.time()
     run_dir = tmp_path / "driverless"
     assert not (run_dir / "summary.json").exists()
     checkpoint_10 = ckpt.find_checkpoints(run_dir)[0]
@@ -71,8 +83,11 @@ def test_rerunning_the_same_command_after_the_driver_died_continues(ray_cluster,
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["resumed_from"] == str(checkpoint_10), summary
     assert str(checkpoint_10) in out  # the printed plan says where it continues from
-    steps = [r["step"] for r in train_lines(run_dir)]
+    lines = train_lines(run_dir)
+    steps = [r["step"] for r in lines]
     assert steps == list(range(1, 23)), steps  # 11 and 12 were redone once, nothing before 10 was
+    assert "taking over" in out and not (run_dir / "hold.json").exists()  # the dead driver's hold: taken, released
+    print(f"driver SIGKILLed -> step 11 trained again: {lines[10]['time'] - killed:.1f} s")
     state = ckpt.load_checkpoint(ckpt.find_checkpoints(run_dir)[0])
     assert state["progress"]["step"] == 22
 
