@@ -30,7 +30,9 @@ def _library_dirs() -> tuple[str, ...]:
 def _is_users(filename: str) -> bool:
     if filename.startswith("<") or not filename.endswith(".py"):
         return False  # <frozen ...>, <string>: not a file the user can open
-    return not os.path.abspath(filename).startswith(_library_dirs())
+    path = os.path.abspath(filename)
+    ours = f"{os.sep}raytrain_ddp{os.sep}" in path  # any copy of this package (a worker may import another)
+    return not ours and not path.startswith(_library_dirs())
 
 
 def user_frame(exc: BaseException) -> Optional[str]:
