@@ -34,7 +34,14 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 STEPS = 2
-SETTINGS = ["train.global_batch_size=32", "train.micro_batch_size=8", "train.warmup_steps=0", "data.shuffle=true"]
+# SGD, not the examples' AdamW: Adam's first steps move every weight by about +-lr whatever
+# its gradient's size, so a BatchNorm weight whose gradient is ~1e-9 flips with the order
+# of a float sum (2 ranks x 2 micro-batches vs 4 in a row) and the comparison measured
+# that, not the wrappers (3.3e-4 on a 0.088 conv weight, at the last landed commit too, with
+# the dependency versions a fresh install takes in December 2026). SGD's
+# update is linear in the gradient, so the tolerance below checks the gradients themselves.
+SETTINGS = ["train.global_batch_size=32", "train.micro_batch_size=8", "train.warmup_steps=0", "data.shuffle=true",
+            "train.optimizer=sgd"]
 
 
 class _Shard:
