@@ -71,11 +71,11 @@ class RngStreams:
     progress: Progress
 
     def state_dict(self) -> dict[str, Any]:
-        return ckpt.rng_state()
+        return ckpt.rng_state(cuda_device=self.rank.device)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.rank.is_main:
-            ckpt.set_rng_state(state)
+            ckpt.set_rng_state(state, cuda_device=self.rank.device)
         else:
             seed_everything(hash((self.progress.step, self.rank.world_rank)) % 2**31)
 
@@ -162,6 +162,8 @@ def build_state(job: Job, rank: Rank, total_steps: int) -> TrainState:
     from raytrain_ddp.user import UserCode
 
     cfg, code = job.cfg, UserCode.for_job(job)
+    if rank.device.type == "cuda":  # this worker's device is the current one, on every thread
+        torch.cuda.set_device(rank.device)  # that asks (RNG state, side streams, NCCL)
     # Same seed on every rank: identical initial weights even before the wrapper's
     # broadcast (and `parallel.verify_init` checks exactly that).
     seed_everything(cfg.train.seed)
