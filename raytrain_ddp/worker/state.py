@@ -136,10 +136,11 @@ class TrainState:
         if not self.lock.acquire(timeout=timeout_s):
             return None
         try:
-            state = self.state_dict()
-            state["model"] = self.last_step.with_buffers(state["model"])
-            state["rng"] = ckpt.rng_state(self.last_step.rng)
-            return self.last_step.on_cpu(state)
+            with self.last_step.reading():  # CUDA: a side stream on this worker's device
+                state = self.state_dict()  # GradScaler.state_dict() reads its scale (.item()) here
+                state["model"] = self.last_step.with_buffers(state["model"])
+                state["rng"] = ckpt.rng_state(self.last_step.rng)
+                return self.last_step.on_cpu(state)
         finally:
             self.lock.release()
 
