@@ -247,7 +247,9 @@ class ParallelConfig(_Section):
     collective_timeout_s: float = Field(
         300.0, gt=0.0,
         description="A collective (all-reduce, barrier) that does not finish in this time "
-        "fails the run with an error naming the operation, instead of hanging.",
+        "fails the run with an error naming the operation, instead of hanging. GPUs (NCCL): "
+        "the step never waits on the host; the stuck collective is named at this time and "
+        "NCCL's watchdog ends the run at the process group's timeout (10% later, >= 30 s).",
     )
     broadcast_buffers: bool = Field(
         True, description="As torch DDP: before each forward that follows a synced one, every "
