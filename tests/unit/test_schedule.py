@@ -54,3 +54,19 @@ def test_weight_decay_only_on_matrices_and_sgd_momentum():
     assert decays == {1: 0.2, 3: 0.0}  # the weight matrix vs bias, norm weight, norm bias
     sgd = build_optimizer(model.parameters(), TrainConfig(optimizer="sgd", momentum=0.8))
     assert isinstance(sgd, torch.optim.SGD) and sgd.param_groups[0]["momentum"] == 0.8
+
+
+def test_optimizer_kernel_is_fused_on_cuda_only():
+    from raytrain_ddp.worker.optim import optimizer_kernel
+
+    class _P:  # stands in for a parameter (no GPU here)
+        def __init__(self, cuda: bool, floating: bool = True) -> None:
+            self.is_cuda, self._floating = cuda, floating
+
+        def is_floating_point(self) -> bool:
+            return self._floating
+
+    assert optimizer_kernel([_P(True), _P(True)]) == {"fused": True}
+    assert optimizer_kernel([_P(True), _P(False)]) == {}
+    assert optimizer_kernel([_P(True), _P(True, floating=False)]) == {}
+    assert optimizer_kernel([torch.nn.Parameter(torch.zeros(2))]) == {}  # CPU: torch's default
