@@ -121,3 +121,28 @@ def test_no_timed_wait_outside_the_cpu_branch():
     assert sorted({name for name, _ in hits}) == ["base.py", "shm.py"] and len(hits) == 2, hits
     source = inspect.getsource(wait_work)
     assert "if timeout_s is None or stream:" in source
+
+
+def test_auto_tuning_on_cuda_times_the_gpu_not_the_enqueue():
+    """bucket_cap_mb: auto compares synced backwards; on CUDA by events (audit item 7)."""
+    from raytrain_ddp.parallel.bucketed import GpuSpan
+
+    log: list[str] = []
+
+    class _Event:
+        def __init__(self) -> None:
+            self.at = None
+
+        def record(self) -> None:
+            self.at = 10.0 if not log else 35.0  # GPU milliseconds when the stream reaches it
+            log.append("record")
+
+        def synchronize(self) -> None:
+            log.append("synchronize")
+
+        def elapsed_time(self, end) -> float:
+            return end.at - self.at
+
+    span = GpuSpan(event=_Event)
+    span.start()
+    assert span.seconds() == pytest.approx(0.025) and log == ["record", "record", "synchronize"]
