@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast bench bench-quick clean
+.PHONY: demo test test-fast bench bench-quick compat clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,20 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not ray" tests
 
+# Not in CI's default path: one venv per torch version (the declared floor first, then the
+# newest this project allows), `test-fast` in each. Older or newer ones:
+#   make compat COMPAT_TORCH="2.8.0 2.15.0"   (widen pyproject's range first; CUDA wheels are GBs)
+COMPAT_TORCH ?= 2.13.0 2.14.1
+compat:
+	@set -e; for v in $(COMPAT_TORCH); do \
+	  venv=.venv-torch-$$v; echo "== torch $$v in $$venv"; \
+	  [ -x $$venv/bin/python ] || $(PYTHON) -m venv $$venv; \
+	  $$venv/bin/python -m pip install -q "torch==$$v"; \
+	  $$venv/bin/python -m pip install -q -e ".[dev]" "torch==$$v"; \
+	  $$venv/bin/python -c "import torch; print('torch', torch.__version__)"; \
+	  $$venv/bin/python -m pytest -q -m "not ray" tests; \
+	done
+
 bench: $(STAMP)
 	$(VENV)/bin/raytrain-ddp bench --out benchmarks/results-cpu.json
 
@@ -36,4 +50,4 @@ bench-quick: $(STAMP)
 	$(VENV)/bin/raytrain-ddp bench --quick --out benchmarks/results-quick.json
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info
+	rm -rf $(VENV) .venv-torch-* runs build *.egg-info

@@ -207,16 +207,37 @@ def _like(given: Where, loc: Location) -> Any:
 # ---------------------------------------------------------------- RNG state as plain types
 
 
-def capture_rng() -> tuple[Any, ...]:
-    """The RNG states as the libraries give them (~0.1 ms); `rng_state` makes them storable."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+def capture_rng(cuda_device: Any = None) -> tuple[Any, ...]:
+    """The RNG states as the libraries give them (~0.1 ms); `rng_state` makes them storable.
+
+    CUDA: the generator of this worker's own device only (`cuda_device`, default the
+    current one), never one per visible device: Ray shares `CUDA_VISIBLE_DEVICES` among a
+    node's workers, so "all devices" is other workers' devices, and after a resize down
+    a state per device would name devices the restoring worker no longer sees.
+    """
+    index = _own_cuda_index(cuda_device)
+    cuda = (index, torch.cuda.get_rng_state(index)) if index is not None else None
     return torch.get_rng_state(), np.random.get_state(), random.getstate(), cuda
 
 
-def rng_state(captured: Optional[tuple[Any, ...]] = None) -> dict[str, Any]:
+def _own_cuda_index(device: Any = None, initialised_only: bool = True) -> Optional[int]:
+    """This worker's CUDA device index, or None where it has none (`initialised_only`: or
+    CUDA is unused in this process so far -- reading an RNG state must not initialise it)."""
+    if not torch.cuda.is_available() or (initialised_only and not torch.cuda.is_initialized()):
+        return None
+    if device is not None:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return None
+        if device.index is not None:
+            return device.index
+    return torch.cuda.current_device()
+
+
+def rng_state(captured: Optional[tuple[Any, ...]] = None, cuda_device: Any = None) -> dict[str, Any]:
     """torch / numpy / python RNG states (now, or as `capture_rng` took them) as tensors and
     primitives (weights_only-safe)."""
-    torch_state, np_state, py_state, cuda = captured if captured is not None else capture_rng()
+    torch_state, np_state, py_state, cuda = captured if captured is not None else capture_rng(cuda_device)
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np_state
     py_version, py_internal, py_gauss = py_state
     state = {
@@ -235,11 +256,12 @@ def rng_state(captured: Optional[tuple[Any, ...]] = None) -> dict[str, Any]:
         },
     }
     if cuda is not None:
-        state["cuda"] = cuda
+        state["cuda_device"], state["cuda"] = cuda  # the saver's index (informational), its state
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], cuda_device: Any = None) -> None:
+    """Restore `rng_state`'s streams; CUDA: only this worker's own device (`restore_cuda_rng`)."""
     torch.set_rng_state(state["torch"])
     np_state = state["numpy"]
     np.random.set_state((
@@ -249,8 +271,30 @@ def set_rng_state(state: dict[str, Any]) -> None:
     py_state = state["python"]
     random.setstate((py_state["version"], tuple(int(v) for v in py_state["internal"].tolist()),
                      py_state["gauss_next"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    restore_cuda_rng(state.get("cuda"), cuda_device)
+
+
+def restore_cuda_rng(saved: Any, cuda_device: Any = None) -> Optional[int]:
+    """Set this worker's own CUDA generator from a checkpoint's `rng["cuda"]`; returns the
+    device index set, or None when nothing was (no CUDA here, nothing saved, or no entry
+    for this device).
+
+    `saved` is one state (this format: the saver's own device) or, from checkpoints
+    written before it, a list with one state per device the saver could see: then the
+    entry at this worker's own index, if the list has one. Never `set_rng_state_all`: it
+    indexes every device of the list, and after a resize down this worker sees fewer.
+    """
+    if saved is None:
+        return None
+    index = _own_cuda_index(cuda_device, initialised_only=False)
+    if index is None:
+        return None
+    if isinstance(saved, (list, tuple)):
+        if index >= len(saved):
+            return None  # the older format had no state for this device: keep the seeded one
+        saved = saved[index]
+    torch.cuda.set_rng_state(saved, index)
+    return index
 
 
 # ---------------------------------------------------------------- helpers

@@ -287,7 +287,9 @@ class ParallelConfig(_Section):
     collective_timeout_s: float = Field(
         300.0, gt=0.0,
         description="A collective (all-reduce, barrier) that does not finish in this time "
-        "fails the run with an error naming the operation, instead of hanging.",
+        "fails the run with an error naming the operation, instead of hanging. GPUs (NCCL): "
+        "the step never waits on the host; the stuck collective is named at this time and "
+        "NCCL's watchdog ends the run at the process group's timeout (10% later, >= 30 s).",
     )
     broadcast_buffers: bool = Field(
         True, description="As torch DDP: before each forward that follows a synced one, every "
@@ -478,12 +480,8 @@ class Config(_Section):
             if getattr(self.parallel, key) == "auto" and self.parallel.strategy != "bucketed":
                 raise ValueError(f"parallel.{key}=auto (timed tuning) is supported by parallel.strategy="
                                  f"bucketed only, not {self.parallel.strategy!r}; set a value instead")
-        if self.train.precision == "fp16" and self.parallel.strategy in ("zero1", "fsdp"):
-            raise ValueError(
-                f"train.precision='fp16' is not supported with parallel.strategy="
-                f"'{self.parallel.strategy}': the loss scaler's overflow check would see only this "
-                "worker's shard of the gradients; use train.precision=bf16 (no scaler needed)"
-            )
+        # fp16 with zero1 / fsdp: the scaler's overflow verdict is the same on every rank
+        # (zero1 agrees on non-finite shards, FSDP2's DTensor unscale all-reduces found_inf).
         if self.train.precision == "fp16" and not self.scaling.use_gpu:
             raise ValueError(
                 "train.precision='fp16' needs scaling.use_gpu=true (CPU autocast supports bf16 only)"

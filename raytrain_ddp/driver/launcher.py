@@ -88,6 +88,9 @@ from raytrain_ddp.rundir import (
 DATA_HEADROOM_CPUS = 2
 CONTROLLER_POLL_S = 0.25  # see the module docstring
 STOP_WAIT_S = 30.0  # after a Ctrl-C, how long the workers get to save their step and stop
+# NCCL's flight recorder: the last collectives of each rank, dumped when one times out
+# (torch >= 2.3 reads these; older ones ignore them). A user's own values win.
+NCCL_TRACE_ENV = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
 POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"  # propagated by Ray Train to its controller
 ENV_PREFIX = "RAYTRAIN_DDP_"
 _PREPARED: dict[str, hold.Hold] = {}  # run dir -> the hold `prepare_job` took in this process
@@ -257,6 +260,28 @@ def _prepare(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, chec
     return job, prepared, total_steps
 
 
+def process_group_timeout_s(collective_timeout_s: float, use_gpu: bool) -> int:
+    """The timeout Ray Train gives the process group (`TorchConfig.timeout_s`).
+
+    gloo: `parallel.collective_timeout_s` itself -- a gloo wait that outlives it raises
+    `CollectiveTimeoutError` naming the operation. NCCL: above it (10%, at least 30 s):
+    the step never waits on the host for a collective, so NCCL's watchdog enforces the
+    timeout by ending the process, and the wrappers' watch (`parallel.base.CollectiveWatch`)
+    must name the stuck collective first, at `collective_timeout_s`. With the two equal
+    the watchdog and the name would race (Ray sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1).
+    """
+    if not use_gpu:
+        return int(math.ceil(collective_timeout_s))
+    return int(math.ceil(collective_timeout_s + max(30.0, 0.1 * collective_timeout_s)))
+
+
+def nccl_env(use_gpu: bool, environ: Any) -> dict[str, str]:
+    """The NCCL flight-recorder settings for the workers (GPU runs only; set values win)."""
+    if not use_gpu:
+        return {}
+    return {k: environ.get(k, v) for k, v in NCCL_TRACE_ENV.items()}
+
+
 def _fit(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, checked: Any, code: Any,
          given: Optional[dict[str, Any]]) -> dict[str, Any]:
     import ray.data
@@ -272,11 +297,13 @@ def _fit(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, checked:
     job = dataclasses.replace(job, mailbox=open_mailbox())
     os.environ.setdefault(POLL_ENV, str(CONTROLLER_POLL_S))
     env_vars = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}
+    env_vars.update(nccl_env(cfg.scaling.use_gpu, os.environ))
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"job": job},
         torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo",
-                                 timeout_s=int(math.ceil(cfg.parallel.collective_timeout_s))),
+                                 timeout_s=process_group_timeout_s(cfg.parallel.collective_timeout_s,
+                                                                   cfg.scaling.use_gpu)),
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
             resources_per_worker=worker_resources(cfg),

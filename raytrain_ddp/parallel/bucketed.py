@@ -101,11 +101,32 @@ def assign_buckets(params: list[torch.Tensor], cap_bytes: int,
     return sorted(done, key=lambda members: members[0])
 
 
+class GpuSpan:
+    """How long the GPU took from `start()` to `seconds()`, by CUDA events on the current
+    stream: what `bucket_cap_mb: auto` compares on CUDA, where the host's clock measures
+    only how long it took to enqueue the work. `seconds()` waits for the end event: a host
+    sync, paid during the few tuning steps only."""
+
+    def __init__(self, event: Any = None) -> None:
+        self._event = event or (lambda: torch.cuda.Event(enable_timing=True))
+        self._start: Any = None
+
+    def start(self) -> None:
+        self._start = self._event()
+        self._start.record()
+
+    def seconds(self) -> float:
+        end = self._event()
+        end.record()
+        end.synchronize()
+        return self._start.elapsed_time(end) / 1000.0  # elapsed_time is in milliseconds
+
+
 class BucketedDDP(ScratchBase):
     """Flat gradient buckets, all-reduced asynchronously as soon as they are full."""
 
     strategy = "bucketed"
-    _transient = ("_handles", "_buckets", "_views", "_works", "_flats", "_clock", "_shm")
+    _transient = ("_handles", "_buckets", "_views", "_works", "_flats", "_clock", "_shm", "_gpu_tuning")
     _plain_state = ScratchBase._plain_state | {"_pending", "_ready", "_scaled", "_next", "_works", "_clock",
                                                "_backward_start", "_wire_dtype"}
 
@@ -155,6 +176,9 @@ class BucketedDDP(ScratchBase):
             self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
                              for i, p in enumerate(self._params)]
             self._timed = bool(self._params) and comm_timing(self._params[0].device)
+        # bucket_cap_mb / compress "auto" on CUDA: host clocks see only the enqueue
+        self._gpu_tuning = (GpuSpan() if self._tuner is not None and self._params
+                            and self._params[0].device.type == "cuda" else None)
         self._stats["buckets"] = len(self._buckets)
         self._inv_world_size = 1.0 / self.world_size
         self._small = bytearray(p.numel() <= _SMALL_NUMEL for p in self._params)
@@ -250,6 +274,8 @@ class BucketedDDP(ScratchBase):
         if not self._queued:
             self._queued = True
             self._backward_start = time.perf_counter()
+            if self._gpu_tuning is not None and self._tuner is not None and self._tuner.choice is None:
+                self._gpu_tuning.start()
             _queue_callback(self._finish)
         if self._ready[i]:
             return
@@ -313,7 +339,10 @@ class BucketedDDP(ScratchBase):
                     self._params[i].grad = self._views[i]
             self._stats["syncs"] += 1
             if self._tuner is not None and self._tuner.choice is None:
-                self._next_candidate(synced - (self._backward_start or backward_end))
+                if self._gpu_tuning is not None:  # the GPU's time, not the host's enqueue
+                    self._next_candidate(self._gpu_tuning.seconds())
+                else:
+                    self._next_candidate(synced - (self._backward_start or backward_end))
         finally:
             self._reset_backward()
             self._end_sync()

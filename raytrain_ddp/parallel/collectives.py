@@ -21,13 +21,21 @@ def _active(group: Optional[dist.ProcessGroup] = None) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
+def all_sum_(t: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """Sum `t` over the ranks of `group`, in place, and return it: nothing is read on the host
+    (on CUDA the all-reduce is queued on the stream; read the result when it is needed)."""
+    if _active(group):
+        dist.all_reduce(t, group=group)
+    return t
+
+
 def sum_over_ranks(values: Sequence[float] | torch.Tensor, device: Optional[torch.device] = None,
                    group: Optional[dist.ProcessGroup] = None) -> list[float]:
     """Element-wise sum over the ranks of `group` (default: all); float64 unless a tensor is given."""
     t = values.detach().clone() if isinstance(values, torch.Tensor) else torch.tensor(list(values), dtype=torch.float64, device=device)
     if _active(group):
         dist.all_reduce(t, group=group)
-    return [float(v) for v in t.flatten()]
+    return t.flatten().tolist()  # one device->host copy, not one per element
 
 
 def max_over_ranks(values: Sequence[float], device: Optional[torch.device] = None) -> list[float]:
@@ -35,7 +43,7 @@ def max_over_ranks(values: Sequence[float], device: Optional[torch.device] = Non
     t = torch.tensor(list(values), dtype=torch.float64, device=device)
     if _active():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [float(v) for v in t]
+    return t.tolist()
 
 
 def all_true(flag: bool, device: Optional[torch.device] = None) -> bool:

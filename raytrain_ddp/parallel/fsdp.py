@@ -86,6 +86,37 @@ def shard_placement(world_size: int) -> Callable[[nn.Parameter], Any]:
     return place
 
 
+# What the wrapper calls on FSDP2, all of it on torch 2.13 (the declared floor, where `make
+# compat` passes); `fully_shard` / `shard_placement_fn` became public in 2.6 and the custom
+# collectives and forced SUM reduction came later. Checked at wrap time, before any
+# collective, so every rank of an older torch stops with the same clear error.
+FSDP2_METHODS = ("set_custom_all_gather", "set_custom_reduce_scatter", "set_force_sum_reduction_for_comms",
+                 "set_reduce_scatter_unused_params", "set_requires_gradient_sync")
+
+
+def check_fsdp2_support() -> None:
+    """Raise naming what this torch lacks when it cannot run strategy 'fsdp'."""
+    import inspect
+
+    missing: list[str] = []
+    try:
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: F401
+        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # noqa: F401
+    except ImportError as exc:
+        missing.append(f"torch.distributed.fsdp.fully_shard and its custom-collective API ({exc})")
+    else:
+        missing += [f"FSDPModule.{name}" for name in FSDP2_METHODS if not hasattr(FSDPModule, name)]
+        if "shard_placement_fn" not in inspect.signature(fully_shard).parameters:
+            missing.append("fully_shard(shard_placement_fn=...)")
+    if missing:
+        raise RuntimeError(
+            f"parallel.strategy 'fsdp' needs FSDP2 APIs that torch {torch.__version__} lacks: "
+            f"{', '.join(missing)}. Install a torch in this project's range (pyproject.toml: the "
+            "range `make compat` passes), or use strategy 'zero1' (sharded optimizer state, "
+            "written from scratch, no FSDP2 needed)"
+        )
+
+
 def _comms(stats: dict[str, Any]):
     """FSDP2 custom comms that count what they send, then do what FSDP2's defaults do."""
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -134,6 +165,7 @@ class FullyShardedDP(WrappedModel):
         self.units: list[nn.Module] = []
         if self.world_size == 1:  # nothing to shard: the module itself, as `LocalModel`
             return
+        check_fsdp2_support()  # before any collective: every rank fails alike on an older torch
         sync_initial_state(module, process_group, verify=verify_init, world_size=self.world_size,
                            world_rank=self.world_rank)
         from torch.distributed.device_mesh import DeviceMesh

@@ -273,7 +273,7 @@ class NativeDDP(WrappedModel):
                 work = dist.all_reduce(counts, group=self._side_pg, async_op=True)
                 self._stats["control_bytes"] += counts.numel() * 4
                 wait_work(work, "all-reduce of the used-parameter map", self.collective_timeout_s,
-                          self.world_rank, self.world_size)
+                          self.world_rank, self.world_size, counts.device)
                 self._agreed = True
                 per_rank = counts.tolist()
                 bad = {i: [r for r in range(self.world_size) if per_rank[r][i]] for i in range(len(self._used))}

@@ -205,11 +205,38 @@ class Zero1DDP(BucketedDDP):
             for i in missing:  # no gradient here: takes the average, unless no rank used it
                 if i not in unused:
                     self._params[i].grad = self._views[i]
+            self._agree_nonfinite()
             self._stats["syncs"] += 1
             self._synced = True
         finally:
             self._reset_backward()
             self._end_sync()
+
+    def _agree_nonfinite(self) -> None:
+        """Make a non-finite gradient on any rank's shard visible on every rank's shard.
+
+        After the reduce-scatter each rank holds only its chunk of the averaged gradient,
+        so an inf/NaN (an fp16 overflow) lands in one rank's chunk: a GradScaler's
+        `unscale_` there finds it and `scaler.step` skips `optimizer.step()` -- and with it
+        the parameter all-gather its peers are waiting in (a deadlock, and scales that
+        drift apart in `update()`). torch's `ShardedGradScaler` all-reduces `found_inf` for
+        this; we agree one level lower, so any scaler (torch's plain `GradScaler`, a
+        user's own, none) sees the same verdict on every rank: the inf-norm of this rank's
+        chunks is all-reduced (MAX, one scalar), and where it is non-finite every rank
+        writes a NaN into one element of its first slice. All ranks then skip (or step)
+        together, and `update()` backs the scale off identically. A tensor all the way:
+        no host sync, and on CUDA the all-reduce is stream-ordered.
+        """
+        if not self._slices:
+            return
+        grads = [s.grad for s in self._shards]
+        worst = torch.stack(torch._foreach_norm(grads, math.inf)).amax().float()
+        work = dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self._pg, async_op=True)
+        self._stats["control_bytes"] += worst.element_size()
+        self._wait(work, "all-reduce of the non-finite-gradient flag")
+        first = self._slices[0].grad[:1]
+        # +0 where every chunk is finite (the value unchanged), NaN where some rank saw inf/NaN
+        first.add_(torch.where(torch.isfinite(worst), 0.0, math.nan).to(first.dtype))
 
     # -- the optimizer side ---------------------------------------------------------------
     def make_optimizer(self, factory: OptimizerFactory):

@@ -162,7 +162,7 @@ class RunLog:
         self.outbox = Outbox(getattr(job, "mailbox", None), enabled=rank.is_main)
         self.attempt = self._record_attempt()
         self.meter = StepMeter(job.cfg.train.global_batch_size, data.wait_seconds, state.wrapper.comm_stats)
-        self.last_loss = math.nan
+        self._last_result: Any = None  # the loss is read from it only when a line needs it
         self._blocked_s = 0.0  # checkpoint time the step loop waited for, since the previous line
         self._tuning_said = False
         self._transport_said = False
@@ -193,13 +193,18 @@ class RunLog:
 
     def step(self, result: Any, epoch: int, end_of_epoch: bool) -> None:
         self.meter.step_done()
-        self.last_loss = result.loss
+        self._last_result = result
         self.step_lines = []
         self._announce_decisions()
         step = self.state.progress.step
         if step % self.job.cfg.run.log_every_steps == 0 or step >= self.total_steps or end_of_epoch:
             self._line({"step": step, "epoch": epoch + 1, "time": time.time(), "loss": result.loss,
                         "lr": result.lr, **self._window()})
+
+    @property
+    def last_loss(self) -> float:
+        """The last step's loss (a host read of a device value: at epoch ends and on lines only)."""
+        return math.nan if self._last_result is None else self._last_result.loss
 
     def validation(self, epoch: int, val: dict[str, float]) -> dict[str, float]:
         if val:

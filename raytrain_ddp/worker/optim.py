@@ -33,9 +33,20 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], train: TrainConfig) ->
     else:
         groups = [{"params": params, "weight_decay": train.weight_decay}]
     groups = [g for g in groups if g["params"]]
+    kernel = optimizer_kernel(params)
     if train.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=train.lr, momentum=train.momentum)
-    return torch.optim.AdamW(groups, lr=train.lr)
+        return torch.optim.SGD(groups, lr=train.lr, momentum=train.momentum, **kernel)
+    return torch.optim.AdamW(groups, lr=train.lr, **kernel)
+
+
+def optimizer_kernel(params: list) -> dict[str, bool]:
+    """`fused=True` when every parameter is a floating CUDA tensor: one kernel per step, its
+    step counters on the device (the default keeps them on the host and reads each with
+    `.item()`), and a GradScaler hands it `found_inf` instead of reading it on the host.
+    On CPU torch's default (the per-tensor loop; `foreach` has no CPU kernels of its own)."""
+    if params and all(p.is_cuda and p.is_floating_point() for p in params):
+        return {"fused": True}
+    return {}
 
 
 def lr_at(step: int, *, peak_lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float,

@@ -42,6 +42,10 @@ SUMMARY_FILE = "summary.md"
 BACKWARD_PREFIX = "autograd::engine::evaluate_function:"
 OPTIMIZER_PREFIXES = ("Optimizer.step#", "Optimizer.zero_grad#")
 ALLREDUCE_NAMES = ("gloo:all_reduce", "nccl:all_reduce", "shm:all_reduce")  # shm: parallel/shm.py's SPAN
+# On CUDA the CPU's `nccl:*` spans only enqueue the collective (microseconds); the time it
+# takes is the NCCL kernels' on the GPU (ncclDevKernel_AllReduce_..., ncclKernel_... by version).
+NCCL_KERNEL_PREFIX = "nccl"
+GPU_KERNEL_CATEGORIES = ("kernel",)
 
 
 class StepProfiler:
@@ -181,7 +185,9 @@ def summarize_trace(path: os.PathLike | str) -> dict[str, Any]:
     `backward` sums the autograd engine's node evaluations; `optimizer` torch's
     `Optimizer.step#` / `zero_grad#` labels; `all-reduce` the collectives' own spans on
     the communication thread (they overlap backward: bucketed and native DDP launch them
-    while backward runs), and bucketed's shared-memory copies and sums (`shm:all_reduce`,
+    while backward runs) -- on a CUDA trace instead the NCCL kernels' time on the GPU
+    (the CPU's `nccl:*` spans are only the enqueue), with `gpu_busy` beside it;
+    `all-reduce_source` says which, and bucketed's shared-memory copies and sums (`shm:all_reduce`,
     on the training thread, the copy inside backward); `other` is the step minus data, forward, backward and
     optimizer (loss, clipping, the finiteness vote, scheduling, waiting for the last
     bucket when it is not inside backward). Also `top`: the 10 names with the most
@@ -196,6 +202,9 @@ def summarize_trace(path: os.PathLike | str) -> dict[str, Any]:
     def total(match: Any) -> float:
         return sum(float(e["dur"]) for e in events if match(str(e.get("name", "")))) / 1000.0 / n
 
+    kernels = [e for e in events if e.get("cat") in GPU_KERNEL_CATEGORIES]
+    nccl = [e for e in kernels if str(e.get("name", "")).lower().startswith(NCCL_KERNEL_PREFIX)]
+    host = [e for e in events if e.get("cat") not in GPU_KERNEL_CATEGORIES]
     out = {
         "steps": len(steps),
         "step": total(lambda s: s.startswith("ProfilerStep#")),
@@ -204,10 +213,27 @@ def summarize_trace(path: os.PathLike | str) -> dict[str, Any]:
         "backward": total(lambda s: s.startswith(BACKWARD_PREFIX)),
         "all-reduce": total(lambda s: s in ALLREDUCE_NAMES),
         "optimizer": total(lambda s: s.startswith(OPTIMIZER_PREFIXES)),
+        "all-reduce_source": "host spans",
     }
+    if kernels:  # a CUDA trace: communication is what the NCCL kernels took on the GPU
+        out["all-reduce"] = _union_ms(nccl) / n
+        out["all-reduce_source"] = "NCCL kernels on the GPU"
+        out["gpu_busy"] = _union_ms(kernels) / n  # any kernel running: the GPU's share of the step
+        events = host  # self time below: the host's spans only (kernels overlap them)
     out["other"] = max(0.0, out["step"] - out["data"] - out["forward"] - out["backward"] - out["optimizer"])
     out["top"] = _top_by_self_time(events)[:10]
     return out
+
+
+def _union_ms(spans: list[dict[str, Any]]) -> float:
+    """Milliseconds covered by at least one span (overlapping kernels on several streams count once)."""
+    covered, end = 0.0, float("-inf")
+    for e in sorted(spans, key=lambda e: float(e["ts"])):
+        start, stop = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+        if stop > end:
+            covered += stop - max(start, end)
+            end = stop
+    return covered / 1000.0
 
 
 def _top_by_self_time(events: list[dict[str, Any]]) -> list[tuple[str, float]]:
@@ -237,11 +263,15 @@ def _top_by_self_time(events: list[dict[str, Any]]) -> list[tuple[str, float]]:
 def summary_markdown(summary: dict[str, Any]) -> str:
     step = max(summary["step"], 1e-9)
     rows = ["| part of a step | ms per step | share of the step |", "| --- | ---: | ---: |"]
+    gpu = summary.get("all-reduce_source") == "NCCL kernels on the GPU"
     for key in ("data", "forward", "backward", "all-reduce", "optimizer", "other"):
-        note = {"all-reduce": " (communication thread, overlaps backward; through shared memory: "
-                              "the copies and sums, on the training thread)",
+        note = {"all-reduce": (" (NCCL kernels on the GPU, overlapping backward's kernels)" if gpu else
+                               " (communication thread, overlaps backward; through shared memory: "
+                               "the copies and sums, on the training thread)"),
                 "other": " (loss, clipping, votes across ranks, Python between ops, waits)"}.get(key, "")
         rows.append(f"| {key}{note} | {summary[key]:.2f} | {100 * summary[key] / step:.0f}% |")
+    if "gpu_busy" in summary:
+        rows.append(f"| GPU busy (any kernel) | {summary['gpu_busy']:.2f} | {100 * summary['gpu_busy'] / step:.0f}% |")
     rows.append(f"| **step (wall)** | **{summary['step']:.2f}** | {summary['steps']} steps recorded |")
     return "\n".join(rows)
 

@@ -44,13 +44,14 @@ durable checkpoints only. `run.recovery: checkpoint` turns the survivors' copy o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 import threading
 import time
 import traceback
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from ray.train.v2._internal.execution.callback import WorkerCallback
@@ -126,11 +127,12 @@ class LastStep:
     """Buffers and RNG streams as they were when the last step completed (`mark`).
 
     On CUDA an event recorded at the boundary lets a copy taken from another thread
-    wait for the step's kernels only, not for a collective queued after them.
+    wait for the step's kernels only, not for a collective queued after them (`reading`).
     """
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
+        self.device = own_cuda_device(t.device for t in (*module.parameters(), *module.buffers()))
         self.buffers: dict[str, torch.Tensor] = {}
         self.rng: Optional[tuple[Any, ...]] = None  # `checkpoint.capture_rng()`: storable only when written
         self.event: Optional[Any] = None
@@ -139,32 +141,59 @@ class LastStep:
     def mark(self) -> None:
         """At a step boundary (~0.1 ms and the buffers' size): the RNG states as the libraries
         give them, and a copy of the buffers (BatchNorm's statistics)."""
-        self.rng = ckpt.capture_rng()
+        self.rng = ckpt.capture_rng(self.device)
         live = dict(self.module.named_buffers())
         if live.keys() != self.buffers.keys():
             self.buffers = {name: b.detach().clone() for name, b in live.items()}
         else:
             for name, buffer in live.items():
                 self.buffers[name].copy_(buffer.detach())
-        if any(b.is_cuda for b in live.values()) or any(p.is_cuda for p in self.module.parameters()):
+        if self.device is not None:  # on the stream the step's kernels ran on (the training thread's)
             self.event = torch.cuda.Event()
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(self.device))
 
     def with_buffers(self, model_state: dict[str, Any]) -> dict[str, Any]:
         """The live module's `model_state` with the boundary's buffers (no live tensor is touched)."""
         return {name: self.buffers.get(name, value) for name, value in model_state.items()}
 
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Around everything a copy reads from the device, on any thread (Ray's shutdown thread
+        never called `set_device`): on CUDA, a side stream *on the module's device* that waits
+        for the boundary's event only. Every device read inside -- `on_cpu`'s copies, and the
+        `.item()` of `GradScaler.state_dict()` -- runs on it, so none queues behind the
+        training thread's stream, which waits for a collective that may never finish.
+        (A stream built without the device lands on the thread's current device, cuda:0, and
+        a copy of a cuda:k tensor then runs on cuda:k's current stream: the stuck one.)
+        """
+        if self.device is None or self.event is None:
+            yield
+            return
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.Stream(device=self.device)
+            stream.wait_event(self.event)
+            with torch.cuda.stream(stream):
+                yield
+            stream.synchronize()
+
     def on_cpu(self, tree: Any) -> Any:
-        """Every tensor of `tree` copied to the CPU; on CUDA through a side stream that waits for
-        the boundary's kernels only (the default stream may be queued behind a hung collective)."""
-        if self.event is None:
+        """Every tensor of `tree` copied to the CPU (inside `reading()` on CUDA)."""
+        if self.device is None:
             return _map_tensors(tree, lambda t: t.detach().clone())
-        stream = torch.cuda.Stream()
-        stream.wait_event(self.event)
-        with torch.cuda.stream(stream):
-            out = _map_tensors(tree, lambda t: t.detach().to("cpu", copy=True))
-        stream.synchronize()
-        return out
+        return _map_tensors(tree, lambda t: t.detach().to("cpu", copy=True))
+
+
+def own_cuda_device(devices: Iterable[torch.device]) -> Optional[torch.device]:
+    """The CUDA device a replica's tensors live on (None: CPU only). One worker, one device:
+    a module spread over several GPUs is not a data-parallel replica we can copy."""
+    found = {torch.device(d) for d in devices if torch.device(d).type == "cuda"}
+    if len(found) > 1:
+        raise ValueError(f"the module's tensors are on several CUDA devices {sorted(map(str, found))}; "
+                         "a data-parallel worker holds its replica on one device")
+    (device,) = found or {None}
+    if device is not None and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

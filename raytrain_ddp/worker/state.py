@@ -71,11 +71,11 @@ class RngStreams:
     progress: Progress
 
     def state_dict(self) -> dict[str, Any]:
-        return ckpt.rng_state()
+        return ckpt.rng_state(cuda_device=self.rank.device)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.rank.is_main:
-            ckpt.set_rng_state(state)
+            ckpt.set_rng_state(state, cuda_device=self.rank.device)
         else:
             seed_everything(hash((self.progress.step, self.rank.world_rank)) % 2**31)
 
@@ -136,10 +136,11 @@ class TrainState:
         if not self.lock.acquire(timeout=timeout_s):
             return None
         try:
-            state = self.state_dict()
-            state["model"] = self.last_step.with_buffers(state["model"])
-            state["rng"] = ckpt.rng_state(self.last_step.rng)
-            return self.last_step.on_cpu(state)
+            with self.last_step.reading():  # CUDA: a side stream on this worker's device
+                state = self.state_dict()  # GradScaler.state_dict() reads its scale (.item()) here
+                state["model"] = self.last_step.with_buffers(state["model"])
+                state["rng"] = ckpt.rng_state(self.last_step.rng)
+                return self.last_step.on_cpu(state)
         finally:
             self.lock.release()
 
@@ -162,6 +163,8 @@ def build_state(job: Job, rank: Rank, total_steps: int) -> TrainState:
     from raytrain_ddp.user import UserCode
 
     cfg, code = job.cfg, UserCode.for_job(job)
+    if rank.device.type == "cuda":  # this worker's device is the current one, on every thread
+        torch.cuda.set_device(rank.device)  # that asks (RNG state, side streams, NCCL)
     # Same seed on every rank: identical initial weights even before the wrapper's
     # broadcast (and `parallel.verify_init` checks exactly that).
     seed_everything(cfg.train.seed)

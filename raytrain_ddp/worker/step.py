@@ -10,10 +10,14 @@ Invariants:
   gradients, so the gradient norm, and therefore clipping, is the same on every rank.
 - Non-finite losses differ per rank, so a finiteness flag is summed over ranks together
   with the loss before `optimizer.step()`: all ranks skip (or abort) together.
+- One host sync per step: reading that verdict. The loss stays a device tensor until a
+  logging step reads it (`StepResult.loss`); the wrappers never wait on the host for a
+  CUDA collective (docs/parallel.md, "CUDA/NCCL path: audit").
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +26,7 @@ import torch
 
 from raytrain_ddp.parallel.accumulate import accumulation_window
 from raytrain_ddp.parallel.base import broadcast_coalesced
-from raytrain_ddp.parallel.collectives import sum_over_ranks
+from raytrain_ddp.parallel.collectives import all_sum_, sum_over_ranks
 from raytrain_ddp.worker.context import Rank
 from raytrain_ddp.worker.state import TrainState
 
@@ -33,12 +37,25 @@ class NonFiniteAbort(Exception):
 
 @dataclass(frozen=True)
 class StepResult:
-    loss: float  # mean over ranks and micro-batches
+    """What a step reports. The loss stays on the device until asked for: reading it is a
+    host sync, and only logging steps ask (`RunLog`)."""
+
+    loss_sum: torch.Tensor  # summed over ranks (already reduced: reading it sends nothing)
+    world_size: int
     lr: float  # the rate this step used
+
+    @functools.cached_property
+    def loss(self) -> float:
+        """Mean over ranks and micro-batches."""
+        return self.loss_sum.item() / self.world_size
 
 
 def train_step(state: TrainState, window: list, accumulation_steps: int, train: Any, rank: Rank) -> StepResult:
-    """One optimizer step over a window of micro-batches."""
+    """One optimizer step over a window of micro-batches.
+
+    Reads one device value on the host (the ranks' verdict on non-finite values, which
+    decides whether the optimizer steps); everything else stays on the device.
+    """
     lr = state.schedule.lr
     state.module.train()
     local_loss = torch.zeros((), device=rank.device)
@@ -51,10 +68,14 @@ def train_step(state: TrainState, window: list, accumulation_steps: int, train: 
     state.scaler.unscale_(state.optimizer)
     grad_norm = state.wrapper.clip_grad_norm_(train.clip_grad_norm or math.inf)  # global, even when sharded
     # fp16: an overflowing gradient is the GradScaler's business (it skips and rescales).
-    bad = not torch.isfinite(local_loss) or (not state.scaler.is_enabled() and not torch.isfinite(grad_norm))
-    loss_sum, bad_ranks = sum_over_ranks(torch.stack([local_loss, torch.tensor(float(bad), device=rank.device)]))
+    bad = ~torch.isfinite(local_loss)
+    if not state.scaler.is_enabled():
+        bad |= ~torch.isfinite(grad_norm.to(local_loss.device))
+    # One all-reduce for the loss and the verdict; one read of the verdict, the step's only sync.
+    votes = all_sum_(torch.stack([local_loss, bad.to(local_loss.dtype)]))
+    skip = votes[1].item() > 0
     with state.updating():  # a survivor's copy (worker/replica.py) never sees half of this
-        if bad_ranks > 0:
+        if skip:
             _skip_step(state, train.nonfinite)
         else:
             state.progress.consecutive_nonfinite = 0
@@ -63,7 +84,7 @@ def train_step(state: TrainState, window: list, accumulation_steps: int, train: 
         state.optimizer.zero_grad(set_to_none=True)
         state.schedule.step()
         state.step_done()
-    return StepResult(loss_sum / rank.world_size, lr)
+    return StepResult(votes[0], rank.world_size, lr)
 
 
 def _skip_step(state: TrainState, policy: Any) -> None:

@@ -190,3 +190,27 @@ def test_transport_table_times_both_transports():
     assert [row["mib"] for row in rows] == [0.0625, 1.0]
     assert all(_positive(row["gloo_ms"]) and _positive(row["shm_ms"]) and _positive(row["shm_over_gloo"])
                for row in rows), rows
+
+
+@pytest.mark.timeout(60)
+def test_gpu_sh_without_a_gpu_stops_clearly_and_installs_nothing(tmp_path):
+    """benchmarks/gpu.sh from a clone on a host without a GPU: no torch install, exit 2."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    env["PATH"] = f"{tmp_path}:{env.get('PATH', '')}"  # no nvidia-smi here, whatever the host has
+    (tmp_path / "nvidia-smi").write_text("#!/bin/sh\nexit 9\n")
+    (tmp_path / "nvidia-smi").chmod(0o755)
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu.sh")], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 2, proc.stderr
+    assert "installing" not in proc.stdout and "no usable CUDA torch" in proc.stderr
+
+
+def test_suite_without_ray_records_the_ray_sections_and_goes_on(monkeypatch):
+    import sys
+
+    from raytrain_ddp.ops.bench import suite
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    results: dict = {}
+    suite._with_ray(results, ("ingest",), lambda: 0.0, lambda _: pytest.fail("ran without Ray"))
+    assert results["ingest"]["error"].startswith("Ray unavailable: ModuleNotFoundError")

@@ -113,3 +113,69 @@ def test_find_orders_by_recorded_step_and_load_latest_valid_falls_back(tmp_path)
 def test_state_missing_required_keys_is_rejected_on_save(tmp_path):
     with pytest.raises(ValueError, match="missing keys"):
         ckpt.save_checkpoint(tmp_path / "x", {"model": {}})
+
+
+class _FakeCuda:
+    """torch.cuda's RNG functions on a host without GPUs: `visible` devices, this worker on
+    `current`; each device's generator state is a distinct tensor, and setting one is recorded."""
+
+    def __init__(self, monkeypatch, visible: int, current: int) -> None:
+        self.visible, self.current = visible, current
+        self.states = {i: torch.full((16,), i, dtype=torch.uint8) for i in range(visible)}
+        self.set_calls: list[tuple[int, int]] = []  # (device index, first byte of the state)
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "is_available", lambda: True)
+        monkeypatch.setattr(cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(cuda, "current_device", lambda: self.current)
+        monkeypatch.setattr(cuda, "device_count", lambda: self.visible)
+        monkeypatch.setattr(cuda, "get_rng_state", self._get)
+        monkeypatch.setattr(cuda, "set_rng_state", self._set)
+        monkeypatch.setattr(cuda, "get_rng_state_all", self._never)
+        monkeypatch.setattr(cuda, "set_rng_state_all", self._never)
+
+    def _index(self, device) -> int:
+        index = device if isinstance(device, int) else torch.device(device).index
+        if not 0 <= index < self.visible:
+            raise RuntimeError(f"CUDA error: invalid device ordinal {index}")  # what a real GPU says
+        return index
+
+    def _get(self, device="cuda"):
+        return self.states[self._index(device)].clone()
+
+    def _set(self, state, device="cuda"):
+        self.set_calls.append((self._index(device), int(state[0])))
+
+    @staticmethod
+    def _never(*args, **kwargs):
+        raise AssertionError("the all-devices RNG functions must not be used")
+
+
+def test_cuda_rng_is_saved_and_restored_for_this_workers_device_only(monkeypatch):
+    # Saved by rank 0 on cuda:2 of a node where it saw 4 devices (Ray shares CUDA_VISIBLE_DEVICES).
+    saver = _FakeCuda(monkeypatch, visible=4, current=0)
+    state = ckpt.rng_state(cuda_device=torch.device("cuda", 2))
+    assert state["cuda_device"] == 2 and torch.equal(state["cuda"], saver.states[2])  # its own, not all 4
+    assert ckpt.rng_state()["cuda_device"] == 0  # default: the current device
+
+    # Resized down: rank 0 now sees 1 device, cuda:0. Its own generator takes the saved stream.
+    loader = _FakeCuda(monkeypatch, visible=1, current=0)
+    ckpt.set_rng_state(state, cuda_device=torch.device("cuda", 0))
+    assert loader.set_calls == [(0, 2)]
+
+    # A checkpoint from before: one state per visible device. This worker's own entry is used...
+    old = {**state, "cuda": [torch.full((16,), 10 + i, dtype=torch.uint8) for i in range(4)]}
+    old.pop("cuda_device")
+    loader = _FakeCuda(monkeypatch, visible=2, current=1)
+    assert ckpt.restore_cuda_rng(old["cuda"]) == 1 and loader.set_calls == [(1, 11)]
+    # ...and a device the list has no entry for keeps its seeded stream, no crash (the old
+    # code's set_rng_state_all indexed all 4 and failed on a 2-device worker).
+    assert ckpt.restore_cuda_rng(old["cuda"][:1], torch.device("cuda", 1)) is None
+    ckpt.set_rng_state(old, cuda_device=torch.device("cuda", 1))
+    assert loader.set_calls == [(1, 11), (1, 11)]
+
+
+def test_cuda_rng_untouched_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    state = ckpt.rng_state()
+    assert "cuda" not in state
+    assert ckpt.restore_cuda_rng([torch.zeros(16, dtype=torch.uint8)]) is None  # a GPU checkpoint on a CPU host

@@ -102,3 +102,19 @@ def test_a_users_optimizer_or_schedule_that_is_wrong_is_one_line_naming_the_key(
         UserCode(optimizer=lambda: None).build_optimizer(cfg, model)
     with pytest.raises(UserError, match=r"train.schedule='m:sched' returned a float"):
         UserCode(schedule=lambda opt, total: 0.1).build_schedule(cfg, torch.optim.SGD(model.parameters(), lr=1), 5)
+
+
+def test_optimizer_kernel_is_fused_on_cuda_only():
+    from raytrain_ddp.worker.optim import optimizer_kernel
+
+    class _P:  # stands in for a parameter (no GPU here)
+        def __init__(self, cuda: bool, floating: bool = True) -> None:
+            self.is_cuda, self._floating = cuda, floating
+
+        def is_floating_point(self) -> bool:
+            return self._floating
+
+    assert optimizer_kernel([_P(True), _P(True)]) == {"fused": True}
+    assert optimizer_kernel([_P(True), _P(False)]) == {}
+    assert optimizer_kernel([_P(True), _P(True, floating=False)]) == {}
+    assert optimizer_kernel([torch.nn.Parameter(torch.zeros(2))]) == {}  # CPU: torch's default

@@ -53,19 +53,17 @@ def run_cpu(sizes: Sizes) -> dict[str, Any]:
     _section(results, "accumulation", lambda: accumulation.run(sizes, log=log))
     models = ("mlp",) if sizes.name == "smoke" else ("mlp", "gpt")
     _section(results, "memory", lambda: memory.run(sizes, models=models, log=log))
-    import ray
 
-    # Two workers + Ray Data's read tasks on 2 cores: more logical CPUs than cores, as the
-    # launcher does, or Ray Data's tasks starve behind the training workers.
-    ray_init_s = start_ray(num_cpus=4)
-    try:
+    def on_ray(ray_init_s: float) -> None:
         rounds = 1 if sizes.name in ("quick", "smoke") else 2
         _section(results, "ray_overhead", lambda: ray_overhead.run(sizes, rounds=rounds, ray_init_s=ray_init_s, log=log))
         _section(results, "checkpoint", lambda: checkpoint.run(sizes, log=log))
         shardings = ("streaming", "exact") if sizes.name == "full" else ("streaming",)
         _section(results, "ingest", lambda: ingest.run(sizes, log=log, train_shardings=shardings))
-    finally:
-        ray.shutdown()
+
+    # Two workers + Ray Data's read tasks on 2 cores: more logical CPUs than cores, as the
+    # launcher does, or Ray Data's tasks starve behind the training workers.
+    _with_ray(results, ("ray_overhead", "checkpoint", "ingest"), lambda: start_ray(num_cpus=4), on_ray)
     # After the shared instance: each kill run starts the launcher's own embedded Ray (its
     # health-check settings are part of what is measured). The smoke preset keeps only the
     # in-process overhead: two runs with a restart each cost ~2 min here.
@@ -88,18 +86,35 @@ def run_cuda(dry: bool) -> dict[str, Any]:
         sizes, device=device, world_size=1, backend=backend, with_dp=True, threads=1 if dry else 4, log=log))
     shape = gpu.DRYRUN_GPT if dry else gpu.GPU_GPT
     _section(results, "gpt", lambda: gpu.gpt_section(sizes, shape, device, backend, log=log))
-    import ray
 
-    gpus = 0 if dry else torch.cuda.device_count()
-    ray_init_s = start_ray(num_cpus=max(4, os.cpu_count() or 1), num_gpus=gpus)
-    try:
+    def on_ray(ray_init_s: float) -> None:
         _section(results, "ingest", lambda: ingest.run(
             sizes, device="cpu" if dry else "cuda", log=log, train_shardings=("streaming", "exact"), workers=1,
             micro=16 if dry else 512))
         results["ingest"]["ray_init_s"] = ray_init_s
+
+    gpus = 0 if dry else torch.cuda.device_count()
+    _with_ray(results, ("ingest",), lambda: start_ray(num_cpus=max(4, os.cpu_count() or 1), num_gpus=gpus), on_ray)
+    return results
+
+
+def _with_ray(results: dict, names: tuple[str, ...], start: Callable[[], float],
+              body: Callable[[float], None]) -> None:
+    """Run the sections that need a local Ray instance; if Ray cannot be imported or started,
+    each of them records why and the suite goes on (the torch-only sections stand)."""
+    try:
+        import ray
+
+        ray_init_s = start()
+    except Exception as exc:  # noqa: BLE001 - ImportError, a failed ray.init: recorded, not fatal
+        for name in names:
+            results[name] = {"error": f"Ray unavailable: {type(exc).__name__}: {exc}"}
+        log(f"  {', '.join(names)}: skipped, Ray unavailable ({type(exc).__name__}: {exc})")
+        return
+    try:
+        body(ray_init_s)
     finally:
         ray.shutdown()
-    return results
 
 
 def default_out(preset: str) -> Path:
