@@ -199,8 +199,8 @@ def prepare_job(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, A
     # a recorder in the background until this process exits (printed and in metrics.jsonl).
     job = dataclasses.replace(job, mailbox=open_mailbox())
     os.environ.setdefault(POLL_ENV, str(CONTROLLER_POLL_S))  # read by TorchTrainer.fit
-    recorder = Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir)], job.mailbox,
-                        write_metrics="jsonl" in cfg.run.loggers).__enter__()
+    recorder = Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir, job.fit_id)],
+                        job.mailbox, write_metrics="jsonl" in cfg.run.loggers).__enter__()
     atexit.register(recorder.stop)  # runs before Ray's own exit handler (registered earlier)
     return {"train_loop_config": {"job": job}, "datasets": prepared.datasets, "dataset_config": prepared.data_config}
 
@@ -279,7 +279,7 @@ def _fit(cfg: Config, run_dir: Location, resume_from: Any, checked: Any, code: A
     # Ray 2.60 calls this (main thread only) to install its SIGINT handler; ours aborts
     # the same way but lets the driver finish (see the module docstring).
     trainer._register_sigint_handler = interrupt.register
-    recorder = Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir)],
+    recorder = Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir, job.fit_id)],
                         job.mailbox, write_metrics="jsonl" in cfg.run.loggers)
     try:
         with recorder:
