@@ -4,9 +4,14 @@ Owns: taking the model and a few real rows of a config's data, training a few st
 local gloo ranks in float64 with every strategy and with torch's
 `DistributedDataParallel` (same options), plus one process on all the rows, and printing
 per strategy how far it is from torch DDP (gradients, parameters and buffers every step, on
-every rank), from one process, what it sent, how long a step took and how much of its
+every rank; the full model and optimizer state dicts, what a checkpoint saves, every step on
+rank 0), from one process, what it sent, how long a step took and how much of its
 communication backward hid (where the wrapper times it); exit 1 on any difference above
-1e-9, naming the parameter. The sharded strategies (`SHARDED_STRATEGIES`: zero1, fsdp) build
+1e-9, naming the tensor. It takes every config `train` takes: the rows go through
+`data.preprocess` and the driver's own checks (`driver/datasets.precheck`), batches are
+built, fed to the model and scored by `batch.BatchFormat` as in training -- (x, y) or dict
+batches (`data.inputs`), the user's loss, the model's own (`train.loss: model`) -- with the
+built-in cross-entropy kept in float64. The sharded strategies (`SHARDED_STRATEGIES`: zero1, fsdp) build
 their optimizer through `wrapper.make_optimizer` (every wrapper offers it) and are compared
 on parameters and buffers after every step, not gradients: zero1's `.grad` is averaged only
 inside the rank's chunk, fsdp's are shards; fsdp's full parameters are read inside
@@ -55,6 +60,7 @@ class Finding:
     # where; None: sharded, gradients are not comparable (parameters are, every step)
     param: tuple[float, str] = (0.0, "")
     buffer: tuple[float, str] = (0.0, "")
+    state: tuple[float, str] = (0.0, "")  # the full model + optimizer state dicts (a checkpoint's), rank 0
     single: Optional[tuple[float, str]] = None  # max |param - one process's|; None: not comparable
     allreduce_bytes_per_step: float = 0.0
     broadcast_bytes_per_step: float = 0.0
@@ -67,7 +73,8 @@ class Finding:
         if self.error:
             return [f"{self.strategy}: {self.error}"]
         out = []
-        for what, found in (("gradient", self.grad), ("parameter", self.param), ("buffer", self.buffer)):
+        for what, found in (("gradient", self.grad), ("parameter", self.param), ("buffer", self.buffer),
+                            ("state-dict entry", self.state)):
             diff, where = found or (0.0, "")
             if not diff <= TOLERANCE:
                 out.append(f"{self.strategy}: {what} '{where}' differs from torch DDP by {diff:.3g}")
@@ -224,7 +231,7 @@ def _merge(cfg: Any, per_rank: list[dict], kinds: Sequence[str]) -> Report:
         if errors:
             f.error = "; ".join(errors)
         else:
-            for key in ("grad", "param", "buffer"):
+            for key in ("grad", "param", "buffer", "state"):
                 found = [run[key] for run in runs if run[key] is not None]
                 f.__dict__[key] = max(found, key=lambda d: d[0]) if found else None
             singles = [run["single"] for run in runs]
@@ -286,7 +293,7 @@ def _render(cfg: Any, path: Optional[str], report: Report, rank0: dict, source: 
         f"frozen: {_fmt_names(report.frozen)} | tied: "
         + ("; ".join(" = ".join(group) for group in report.tied) if report.tied else "none"),
         "",
-        f"{'strategy':<9} {'grad diff':>9} {'param diff':>10} {'buffer diff':>11} {'vs 1 proc':>9}  "
+        f"{'strategy':<9} {'grad diff':>9} {'param diff':>10} {'buffer diff':>11} {'state diff':>10} {'vs 1 proc':>9}  "
         f"{'sent B/step':>17} {'/ theory':>8}  {'bcast B/step':>12} {'ms/step':>7} "
         f"{'comm ms':>7} {'exposed':>7} {'hidden':>6}",
     ]
@@ -304,14 +311,16 @@ def _render(cfg: Any, path: Optional[str], report: Report, rank0: dict, source: 
         ratio = sent / theory if theory else 0.0
         lines.append(
             f"{name:<9} {grad:>9} {'(ref)' if ref else f'{f.param[0]:.1e}':>10} "
-            f"{'(ref)' if ref else f'{f.buffer[0]:.1e}':>11} {single:>9}  "
+            f"{'(ref)' if ref else f'{f.buffer[0]:.1e}':>11} {'(ref)' if ref else f'{f.state[0]:.1e}':>10} {single:>9}  "
             f"{sent:>17,.0f} {ratio:>7.2f}x  {f.broadcast_bytes_per_step:>12,.0f} "
             f"{f.ms_per_step:>7.1f} {_comm_columns(f)}"
         )
     lines.append(f"(gradient bytes per step: {report.grad_bytes:,}, parameter bytes: {report.param_bytes:,}; "
                  "theory: all-reduce = gradient bytes; sharded (grad diff '-': compared on parameters "
                  "every step): reduce-scatter + all-gather = gradient + parameter bytes; "
-                 f"diffs: max |a - b| over {WORLD} ranks and every step; tolerance {TOLERANCE:g}; comm ms: gradient "
+                 f"diffs: max |a - b| over {WORLD} ranks and every step; state diff: the full model and optimizer "
+                 "state dicts a checkpoint saves (zero1 / fsdp gather theirs to rank 0), after every step; "
+                 f"tolerance {TOLERANCE:g}; comm ms: gradient "
                  "all-reduces in flight per step, exposed: the part after backward had finished, "
                  "hidden: the fraction backward hid; mean over ranks, '-' where not timed)")
     lines += [f"note: {n}" for n in report.notes]
@@ -386,6 +395,8 @@ def _rank_main(world_rank: int, world_size: int, job: dict) -> dict:
             max((_max_diff(g, rg) for g, rg in zip(run["grads"], ref["grads"])), key=lambda d: d[0]),
             "param": _worst(run["steps"], ref["steps"], "params"),
             "buffer": _worst(run["steps"], ref["steps"], "buffers"),
+            "state": None if world_rank != 0 else  # the full state dicts are rank 0's
+            max((_state_diff(a, b) for a, b in zip(run["full"], ref["full"])), key=lambda d: d[0]),
             "single": None if single is None else _max_diff(run["steps"][-1]["params"], single),
             "reduce_scatter_bytes": stats.get("reduce_scatter_bytes", 0),
             "all_gather_bytes": stats.get("all_gather_bytes") if kind in SHARDED_STRATEGIES else None,
@@ -504,7 +515,8 @@ def _run(kind: str, build, micro, loss_of, world_rank: int, cfg: Any, find_unuse
             opt = _optimizer(cfg, model.parameters())
         else:  # every wrapper builds it; a sharded one steps this rank's shard
             opt = model.make_optimizer(lambda params: _optimizer(cfg, params))
-        grads, steps, times, broadcast_bytes, summon_bytes = [], [], [], 0, 0
+        grads, steps, full, times, broadcast_bytes, summon_bytes = [], [], [], [], 0, 0
+        not_training: dict[str, int] = {}  # what reading the full state dicts sent
         buffer_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
         for step in range(STEPS):
             start = time.perf_counter()
@@ -528,10 +540,17 @@ def _run(kind: str, build, micro, loss_of, world_rank: int, cfg: Any, find_unuse
                 summon_bytes += model.comm_stats.get("all_gather_bytes", 0) - before
             else:
                 steps.append(_state(module))
-        out = {"steps": steps, "grads": None if sharded else grads, "ms": statistics.median(times) * 1e3}
+            before = dict(model.comm_stats) if kind != REFERENCE else {}
+            full.append(_full_state(model if kind != REFERENCE else module, opt, module))
+            for key, value in (dict(model.comm_stats) if kind != REFERENCE else {}).items():
+                if isinstance(value, int) and key in before:  # its gathers are verify's, not training's
+                    not_training[key] = not_training.get(key, 0) + value - before[key]
+        out = {"steps": steps, "full": full, "grads": None if sharded else grads, "ms": statistics.median(times) * 1e3}
         out["stats"] = {} if kind == REFERENCE else dict(model.comm_stats)
         if summon_bytes:
             out["stats"]["all_gather_bytes"] -= summon_bytes
+        for key, value in not_training.items():
+            out["stats"][key] -= value
         if kind == REFERENCE:  # torch DDP all-reduces every trainable gradient once per sync
             out["stats"] = {"allreduce_bytes": _torch_bytes(module) * STEPS, "broadcast_bytes": broadcast_bytes}
         return out
@@ -548,6 +567,30 @@ def _state(module) -> dict:
             "buffers": {n: b.detach().clone() for n, b in module.named_buffers()}}
 
 
+def _full_state(model, opt, module) -> dict:
+    """What a checkpoint saves of model and optimizer, flat: `name` and `name: <state key>`
+    (a collective for zero1 / fsdp, whose full state lands on rank 0; gathers not counted)."""
+    import torch
+
+    # Copies: torch's state dicts hold the live tensors, which the next step moves.
+    out = {name: t.detach().clone() for name, t in model.state_dict().items() if isinstance(t, torch.Tensor)}
+    names = [name for name, _ in module.named_parameters()]
+    state = opt.state_dict().get("state", {})
+    for index, entry in state.items():
+        where = names[index] if isinstance(index, int) and index < len(names) else str(index)
+        for key, value in entry.items():
+            out[f"{where}: optimizer {key}"] = (value.detach().clone() if isinstance(value, torch.Tensor)
+                                                else torch.tensor(float(value)))
+    return out
+
+
+def _state_diff(a: dict, b: dict) -> tuple[float, str]:
+    """Largest |a - b| over the entries of two flat state dicts; an entry only one has: infinite."""
+    for name in sorted(set(a) ^ set(b)):
+        return float("inf"), f"{name} (in {'this strategy' if name in a else 'torch DDP'}'s state dict only)"
+    return _max_diff(a, b)
+
+
 def _max_diff(a: dict, b: dict) -> tuple[float, str]:
     """Largest |a - b| over same-named tensors (None vs a tensor: infinite), and where."""
     worst: tuple[float, str] = (0.0, "")
@@ -557,6 +600,8 @@ def _max_diff(a: dict, b: dict) -> tuple[float, str]:
             continue
         if t is None or u is None:
             return float("inf"), f"{name} (grad None in one, not the other)"
+        if t.shape != u.shape:
+            return float("inf"), f"{name} (shape {tuple(t.shape)} vs {tuple(u.shape)})"
         d = (t.double() - u.double()).abs().max().item() if t.numel() else 0.0
         if d != d or d > worst[0]:
             worst = (float("inf") if d != d else d, name)
