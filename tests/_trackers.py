@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -47,6 +48,8 @@ def wandb_records(path: Path) -> Iterator[Any]:
             pos += left
             continue
         assert kind in (FULL, FIRST, MIDDLE, LAST), f"{path}: chunk type {kind} at {pos}"
+        if pos + 7 + length > len(data):  # still being written
+            return
         parts += data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (FULL, LAST):
@@ -56,8 +59,21 @@ def wandb_records(path: Path) -> Iterator[Any]:
             yield record
 
 
-def wandb_offline_run(wandb_dir: Path) -> dict[str, Any]:
-    """The one offline run under `wandb_dir`: its name, project, config, history rows and exit code."""
+def wandb_offline_run(wandb_dir: Path, timeout_s: float = 60.0) -> dict[str, Any]:
+    """The one offline run under `wandb_dir`: its name, project, config, history rows and exit code.
+
+    wandb's service process writes the file on its own, and `finish()` can return before the
+    last records land: read again until the run's exit record is there (bounded).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        run = _read_offline_run(wandb_dir)
+        if run["exit_code"] is not None or time.monotonic() > deadline:
+            return run
+        time.sleep(0.2)
+
+
+def _read_offline_run(wandb_dir: Path) -> dict[str, Any]:
     files = sorted(Path(wandb_dir).glob("wandb/offline-run-*/run-*.wandb"))
     assert len(files) == 1, files
     out: dict[str, Any] = {"history": [], "exit_code": None, "file": files[0]}

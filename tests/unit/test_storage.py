@@ -335,3 +335,20 @@ def test_wandb_sink_offline_run_read_back(tmp_path, monkeypatch):
         assert run["config"]["train"]["lr"] == cfg.train.lr and run["config"]["raytrain_ddp"]["fit_id"] == "b" * 32
         assert wandb_points(run, "train/loss") == [(1, 2.0), (2, 1.0)]
         assert wandb_points(run, "val/loss") == [(2, 0.5)] and wandb_points(run, "val/accuracy") == [(2, 0.75)]
+
+
+def test_check_loggers_names_the_missing_package(monkeypatch):
+    """Before Ray starts: a logger whose package is missing is one line naming it and the fix."""
+    import importlib.util
+
+    from raytrain_ddp.driver import sinks
+    from raytrain_ddp.errors import UserError
+
+    real = importlib.util.find_spec
+    missing = {"wandb", "mlflow"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in missing else real(name, *a))
+    for logger in ("wandb", "mlflow"):
+        with pytest.raises(UserError, match=rf"run.loggers includes '{logger}' but the {logger} package is not "
+                                            rf"installed; pip install {logger}, or drop it from run.loggers"):
+            sinks.check_loggers(load_config(None, [f"run.loggers=[jsonl,{logger}]"]))
+    sinks.check_loggers(load_config(None, ["run.loggers=[jsonl,tensorboard]"]))  # tensorboardX is there
