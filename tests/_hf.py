@@ -43,7 +43,8 @@ def rows(n: int, seed: int) -> pa.Table:
     ids = np.where(mask == 1, ids, 0)
     labels = np.where((ids == 7).any(axis=1), 1, 0)  # a 7 beyond the padding does not count
     as_list = lambda a: pa.FixedSizeListArray.from_arrays(pa.array(a.reshape(-1), pa.int64()), SEQ)  # noqa: E731
-    return pa.table({"input_ids": as_list(ids), "attention_mask": as_list(mask), "labels": pa.array(labels, pa.int64())})
+    return pa.table({"input_ids": as_list(ids), "attention_mask": as_list(mask),
+                     "labels": pa.array(labels, pa.int64())})
 
 
 def write_project(root: Path, train_rows: int = 256, val_rows: int = 64, **run: str) -> Path:

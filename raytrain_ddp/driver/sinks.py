@@ -183,7 +183,8 @@ class WandbSink:
 
         config = {**config_tree(cfg), "raytrain_ddp": {"fit_id": fit_id, "run_dir": run_dir.uri}}
         # WANDB_DIR / WANDB_MODE read now: wandb's process-wide settings keep the first fit's.
-        env = {key: os.environ[var] for key, var in (("dir", "WANDB_DIR"), ("mode", "WANDB_MODE")) if os.environ.get(var)}
+        env = {key: os.environ[var] for key, var in (("dir", "WANDB_DIR"), ("mode", "WANDB_MODE"))
+               if os.environ.get(var)}
         # console="off": our progress lines stay ours (W&B would wrap stdout to capture them).
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or cfg.name, name=cfg.name, config=config,
                               settings=wandb.Settings(console="off", silent=True), **env)

@@ -4,7 +4,8 @@ Owns: `Mailbox` (a small actor the driver owns, on the driver's node: rank 0 put
 events, the driver takes them) and `Recorder` (the driver's side: a thread that takes
 the events and hands them on -- `metrics.jsonl`, `attempts.jsonl` and `abort.json` in
 the run directory, the console's progress lines, and the optional TensorBoard / MLflow /
-W&B sinks, which get a line only once it is committed -- see `Recorder`). Must not touch: what a record holds (`worker/meter.py` makes them), training.
+W&B sinks, which get a line only once it is committed -- see `Recorder`). Must not
+touch: what a record holds (`worker/meter.py` makes them), training.
 
 Why an actor and not files: on a cluster whose nodes do not share a filesystem, rank 0
 cannot write the run directory the driver reads (and object stores cannot be appended

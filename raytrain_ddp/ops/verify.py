@@ -311,7 +311,8 @@ def _render(cfg: Any, path: Optional[str], report: Report, rank0: dict, source: 
         ratio = sent / theory if theory else 0.0
         lines.append(
             f"{name:<9} {grad:>9} {'(ref)' if ref else f'{f.param[0]:.1e}':>10} "
-            f"{'(ref)' if ref else f'{f.buffer[0]:.1e}':>11} {'(ref)' if ref else f'{f.state[0]:.1e}':>10} {single:>9}  "
+            f"{'(ref)' if ref else f'{f.buffer[0]:.1e}':>11} "
+            f"{'(ref)' if ref else f'{f.state[0]:.1e}':>10} {single:>9}  "
             f"{sent:>17,.0f} {ratio:>7.2f}x  {f.broadcast_bytes_per_step:>12,.0f} "
             f"{f.ms_per_step:>7.1f} {_comm_columns(f)}"
         )
@@ -491,7 +492,6 @@ def _worst(steps: list[dict], ref_steps: list[dict], key: str) -> tuple[float, s
 
 def _run(kind: str, build, micro, loss_of, world_rank: int, cfg: Any, find_unused: bool) -> dict:
     """Train STEPS steps with one strategy (or torch DDP) on a fresh group; its state after each."""
-    import torch
     import torch.distributed as dist
     from raytrain_ddp.parallel import SHARDED_STRATEGIES, wrap_model
     from raytrain_ddp.parallel.native import make_ddp
