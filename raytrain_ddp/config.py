@@ -404,10 +404,12 @@ class RunConfig(_Section):
         "metrics.jsonl); sync: each checkpoint waits for its upload. Just-in-time saves before "
         "a preemption are always sync.",
     )
-    loggers: list[Literal["jsonl", "tensorboard", "mlflow"]] = Field(
+    loggers: list[Literal["jsonl", "tensorboard", "mlflow", "wandb"]] = Field(
         ["jsonl"], description="Where the driver writes metrics: jsonl (metrics.jsonl in the run "
         "directory), tensorboard (event files in <run dir>/tensorboard), mlflow (the tracking "
-        "server of $MLFLOW_TRACKING_URI; needs the mlflow package).",
+        "server of $MLFLOW_TRACKING_URI; needs the mlflow package), wandb (Weights & Biases, "
+        "project named after the run or $WANDB_PROJECT; needs the wandb package). The trackers "
+        "get a step's point once a checkpoint covers it, so redone steps count once.",
     )
     recovery: Literal["replica", "checkpoint"] = Field(
         "replica", description="When a worker dies mid-run: replica (the surviving workers, which "

@@ -227,10 +227,19 @@ def prepare_job(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, A
     # a recorder in the background until this process exits (printed and in metrics.jsonl).
     job = dataclasses.replace(job, mailbox=open_mailbox())
     os.environ.setdefault(POLL_ENV, str(CONTROLLER_POLL_S))  # read by TorchTrainer.fit
-    recorder = Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir)], job.mailbox,
-                        write_metrics="jsonl" in cfg.run.loggers).__enter__()
-    atexit.register(recorder.stop)  # runs before Ray's own exit handler (registered earlier)
+    recorder = Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir, job.fit_id)],
+                        job.mailbox, write_metrics="jsonl" in cfg.run.loggers).__enter__()
+    atexit.register(_finish_outside_fit, recorder, total_steps)  # before Ray's own exit handler (registered earlier)
     return {"train_loop_config": {"job": job}, "datasets": prepared.datasets, "dataset_config": prepared.data_config}
+
+
+def _finish_outside_fit(recorder: Recorder, total_steps: int) -> None:
+    """Your own `TorchTrainer` ran the fit: at exit, write what is left and end the trackers'
+    runs -- ok when the records reached the last step (nothing else says how your fit ended),
+    aborted when every rank stopped together, else failed."""
+    recorder.stop()
+    status = "aborted" if recorder.abort is not None else "ok" if recorder.last_step >= total_steps else "failed"
+    recorder.close(status)
 
 
 def _prepare(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, checked: Any, code: Any,
@@ -331,7 +340,7 @@ def _fit(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, checked:
     status, error = "ok", None
     interrupt = _Interrupt(job.mailbox)  # ours lets the driver finish (see the module docstring)
     install_sigint_handler(trainer, interrupt.register)
-    recorder = Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir)],
+    recorder = Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir, job.fit_id)],
                         job.mailbox, write_metrics="jsonl" in cfg.run.loggers)
     try:
         with recorder:

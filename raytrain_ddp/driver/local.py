@@ -50,7 +50,7 @@ def run_local(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, che
                                    prepared=PreparedData({}, spec, None))
     job = dataclasses.replace(job, mailbox=LocalMailbox())
     device = torch.device("cuda", 0) if cfg.scaling.use_gpu else torch.device("cpu")
-    recorder = Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir)], job.mailbox,
+    recorder = Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir, job.fit_id)], job.mailbox,
                         write_metrics="jsonl" in cfg.run.loggers)
     started, status, error = time.time(), "ok", None
     with _ctrl_c_stops(job.mailbox) as pressed:

@@ -3,8 +3,9 @@
 Owns: `Mailbox` (a small actor the driver owns, on the driver's node: rank 0 puts
 events, the driver takes them) and `Recorder` (the driver's side: a thread that takes
 the events and hands them on -- `metrics.jsonl`, `attempts.jsonl` and `abort.json` in
-the run directory, the console's progress lines, and the optional TensorBoard / MLflow
-sinks). Must not touch: what a record holds (`worker/meter.py` makes them), training.
+the run directory, the console's progress lines, and the optional TensorBoard / MLflow /
+W&B sinks, which get a line only once it is committed -- see `Recorder`). Must not
+touch: what a record holds (`worker/meter.py` makes them), training.
 
 Why an actor and not files: on a cluster whose nodes do not share a filesystem, rank 0
 cannot write the run directory the driver reads (and object stores cannot be appended
@@ -234,15 +235,29 @@ class Recorder:
     """Driver side: takes the mailbox's events in a thread and hands them on.
 
     Writes `metrics.jsonl` (when `jsonl` is among `run.loggers`), `attempts.jsonl` and
-    `abort.json` into the run directory, and passes every metrics line to each sink
-    (the console's `ProgressPrinter`, TensorBoard, MLflow: objects with
-    `record(line)`, `flush()` and `close(status)`). Keeps what the summary needs: the
-    lines, this fit's attempts, the abort, the checkpoints' blocked times.
+    `abort.json` into the run directory, and passes the metrics lines to each sink (the
+    console's `ProgressPrinter`, TensorBoard, MLflow, W&B: objects with `record(line)`,
+    `flush()` and `close(status)`). Keeps what the summary needs: the lines, this fit's
+    attempts, the abort, the checkpoints' blocked times.
+
+    Live sinks (the console) get every line as it arrives, redone ones too. A sink with
+    `committed_only = True` (the trackers, `driver/sinks.py`) gets what `metrics.jsonl`
+    ends up holding and nothing else: a line is held back until no restart can redo its
+    step -- a checkpoint at or after it was reported (a restart resumes from that
+    checkpoint or a later step; lines past the resume step are dropped, a redone line
+    replaces its held self), or the fit ended -- then handed over in step order, each
+    (step, train|validation) at most once. The one exception, logged: a restart that falls
+    back below a reported checkpoint (its asynchronous upload died with the worker) redoes
+    steps already handed over; those keep their first point.
     """
 
     def __init__(self, run_dir: Location, fit_id: str, sinks: list[Any], mailbox: Any = None,
                  write_metrics: bool = True) -> None:
         self.run_dir, self.fit_id, self.sinks, self.mailbox = run_dir, fit_id, list(sinks), mailbox
+        self._trackers = [s for s in self.sinks if getattr(s, "committed_only", False)]
+        self._held: dict[tuple[int, str], dict[str, Any]] = {}  # lines the trackers have not had yet
+        self._handed: set[tuple[int, str]] = set()  # (step, kind) the trackers have had in this fit
+        self._fit_started = False  # the first `resumed` event: where this fit starts
         self.metrics = JsonlFile(run_dir / METRICS_FILE)
         self._lines = {_line_key(r) for r in self.metrics.records}  # (step, kind) of every line held
         self._fit_lines: set[tuple[int, str]] = set()  # those this fit made (earlier fits' are not its outcome)
@@ -276,6 +291,8 @@ class Recorder:
             self._thread.join(timeout=10)
         self._drain(timeout_s=0.0)
         self.handle([], final=True)  # an event still missing now is not coming
+        with self._lock:
+            self._commit(None)  # the fit is over: nothing can be redone any more
         self.flush(force=True)
 
     def close(self, status: str) -> None:
@@ -334,12 +351,24 @@ class Recorder:
             self.metrics.append([record])
             self.last_step = max(self.last_step, int(record.get("step", 0)))
             for sink in self.sinks:
-                self._call(sink, "record", record)
+                if sink not in self._trackers:
+                    self._call(sink, "record", record)
+            if self._trackers and key not in self._handed:
+                self._held[key] = record
         elif kind == "attempt":
             self.attempts.append([event["record"]])
         elif kind == "resumed":
             step = int(event["step"])
             self.metrics.keep(lambda r: r.get("step", 0) <= step)
+            self._held = {key: r for key, r in self._held.items() if key[0] <= step}
+            if not self._fit_started:
+                self._fit_started = True
+                for sink in self._trackers:
+                    if hasattr(sink, "fit_starts_at"):
+                        self._call(sink, "fit_starts_at", step)
+            elif any(key[0] > step for key in self._handed):
+                logger.warning("record stream: resumed at step %d, below a reported checkpoint; the trackers "
+                               "keep their first point of the steps up to %d", step, max(k[0] for k in self._handed))
             self._lines = {_line_key(r) for r in self.metrics.records}
             self.attempts.amend_last({"resumed_step": step, **event.get("origin", {})})
             self.last_step = step
@@ -353,6 +382,17 @@ class Recorder:
             (self.run_dir / ABORT_FILE).write_text(json.dumps(self.abort))
         elif kind == "checkpoint":
             self.checkpoints.append({k: event[k] for k in ("step", "name", "blocked_s") if k in event})
+            self._commit(int(event["step"]))
+
+    def _commit(self, step: Optional[int]) -> None:
+        """Hand the trackers the held lines up to `step` (None: all), in step order, train first."""
+        ready = sorted((key for key in self._held if step is None or key[0] <= step),
+                       key=lambda k: (k[0], k[1] != "train"))
+        for key in ready:
+            record = self._held.pop(key)
+            self._handed.add(key)
+            for sink in self._trackers:
+                self._call(sink, "record", record)
 
     def _call(self, sink: Any, method: str, *args: Any) -> None:
         try:

@@ -4,9 +4,14 @@ Owns: taking the model and a few real rows of a config's data, training a few st
 local gloo ranks in float64 with every strategy and with torch's
 `DistributedDataParallel` (same options), plus one process on all the rows, and printing
 per strategy how far it is from torch DDP (gradients, parameters and buffers every step, on
-every rank), from one process, what it sent, how long a step took and how much of its
+every rank; the full model and optimizer state dicts, what a checkpoint saves, every step on
+rank 0), from one process, what it sent, how long a step took and how much of its
 communication backward hid (where the wrapper times it); exit 1 on any difference above
-1e-9, naming the parameter. The sharded strategies (`SHARDED_STRATEGIES`: zero1, fsdp) build
+1e-9, naming the tensor. It takes every config `train` takes: the rows go through
+`data.preprocess` and the driver's own checks (`driver/datasets.precheck`), batches are
+built, fed to the model and scored by `batch.BatchFormat` as in training -- (x, y) or dict
+batches (`data.inputs`), the user's loss, the model's own (`train.loss: model`) -- with the
+built-in cross-entropy kept in float64. The sharded strategies (`SHARDED_STRATEGIES`: zero1, fsdp) build
 their optimizer through `wrapper.make_optimizer` (every wrapper offers it) and are compared
 on parameters and buffers after every step, not gradients: zero1's `.grad` is averaged only
 inside the rank's chunk, fsdp's are shards; fsdp's full parameters are read inside
@@ -55,6 +60,7 @@ class Finding:
     # where; None: sharded, gradients are not comparable (parameters are, every step)
     param: tuple[float, str] = (0.0, "")
     buffer: tuple[float, str] = (0.0, "")
+    state: tuple[float, str] = (0.0, "")  # the full model + optimizer state dicts (a checkpoint's), rank 0
     single: Optional[tuple[float, str]] = None  # max |param - one process's|; None: not comparable
     allreduce_bytes_per_step: float = 0.0
     broadcast_bytes_per_step: float = 0.0
@@ -67,7 +73,8 @@ class Finding:
         if self.error:
             return [f"{self.strategy}: {self.error}"]
         out = []
-        for what, found in (("gradient", self.grad), ("parameter", self.param), ("buffer", self.buffer)):
+        for what, found in (("gradient", self.grad), ("parameter", self.param), ("buffer", self.buffer),
+                            ("state-dict entry", self.state)):
             diff, where = found or (0.0, "")
             if not diff <= TOLERANCE:
                 out.append(f"{self.strategy}: {what} '{where}' differs from torch DDP by {diff:.3g}")
@@ -130,8 +137,8 @@ def verify(config: Any = None, overrides: Optional[Sequence[str]] = None, *, str
     unknown = sorted(set(kinds) - set(every))
     if unknown:
         raise UserError(f"verify: unknown strategies {unknown}; choose from {every}")
-    x, y, spec, source = _rows(cfg)
-    job = dict(cfg=cfg, config_path=path, spec=spec, x=x, y=y, kinds=kinds)
+    columns, spec, source = _rows(cfg, path)
+    job = dict(cfg=cfg, config_path=path, spec=spec, columns=columns, kinds=kinds)
     try:
         per_rank = run_ranks(_rank_main, WORLD, job, timeout_s=timeout_s, pg_timeout_s=30, threads=1)
     except RankError as exc:
@@ -151,39 +158,68 @@ def main(config: Optional[str], overrides: Sequence[str]) -> int:
     return 0 if verify(config, overrides).ok else 1
 
 
-def _rows(cfg: Any) -> tuple[np.ndarray, np.ndarray, Any, str]:
-    """A few real rows of the configured data (seeded choice) and the spec the model is built from."""
+def _rows(cfg: Any, config_path: Optional[str] = None) -> tuple[dict[str, np.ndarray], Any, str]:
+    """A few real rows of the configured data (seeded choice), as the model's columns, and the
+    spec the model is built from: what `train` would feed it, `data.preprocess` applied and,
+    for dict batches (`data.inputs`), every column the preprocess returns."""
     from raytrain_ddp.driver import datasets
     from raytrain_ddp.job import DataSpec
+    from raytrain_ddp.user import resolve, run_preprocess, uses_own_data
+    from raytrain_ddp.worker.shard import arrow_numpy, column_arrays
 
-    if getattr(cfg.data, "preprocess", None) or cfg.data.source not in ("digits", "synthetic", "parquet"):
-        raise UserError("verify takes rows from data.source digits, synthetic or parquet (the "
-                        f"features/label columns), not data.source={cfg.data.source!r} with a "
-                        "preprocess; verify a built-in source with the same model instead")
+    if cfg.data.source not in ("digits", "synthetic", "parquet"):
+        raise UserError(f"verify takes rows from data.source digits, synthetic or parquet, not "
+                        f"data.source={cfg.data.source!r} (Ray Datasets given from Python): write a few "
+                        "rows to parquet and verify with data.source=parquet")
     need = WORLD * MICRO_STEPS * ROWS_PER_MICRO * STEPS
+    own = uses_own_data(cfg)
+    cfg_code = resolve(cfg, config_path=config_path)[1]
+    checked = datasets.precheck(cfg, cfg_code)  # the driver's own checks, each error naming its key
+    if checked.pipeline is not None:
+        spec = checked.pipeline.spec
+    elif cfg.data.source == "parquet":
+        info = checked.parquet
+        spec = DataSpec(info.task, tuple(datasets._model_shape(cfg, info.feature_shape)), info.num_classes,
+                        info.rows, 0, str(cfg.data.path))
+    source = f"parquet {cfg.data.path}" if cfg.data.source == "parquet" else cfg.data.source
+    if cfg.data.preprocess:
+        source += f", data.preprocess {cfg.data.preprocess}"
+    batches = []
     if cfg.data.source == "parquet":
-        import pyarrow.parquet as pq
-
-        from raytrain_ddp.worker.shard import stack_column
-
-        info = datasets.check_parquet(cfg.data.path, cfg.data.features, cfg.data.label,
-                                      lm=cfg.model.name == "gpt")
-        table = pq.read_table(info.files[0], columns=[cfg.data.features, cfg.data.label]).slice(0, need)
-        features = stack_column(table.column(cfg.data.features).to_numpy(zero_copy_only=False))
-        labels = stack_column(table.column(cfg.data.label).to_numpy(zero_copy_only=False))
-        shape = datasets._model_shape(cfg, info.feature_shape)
-        spec = DataSpec(info.task, tuple(shape), info.num_classes, info.rows, 0, str(cfg.data.path))
-        source = f"parquet {cfg.data.path}"
+        names = None if own else [cfg.data.features, cfg.data.label]
+        raw = (table for file in checked.parquet.files
+               for table in _parquet_tables(file, names))
     else:
         features, labels = (datasets.load_digits_arrays() if cfg.data.source == "digits"
                             else datasets.synthetic_arrays(cfg))
-        shape, classes, task = datasets._spec_from_arrays(cfg, features, labels)
-        spec = DataSpec(task, tuple(shape), classes, len(features), 0, cfg.data.source)
-        source = cfg.data.source
-    if len(features) < need:
-        raise UserError(f"verify needs {need} rows of {source}, found {len(features)}")
-    order = np.random.default_rng(cfg.train.seed).permutation(len(features))[:need]
-    return features[order], labels[order], spec, source
+        if checked.pipeline is None:
+            shape, classes, task = datasets._spec_from_arrays(cfg, features, labels)
+            spec = DataSpec(task, tuple(shape), classes, len(features), 0, cfg.data.source)
+        table = datasets._table(features, labels, cfg.data)
+        raw = (table.slice(i, 256) for i in range(0, table.num_rows, 256))
+    rows = 0
+    for table in raw:
+        batch = arrow_numpy(table)
+        if cfg_code.preprocess:
+            batch = run_preprocess(cfg, cfg_code.preprocess, batch)
+        batches.append(batch)
+        rows += len(next(iter(batch.values())))
+        if rows >= need and cfg.data.source == "parquet":
+            break
+    if rows < need:
+        raise UserError(f"verify needs {need} rows of {source}, found {rows}")
+    batch = {name: np.concatenate([np.asarray(b[name]) for b in batches]) for name in batches[0]}
+    arrays = column_arrays(batch, cfg, spec)
+    order = np.random.default_rng(cfg.train.seed).permutation(rows)[:need]
+    return {name: a[order] for name, a in arrays.items()}, spec, source
+
+
+def _parquet_tables(file: str, columns: Optional[list[str]], rows: int = 64):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for record_batch in pq.ParquetFile(file).iter_batches(batch_size=rows, columns=columns):
+        yield pa.Table.from_batches([record_batch])
 
 
 def _merge(cfg: Any, per_rank: list[dict], kinds: Sequence[str]) -> Report:
@@ -195,7 +231,7 @@ def _merge(cfg: Any, per_rank: list[dict], kinds: Sequence[str]) -> Report:
         if errors:
             f.error = "; ".join(errors)
         else:
-            for key in ("grad", "param", "buffer"):
+            for key in ("grad", "param", "buffer", "state"):
                 found = [run[key] for run in runs if run[key] is not None]
                 f.__dict__[key] = max(found, key=lambda d: d[0]) if found else None
             singles = [run["single"] for run in runs]
@@ -257,7 +293,7 @@ def _render(cfg: Any, path: Optional[str], report: Report, rank0: dict, source: 
         f"frozen: {_fmt_names(report.frozen)} | tied: "
         + ("; ".join(" = ".join(group) for group in report.tied) if report.tied else "none"),
         "",
-        f"{'strategy':<9} {'grad diff':>9} {'param diff':>10} {'buffer diff':>11} {'vs 1 proc':>9}  "
+        f"{'strategy':<9} {'grad diff':>9} {'param diff':>10} {'buffer diff':>11} {'state diff':>10} {'vs 1 proc':>9}  "
         f"{'sent B/step':>17} {'/ theory':>8}  {'bcast B/step':>12} {'ms/step':>7} "
         f"{'comm ms':>7} {'exposed':>7} {'hidden':>6}",
     ]
@@ -275,14 +311,17 @@ def _render(cfg: Any, path: Optional[str], report: Report, rank0: dict, source: 
         ratio = sent / theory if theory else 0.0
         lines.append(
             f"{name:<9} {grad:>9} {'(ref)' if ref else f'{f.param[0]:.1e}':>10} "
-            f"{'(ref)' if ref else f'{f.buffer[0]:.1e}':>11} {single:>9}  "
+            f"{'(ref)' if ref else f'{f.buffer[0]:.1e}':>11} "
+            f"{'(ref)' if ref else f'{f.state[0]:.1e}':>10} {single:>9}  "
             f"{sent:>17,.0f} {ratio:>7.2f}x  {f.broadcast_bytes_per_step:>12,.0f} "
             f"{f.ms_per_step:>7.1f} {_comm_columns(f)}"
         )
     lines.append(f"(gradient bytes per step: {report.grad_bytes:,}, parameter bytes: {report.param_bytes:,}; "
                  "theory: all-reduce = gradient bytes; sharded (grad diff '-': compared on parameters "
                  "every step): reduce-scatter + all-gather = gradient + parameter bytes; "
-                 f"diffs: max |a - b| over {WORLD} ranks and every step; tolerance {TOLERANCE:g}; comm ms: gradient "
+                 f"diffs: max |a - b| over {WORLD} ranks and every step; state diff: the full model and optimizer "
+                 "state dicts a checkpoint saves (zero1 / fsdp gather theirs to rank 0), after every step; "
+                 f"tolerance {TOLERANCE:g}; comm ms: gradient "
                  "all-reduces in flight per step, exposed: the part after backward had finished, "
                  "hidden: the fraction backward hid; mean over ranks, '-' where not timed)")
     lines += [f"note: {n}" for n in report.notes]
@@ -306,28 +345,45 @@ def _rank_main(world_rank: int, world_size: int, job: dict) -> dict:
     import torch
     from raytrain_ddp.parallel import SHARDED_STRATEGIES
 
+    from raytrain_ddp.user import resolve
+    from raytrain_ddp.worker.step import logits_of
+
     cfg, spec = job["cfg"], job["spec"]
-    x = torch.from_numpy(np.ascontiguousarray(job["x"]))
-    x = x.double() if x.is_floating_point() else x
-    x = x.reshape(len(x), *spec.feature_shape) if spec.feature_shape and x.dim() == 2 else x
-    y = torch.from_numpy(np.ascontiguousarray(job["y"]))
+    code = resolve(cfg, config_path=job["config_path"])[1]
+    fmt = code.batch_format(cfg)  # (x, y) or dict batches, the user's loss or the model's: as `train`
+    columns = {}
+    for name, array in job["columns"].items():
+        t = torch.from_numpy(np.ascontiguousarray(array))
+        columns[name] = t.double() if t.is_floating_point() else t
 
     def build():
         torch.manual_seed(cfg.train.seed)
-        return _build_model(cfg, spec, job["config_path"]).double()
+        return code.build_model(cfg, spec).double()
 
     def micro(step: int, j: int, rank: int):
         lo = ((step * MICRO_STEPS + j) * world_size + rank) * ROWS_PER_MICRO
-        return x[lo:lo + ROWS_PER_MICRO], y[lo:lo + ROWS_PER_MICRO]
+        return fmt.assemble({name: t[lo:lo + ROWS_PER_MICRO] for name, t in columns.items()})
+
+    def loss_of(model, batch):
+        output = fmt.forward(model, batch)
+        if fmt.user_loss is None and fmt.loss_name == "cross_entropy":
+            return _loss(logits_of(output), fmt.target(batch))  # float64 throughout (train's upcasts to fp32)
+        return fmt.loss(output, batch)
+
+    def whole(parts):
+        """Micro-batches as one batch (one process's view of a step)."""
+        if fmt.is_dict:
+            return {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     probe = build()
-    facts = _facts(probe, [micro(0, j, world_rank) for j in range(MICRO_STEPS)])
+    facts = _facts(probe, [micro(0, j, world_rank) for j in range(MICRO_STEPS)], loss_of)
     find_unused = cfg.parallel.find_unused_parameters
     unused_anywhere = _any_rank(bool(facts["unused"]))
-    single = _single(cfg, build, micro, world_size) if facts["single_ok"] else None
+    single = _single(cfg, build, micro, whole, loss_of, world_size) if facts["single_ok"] else None
     runs = {}
     for kind in (REFERENCE, *job["kinds"]):
-        runs[kind] = _run(kind, build, micro, world_rank, cfg, find_unused or unused_anywhere)
+        runs[kind] = _run(kind, build, micro, loss_of, world_rank, cfg, find_unused or unused_anywhere)
     ref = runs[REFERENCE]
     results = {}
     for kind, run in runs.items():
@@ -340,6 +396,8 @@ def _rank_main(world_rank: int, world_size: int, job: dict) -> dict:
             max((_max_diff(g, rg) for g, rg in zip(run["grads"], ref["grads"])), key=lambda d: d[0]),
             "param": _worst(run["steps"], ref["steps"], "params"),
             "buffer": _worst(run["steps"], ref["steps"], "buffers"),
+            "state": None if world_rank != 0 else  # the full state dicts are rank 0's
+            max((_state_diff(a, b) for a, b in zip(run["full"], ref["full"])), key=lambda d: d[0]),
             "single": None if single is None else _max_diff(run["steps"][-1]["params"], single),
             "reduce_scatter_bytes": stats.get("reduce_scatter_bytes", 0),
             "all_gather_bytes": stats.get("all_gather_bytes") if kind in SHARDED_STRATEGIES else None,
@@ -352,16 +410,6 @@ def _rank_main(world_rank: int, world_size: int, job: dict) -> dict:
     if not facts["single_ok"]:
         facts["notes"].append(facts.pop("single_why"))
     return {"runs": results, "facts": facts}
-
-
-def _build_model(cfg: Any, spec: Any, config_path: Optional[str]):
-    from raytrain_ddp import models
-
-    if cfg.model.name in ("mlp", "cnn", "gpt"):
-        return models.build_model(cfg, spec)
-    from raytrain_ddp import user  # a user's model factory (model.name 'package.module:factory')
-
-    return user.build_model(cfg, spec, config_path=config_path)
 
 
 def _loss(logits, y):
@@ -388,15 +436,15 @@ def _seed_forward(step: int, j: int, rank: int) -> None:
     torch.manual_seed(1_000_003 * step + 1009 * j + rank)  # same dropout masks in every run
 
 
-def _facts(model, batches) -> dict:
+def _facts(model, batches, loss_of) -> dict:
     """Frozen, tied and (on this rank, step 1) unused parameters; whether one process compares."""
     from torch import nn
 
     names_of: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(p), []).append(name)
-    for xb, yb in batches:
-        _loss(model(xb), yb).backward()
+    for batch in batches:
+        loss_of(model, batch).backward()
     named = list(model.named_parameters())
     batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
                     for m in model.modules())
@@ -426,15 +474,13 @@ def _any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
-def _single(cfg: Any, build, micro, world_size: int) -> dict:
+def _single(cfg: Any, build, micro, whole, loss_of, world_size: int) -> dict:
     """One process: every rank's micro-batches of a step in one mean-loss batch."""
-    import torch
-
     model = build()
     opt = _optimizer(cfg, model.parameters())
     for step in range(STEPS):
         parts = [micro(step, j, r) for r in range(world_size) for j in range(MICRO_STEPS)]
-        _loss(model(torch.cat([p[0] for p in parts])), torch.cat([p[1] for p in parts])).backward()
+        loss_of(model, whole(parts)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     return _state(model)["params"]
@@ -444,9 +490,8 @@ def _worst(steps: list[dict], ref_steps: list[dict], key: str) -> tuple[float, s
     return max((_max_diff(s[key], r[key]) for s, r in zip(steps, ref_steps)), key=lambda d: d[0])
 
 
-def _run(kind: str, build, micro, world_rank: int, cfg: Any, find_unused: bool) -> dict:
+def _run(kind: str, build, micro, loss_of, world_rank: int, cfg: Any, find_unused: bool) -> dict:
     """Train STEPS steps with one strategy (or torch DDP) on a fresh group; its state after each."""
-    import torch
     import torch.distributed as dist
     from raytrain_ddp.parallel import SHARDED_STRATEGIES, wrap_model
     from raytrain_ddp.parallel.native import make_ddp
@@ -470,17 +515,18 @@ def _run(kind: str, build, micro, world_rank: int, cfg: Any, find_unused: bool) 
             opt = _optimizer(cfg, model.parameters())
         else:  # every wrapper builds it; a sharded one steps this rank's shard
             opt = model.make_optimizer(lambda params: _optimizer(cfg, params))
-        grads, steps, times, broadcast_bytes, summon_bytes = [], [], [], 0, 0
+        grads, steps, full, times, broadcast_bytes, summon_bytes = [], [], [], [], 0, 0
+        not_training: dict[str, int] = {}  # what reading the full state dicts sent
         buffer_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
         for step in range(STEPS):
             start = time.perf_counter()
             for j in range(MICRO_STEPS):
-                xb, yb = micro(step, j, world_rank)
+                batch = micro(step, j, world_rank)
                 _seed_forward(step, j, world_rank)
                 if kind == REFERENCE and model.will_sync_module_buffers():
                     broadcast_bytes += buffer_bytes
                 with model.no_sync() if j < MICRO_STEPS - 1 else contextlib.nullcontext():
-                    (_loss(model(xb), yb) / MICRO_STEPS).backward()
+                    (loss_of(model, batch) / MICRO_STEPS).backward()
             if not sharded:
                 grads.append({n: (q.grad.detach().clone() if q.grad is not None else None)
                               for n, q in module.named_parameters()})
@@ -494,10 +540,17 @@ def _run(kind: str, build, micro, world_rank: int, cfg: Any, find_unused: bool) 
                 summon_bytes += model.comm_stats.get("all_gather_bytes", 0) - before
             else:
                 steps.append(_state(module))
-        out = {"steps": steps, "grads": None if sharded else grads, "ms": statistics.median(times) * 1e3}
+            before = dict(model.comm_stats) if kind != REFERENCE else {}
+            full.append(_full_state(model if kind != REFERENCE else module, opt, module))
+            for key, value in (dict(model.comm_stats) if kind != REFERENCE else {}).items():
+                if isinstance(value, int) and key in before:  # its gathers are verify's, not training's
+                    not_training[key] = not_training.get(key, 0) + value - before[key]
+        out = {"steps": steps, "full": full, "grads": None if sharded else grads, "ms": statistics.median(times) * 1e3}
         out["stats"] = {} if kind == REFERENCE else dict(model.comm_stats)
         if summon_bytes:
             out["stats"]["all_gather_bytes"] -= summon_bytes
+        for key, value in not_training.items():
+            out["stats"][key] -= value
         if kind == REFERENCE:  # torch DDP all-reduces every trainable gradient once per sync
             out["stats"] = {"allreduce_bytes": _torch_bytes(module) * STEPS, "broadcast_bytes": broadcast_bytes}
         return out
@@ -514,6 +567,30 @@ def _state(module) -> dict:
             "buffers": {n: b.detach().clone() for n, b in module.named_buffers()}}
 
 
+def _full_state(model, opt, module) -> dict:
+    """What a checkpoint saves of model and optimizer, flat: `name` and `name: <state key>`
+    (a collective for zero1 / fsdp, whose full state lands on rank 0; gathers not counted)."""
+    import torch
+
+    # Copies: torch's state dicts hold the live tensors, which the next step moves.
+    out = {name: t.detach().clone() for name, t in model.state_dict().items() if isinstance(t, torch.Tensor)}
+    names = [name for name, _ in module.named_parameters()]
+    state = opt.state_dict().get("state", {})
+    for index, entry in state.items():
+        where = names[index] if isinstance(index, int) and index < len(names) else str(index)
+        for key, value in entry.items():
+            out[f"{where}: optimizer {key}"] = (value.detach().clone() if isinstance(value, torch.Tensor)
+                                                else torch.tensor(float(value)))
+    return out
+
+
+def _state_diff(a: dict, b: dict) -> tuple[float, str]:
+    """Largest |a - b| over the entries of two flat state dicts; an entry only one has: infinite."""
+    for name in sorted(set(a) ^ set(b)):
+        return float("inf"), f"{name} (in {'this strategy' if name in a else 'torch DDP'}'s state dict only)"
+    return _max_diff(a, b)
+
+
 def _max_diff(a: dict, b: dict) -> tuple[float, str]:
     """Largest |a - b| over same-named tensors (None vs a tensor: infinite), and where."""
     worst: tuple[float, str] = (0.0, "")
@@ -523,6 +600,8 @@ def _max_diff(a: dict, b: dict) -> tuple[float, str]:
             continue
         if t is None or u is None:
             return float("inf"), f"{name} (grad None in one, not the other)"
+        if t.shape != u.shape:
+            return float("inf"), f"{name} (shape {tuple(t.shape)} vs {tuple(u.shape)})"
         d = (t.double() - u.double()).abs().max().item() if t.numel() else 0.0
         if d != d or d > worst[0]:
             worst = (float("inf") if d != d else d, name)

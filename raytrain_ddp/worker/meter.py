@@ -20,7 +20,8 @@ step), `exposed_comm_ms` (the part of it the step waited for after backward) and
 `comm_overlap_fraction` (the part backward hid, 0..1),
 `checkpoint_blocked_s` (seconds the step loop waited for checkpoints since the previous
 line), `nonfinite_steps` (cumulative) and `attempt`. Validation lines carry `step`,
-`epoch`, `time`, `val_loss` and, for classifiers, `val_accuracy`.
+`epoch`, `time`, `val_loss` and `val_accuracy` (classifiers, and token accuracy for lm:
+`worker/step.accuracy_counts`).
 """
 
 from __future__ import annotations

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -104,7 +105,7 @@ def _skip_step(state: TrainState, policy: Any) -> None:
 
 @torch.no_grad()
 def validate(state: TrainState, data: Any, rank: Rank, spec: Any) -> dict[str, float]:
-    """Loss (and accuracy) over the whole validation set, summed over ranks.
+    """Loss (and accuracy, see `accuracy_counts`) over the whole validation set, summed over ranks.
 
     The loss is each batch's mean weighted by its rows. Runs the bare module: ranks may
     hold different numbers of validation batches, and a wrapper's forward could take part
@@ -116,6 +117,7 @@ def validate(state: TrainState, data: Any, rank: Rank, spec: Any) -> dict[str, f
         broadcast_coalesced(list(state.module.buffers()), None)
     state.module.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=rank.device)  # loss sum, rows, correct, rows scored
+    shifted = shifts_labels(state.module, state.batch)
     with state.wrapper.summon_full_params():  # fsdp: gathered once, so no forward communicates
         for batch in data.val_batches():
             with state.autocast():
@@ -123,9 +125,10 @@ def validate(state: TrainState, data: Any, rank: Rank, spec: Any) -> dict[str, f
             n = state.batch.rows(batch)
             totals[0] += loss.detach().double() * n
             totals[1] += n
-            if spec.task == "classification" and isinstance(output, torch.Tensor):  # logits over classes
-                totals[2] += (output.argmax(dim=-1) == state.batch.target(batch)).sum()
-                totals[3] += n
+            counts = accuracy_counts(output, state.batch.target(batch), spec.task, shifted)
+            if counts is not None:
+                totals[2] += counts[0]
+                totals[3] += counts[1]
     loss_sum, count, correct, scored = sum_over_ranks(totals)
     state.module.train()
     if count == 0:
@@ -134,3 +137,49 @@ def validate(state: TrainState, data: Any, rank: Rank, spec: Any) -> dict[str, f
     if scored:
         out["val_accuracy"] = correct / scored
     return out
+
+
+IGNORE_INDEX = -100  # a label position that is not scored (torch's cross_entropy and Hugging Face's default)
+
+
+def logits_of(output: Any) -> Optional[torch.Tensor]:
+    """The logits in a model's output: the tensor itself, a dict's or a Hugging Face
+    `ModelOutput`'s `logits`; None when there are none."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping):  # a ModelOutput is a Mapping too
+        logits = output.get("logits")
+    else:
+        logits = getattr(output, "logits", None)
+    return logits if isinstance(logits, torch.Tensor) else None
+
+
+def shifts_labels(module: Any, fmt: Any) -> bool:
+    """Whether the model shifts the labels itself: a Hugging Face causal LM (`...ForCausalLM`,
+    `...LMHeadModel`) that computes the loss (`train.loss: model`) from `labels=` among its inputs."""
+    if fmt.user_loss is not None or fmt.loss_name != "model" or not fmt.is_dict or fmt.label not in fmt.inputs:
+        return False
+    return type(module).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+
+
+def accuracy_counts(output: Any, target: Optional[torch.Tensor], task: str,
+                    shifted: bool = False) -> Optional[tuple[torch.Tensor, int]]:
+    """(correct, scored) of one batch, or None when accuracy does not apply.
+
+    classification: argmax over the last dimension of the logits `(rows, classes)` against
+    the labels `(rows,)`. lm: token accuracy, the same over every position of logits
+    `(rows, tokens, vocab)` against labels `(rows, tokens)`, skipping labels of -100;
+    `shifted`: the model predicts position t + 1 from position t and takes the unshifted
+    labels (a Hugging Face causal LM given `labels=`), so logits[:, :-1] are scored against
+    labels[:, 1:]. Anything else (no logits, no integer labels, other shapes): None.
+    """
+    logits = logits_of(output)
+    if logits is None or target is None or task not in ("classification", "lm") or target.is_floating_point():
+        return None
+    if task == "lm" and shifted and logits.dim() == 3:
+        logits, target = logits[:, :-1], target[:, 1:]
+    if logits.dim() != target.dim() + 1 or logits.shape[:-1] != target.shape:
+        return None
+    keep = target != IGNORE_INDEX
+    correct = ((logits.argmax(dim=-1) == target) & keep).sum()
+    return correct, int(keep.sum())

@@ -12,7 +12,13 @@ Three runs, each checked thoroughly, each a few seconds of training:
   after step 5, resumed from a checkpoint (every 2 steps); `stdlib_corpus.py report`
   prints bits per byte next to the unigram baseline;
 * the Python API snippet of docs/byo.md (callables and Ray Datasets, `bucketed`, 2
-  workers) and its own-`TorchTrainer` variant, on the session's Ray instance.
+  workers) and its own-`TorchTrainer` variant, on the session's Ray instance;
+* a Hugging Face classifier (issue #26: `tests/_hf.py`, dict batches, `train.loss: model`)
+  on 2 workers with `fsdp`, rank 1 killed after step 5 and resumed from the step-4
+  checkpoint, every tracker on (`run.loggers: [jsonl, tensorboard, mlflow, wandb]`): each
+  read back with its own client holds the steps of `metrics.jsonl` once each (step 5 was
+  trained twice), MLflow one FINISHED run, W&B one offline run; `val_accuracy` is reported
+  and equals what the exported model, loaded strictly into the user's class, scores.
 
 `ray job submit` of both examples is in `test_job_submit.py`; every strategy on user
 models (both examples) in `tests/parallel/test_user_models.py`.
@@ -179,3 +185,75 @@ def test_python_api_snippets_of_the_docs_train(ray_cluster, tmp_path, monkeypatc
         else:
             result = scope["result"]
             assert result.error is None and result.checkpoint is not None
+
+
+@pytest.mark.timeout(600)  # transformers is imported by the driver, two workers and the data tasks
+def test_hugging_face_classifier_trains_resumes_and_every_tracker_holds_each_step_once(tmp_path):
+    pytest.importorskip("transformers")
+    from _hf import write_project
+    from _trackers import tensorboard_scalars, wandb_offline_run, wandb_points
+
+    config = write_project(tmp_path / "user_code")
+    runs = tmp_path / "user_code" / "runs"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", "PYTHONPATH") and not k.startswith(("MLFLOW_", "WANDB_"))}
+    env.update(RAYTRAIN_DDP_FAULT="rank=1,step=5,attempt=1,mode=exit", WANDB_MODE="offline",
+               WANDB_DIR=str(tmp_path), MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    done = subprocess.run([str(CLI), "train", str(config), "parallel.strategy=fsdp", "run.recovery=checkpoint",
+                           "run.checkpoint_every_steps=2", "run.log_every_steps=1", *_SYNC_UPLOAD,
+                           "run.loggers=[jsonl,tensorboard,mlflow,wandb]"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=560)
+    run_dir = runs / "hf"
+    story = _story(done, run_dir)
+    assert done.returncode == 0, story
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["attempts"] == 2 and summary["steps"] == 16, story
+    assert len(re.findall(r"step +5/16 \| epoch 1 \| loss", done.stdout)) == 2, story  # step 5 trained twice
+    lines = read_metrics(run_dir / "metrics.jsonl")
+    train = [(r["step"], r["loss"]) for r in lines if "loss" in r]
+    assert [step for step, _ in train] == list(range(1, 17)), story
+    (val,) = [r for r in lines if "val_loss" in r]
+    assert val["step"] == 16 and 0.0 <= val["val_accuracy"] <= 1.0, story
+
+    # the export loads strictly into the user's own class and scores what validation reported
+    from raytrain_ddp.driver.cli import main as cli
+
+    out = tmp_path / "model.pt"
+    assert cli(["export", str(run_dir), str(out)]) == 0
+    exported = torch.load(out, map_location="cpu", weights_only=True)
+    hf_bert = _load(tmp_path / "user_code" / "hf_bert.py")
+    model = hf_bert.BertForSequenceClassification(hf_bert.config(hidden_dropout_prob=0.0,
+                                                                 attention_probs_dropout_prob=0.0))
+    model.load_state_dict(exported["model"], strict=True)
+    model.eval()
+    held_out = pq.read_table(tmp_path / "user_code" / "data" / "val.parquet").to_pydict()
+    batch = {k: torch.tensor(v) for k, v in held_out.items()}
+    with torch.no_grad():
+        output = model(**batch)
+    accuracy = (output.logits.argmax(-1) == batch["labels"]).float().mean().item()
+    assert accuracy == pytest.approx(val["val_accuracy"], abs=1e-6), (accuracy, val)
+    assert output.loss.item() == pytest.approx(val["val_loss"], rel=1e-4), (output.loss.item(), val)
+
+    # TensorBoard, read by tensorboard itself
+    shown = tensorboard_scalars(run_dir / "tensorboard")
+    assert shown["train/loss"] == [(step, pytest.approx(loss, rel=1e-6)) for step, loss in train], shown["train/loss"]
+    assert shown["val/accuracy"] == [(16, pytest.approx(val["val_accuracy"], rel=1e-6))]
+
+    # MLflow: one run, FINISHED, the same points, the params
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
+    (run,) = client.search_runs([client.get_experiment_by_name("hf").experiment_id])
+    assert run.info.status == "FINISHED" and run.info.run_name == "hf", run.info
+    assert run.data.tags["raytrain_ddp.fit_id"] == summary["fit_id"] and run.data.params["train.loss"] == "model"
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert [(m.step, m.value) for m in history] == train
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "val/accuracy")] == \
+        [(16, val["val_accuracy"])]
+
+    # W&B: the offline run holds the same points
+    offline = wandb_offline_run(tmp_path)
+    assert offline["name"] == "hf" and offline["project"] == "hf" and offline["exit_code"] == 0, offline["file"]
+    assert offline["config"]["raytrain_ddp"]["fit_id"] == summary["fit_id"]
+    assert wandb_points(offline, "train/loss") == train
+    assert wandb_points(offline, "val/accuracy") == [(16, val["val_accuracy"])]

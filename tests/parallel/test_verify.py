@@ -1,9 +1,13 @@
 """`raytrain-ddp verify`: the real command on the quickstart config, and on a deliberately
-broken wrapper (tests/parallel/_inject/sitecustomize.py) it must fail naming the parameter."""
+broken wrapper (tests/parallel/_inject/sitecustomize.py) it must fail naming the parameter;
+configs `train` accepts beyond (x, y) batches: a Hugging Face classifier with dict batches
+(`data.inputs`) and `train.loss: model`, and the text example's `data.preprocess` with the
+user's loss. Every strategy is compared on the full model and optimizer state dicts too."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,11 +20,11 @@ QUICKSTART = "examples/configs/quickstart.yaml"
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
 
 
-def _verify(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def _verify(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, **(env or {}))
     env.pop("RAY_ADDRESS", None)
     return subprocess.run([sys.executable, "-m", "raytrain_ddp", "verify", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def test_quickstart_verifies_and_prints_the_table():
@@ -28,18 +32,18 @@ def test_quickstart_verifies_and_prints_the_table():
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-3000:]}"
     out = proc.stdout
     assert "model     cnn, 151,306 parameters" in out
-    assert "grad diff param diff buffer diff vs 1 proc" in out
+    assert "grad diff param diff buffer diff state diff vs 1 proc" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines()
             if line.split() and line.split()[0] in ("naive", "bucketed", "native", "zero1", "fsdp")}
     assert set(rows) == {"naive", "bucketed", "native", "zero1", "fsdp"}, out
     for name, cols in rows.items():
         sharded = name in ("zero1", "fsdp")  # no gradient column: parameters every step instead
         assert (cols[1] == "-") == sharded, (name, cols)
-        param, buffer, single = map(float, cols[2:5])
-        assert max(param, buffer, single, 0.0 if sharded else float(cols[1])) <= 1e-9, (name, cols)
+        param, buffer, state, single = map(float, cols[2:6])
+        assert max(param, buffer, state, single, 0.0 if sharded else float(cols[1])) <= 1e-9, (name, cols)
         # bytes per step == gradient bytes (all-reduce), + parameter bytes (zero1: reduce-scatter
         # + all-gather); fsdp gathers once per forward, so at least that
-        assert cols[6] == "1.00x" if name != "fsdp" else float(cols[6].rstrip("x")) >= 1.0, (name, cols)
+        assert cols[7] == "1.00x" if name != "fsdp" else float(cols[7].rstrip("x")) >= 1.0, (name, cols)
     assert "verdict: OK" in out
 
 
@@ -97,7 +101,56 @@ def test_verify_finds_unused_tied_and_buffers_on_a_users_model(tmp_path):
     assert report.unused == {"dead.weight": [0, 1], "dead.bias": [0, 1]}, text
     assert report.tied == [["a.weight", "b.weight"]], text
     for finding in report.findings:
-        assert not finding.problems() and finding.single is None, (finding, text)  # BatchNorm: 1 process n/a
+        assert finding.single is None, (finding, text)  # BatchNorm: 1 process n/a
         assert finding.broadcast_bytes_per_step > 0, text  # BatchNorm buffers went out from rank 0
-    assert len(report.problems) == 1 and "parallel.find_unused_parameters=true" in report.problems[0], text
+        if finding.strategy != "fsdp":
+            assert not finding.problems(), (finding, text)
+    # FSDP2 reduces a zero gradient for a parameter no forward used, so the optimizer steps it:
+    # its checkpoint holds Adam state (and a step count) torch DDP never creates. The full
+    # state dicts show it; parameters and buffers alone did not.
+    (fsdp,) = [f for f in report.findings if f.strategy == "fsdp"]
+    assert fsdp.param[0] == 0.0 and len(fsdp.problems()) == 1, text
+    assert re.match(r"fsdp: state-dict entry 'dead\.(weight|bias): optimizer \w+ \(in this strategy's state dict "
+                    r"only\)'", fsdp.problems()[0]), text
+    assert len(report.problems) == 2 and "parallel.find_unused_parameters=true" in report.problems[0], text
     assert not report.ok and "verdict: FAILED" in text
+
+
+def _rows_of(out: str) -> dict[str, list[str]]:
+    return {line.split()[0]: line.split() for line in out.splitlines()
+            if line.split() and line.split()[0] in ("naive", "bucketed", "native", "zero1", "fsdp")}
+
+
+@pytest.mark.timeout(420)  # importing transformers on each rank: 7 s of CPU, far more wall on a loaded host
+def test_a_hugging_face_classifier_with_dict_batches_verifies_on_every_strategy(tmp_path):
+    """The config of issue #26 (BertForSequenceClassification, input_ids / attention_mask /
+    labels from parquet, train.loss: model), which verify refused before: exit 0, all five
+    strategies, every difference (state dicts included) at rounding level."""
+    pytest.importorskip("transformers")
+    from _hf import write_project
+
+    config = write_project(tmp_path / "hf")
+    proc = _verify(str(config), timeout=400)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-3000:]}"
+    rows = _rows_of(proc.stdout)
+    assert set(rows) == {"naive", "bucketed", "native", "zero1", "fsdp"}, proc.stdout
+    for name, cols in rows.items():
+        diffs = [float(c) for c in cols[1:6] if c != "-"]
+        assert len(diffs) == (4 if name in ("zero1", "fsdp") else 5) and max(diffs) <= 1e-9, (name, cols)
+    assert "model     hf_bert:build, 22,562 parameters" in proc.stdout, proc.stdout
+    assert "verdict: OK" in proc.stdout
+
+
+def test_verify_takes_the_text_examples_preprocess_and_loss(tmp_path):
+    """data.preprocess (files cut into blocks on the driver, as Ray Data would), dict batches,
+    the user's loss: verify runs the pipeline `train` runs, and a missing column is named."""
+    data = tmp_path / "data"
+    subprocess.run([sys.executable, str(REPO / "examples" / "text" / "stdlib_corpus.py"), "build", str(data),
+                    "--max-files", "24"], check=True, timeout=60, capture_output=True)
+    overrides = [f"data.path={data / 'train.parquet'}", f"data.val_path={data / 'val.parquet'}",
+                 "model.kwargs={width: 16, layers: 1, heads: 2}"]
+    proc = _verify("examples/text/config.yaml", *overrides)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-3000:]}"
+    assert "data.preprocess stdlib_corpus:blocks" in proc.stdout and len(_rows_of(proc.stdout)) == 5, proc.stdout
+    bad = _verify("examples/text/config.yaml", *overrides, "data.inputs=[tokens]")
+    assert bad.returncode == 2 and "'tokens'" in bad.stderr and "data.inputs" in bad.stderr, bad.stderr[-2000:]

@@ -110,6 +110,45 @@ def test_validate_sums_loss_and_accuracy_over_all_batches(group):
     assert validate(parts, _ValData([]), RANK, SPEC) == {}
 
 
+def test_accuracy_from_tensors_dicts_and_hugging_face_outputs():
+    """Classification and token accuracy, whatever holds the logits; None where it does not apply."""
+    from transformers.modeling_outputs import CausalLMOutput, SequenceClassifierOutput
+
+    from raytrain_ddp.batch import BatchFormat
+    from raytrain_ddp.worker.step import accuracy_counts, shifts_labels
+
+    logits, y = torch.tensor([[2.0, 0.0], [0.0, 1.0], [3.0, 1.0]]), torch.tensor([0, 1, 1])
+    for output in (logits, {"logits": logits, "loss": torch.tensor(0.3)},
+                   SequenceClassifierOutput(loss=torch.tensor(0.3), logits=logits)):
+        correct, scored = accuracy_counts(output, y, "classification")
+        assert (int(correct), scored) == (2, 3)
+    assert accuracy_counts({"loss": torch.tensor(0.3)}, y, "classification") is None  # no logits
+    assert accuracy_counts(logits, y.float(), "classification") is None  # a regression target
+    assert accuracy_counts(logits, y, "other") is None
+
+    # lm: (rows, tokens, vocab) against (rows, tokens), -100 not scored
+    tokens = torch.tensor([[1, 2, 3, 0]])
+    lm_logits = torch.nn.functional.one_hot(torch.tensor([[1, 2, 0, 0]]), 4).float()  # predicts 1 2 0 0
+    correct, scored = accuracy_counts(lm_logits, tokens, "lm")
+    assert (int(correct), scored) == (3, 4)
+    correct, scored = accuracy_counts(lm_logits, torch.tensor([[1, 2, -100, -100]]), "lm")
+    assert (int(correct), scored) == (2, 2)
+    # a Hugging Face causal LM given labels=input_ids: logits at t predict the token at t + 1
+    shifted_logits = torch.nn.functional.one_hot(torch.tensor([[2, 3, 0, 1]]), 4).float()
+    correct, scored = accuracy_counts(CausalLMOutput(logits=shifted_logits), tokens, "lm", shifted=True)
+    assert (int(correct), scored) == (3, 3)
+
+    class GPT2LMHeadModel(torch.nn.Module):
+        pass
+
+    class BertForTokenClassification(torch.nn.Module):
+        pass
+
+    hf = BatchFormat(label="labels", inputs=("input_ids", "labels"), loss_name="model")
+    assert shifts_labels(GPT2LMHeadModel(), hf) and not shifts_labels(BertForTokenClassification(), hf)
+    assert not shifts_labels(GPT2LMHeadModel(), BatchFormat(label="labels", inputs=("input_ids",)))
+
+
 class _Data:
     wait_seconds = 0.0
 

@@ -5,6 +5,10 @@ No Ray. Checkpoints are uploaded to the bucket the way Ray Train does it
 object set without `state.pt`. The driver's side (resume resolution, the recorder that
 writes the records rank 0 sends, the TensorBoard sink) and the worker's (the checkpoint
 Ray offers after a restart, read back from the bucket) run against the bucket.
+
+The trackers (TensorBoard, MLflow on a sqlite:/// store, W&B offline) are read back with
+their own clients (`tests/_trackers.py`): each step once, the committed line, in the one
+run of the fit.
 """
 
 from __future__ import annotations
@@ -185,22 +189,169 @@ def test_tensorboard_sink_writes_event_files_locally_and_to_a_bucket(s3, tmp_pat
         assert "train/epoch" not in events and "train/attempt" not in events
 
 
-def test_mlflow_sink_logs_params_and_metrics(tmp_path, monkeypatch):
-    mlflow = pytest.importorskip("mlflow")  # heavy: only where installed (not a dev dependency)
+class _Tracker:
+    """A sink that, like TensorBoard / MLflow / W&B, wants committed lines only."""
+
+    committed_only = True
+
+    def __init__(self) -> None:
+        self.lines, self.starts, self.closed = [], [], None
+
+    def fit_starts_at(self, step):
+        self.starts.append(step)
+
+    def record(self, line):
+        self.lines.append(line)
+
+    def flush(self):
+        pass
+
+    def close(self, status):
+        self.closed = status
+
+
+def _m(attempt, seq, step, loss=None, **extra):
+    record = {"step": step, "epoch": 1, "time": 1.7e9 + step, **({"loss": loss} if loss is not None else {}), **extra}
+    return {"kind": "metrics", "attempt": attempt, "seq": seq, "record": record}
+
+
+def _start(attempt, step):
+    return [{"kind": "attempt", "attempt": attempt, "seq": 0, "record": {"fit_id": FIT, "attempt": attempt}},
+            {"kind": "resumed", "attempt": attempt, "seq": 1, "step": step}]
+
+
+def test_trackers_get_each_step_once_the_committed_line(tmp_path, caplog):
+    """Lines wait for a checkpoint at or after their step (or the fit's end); redone ones replace them."""
+    tracker, live = _Tracker(), io.StringIO()
+    recorder = Recorder(Location.parse(tmp_path / "run"), FIT, [ProgressPrinter(total_steps=5, out=live), tracker])
+    recorder.handle(_start(1, 0) + [_m(1, 2, 1, 4.0), _m(1, 3, 2, 3.0), _m(1, 4, 2, val_loss=2.5, val_accuracy=0.5),
+                                    {"kind": "checkpoint", "attempt": 1, "seq": 5, "step": 2, "name": "c2"},
+                                    _m(1, 6, 3, 2.0), _m(1, 7, 4, 1.9)])
+    assert [(r["step"], "loss" in r) for r in tracker.lines] == [(1, True), (2, True), (2, False)]  # 3, 4 held
+    # attempt 2 resumes at the step-2 checkpoint: 3 and 4 are redone, with other values
+    recorder.handle(_start(2, 2) + [_m(2, 2, 3, 2.1), _m(2, 3, 4, 1.8), _m(2, 4, 5, 1.5),
+                                    _m(2, 5, 5, val_loss=1.4, val_accuracy=0.75)])
+    recorder.stop()
+    recorder.close("ok")
+    committed = recorder.records
+    assert [(r["step"], r.get("loss")) for r in committed] == [(1, 4.0), (2, 3.0), (2, None), (3, 2.1), (4, 1.8),
+                                                                 (5, 1.5), (5, None)]
+    assert tracker.lines == committed and tracker.starts == [0] and tracker.closed == "ok"
+    assert len(live.getvalue().splitlines()) == 9  # the console showed every line as it came, 3 and 4 twice
+
+    # A restart below a reported checkpoint (its asynchronous upload died with the worker):
+    # the steps already handed over keep their first point; later ones are the redone lines.
+    tracker = _Tracker()
+    recorder = Recorder(Location.parse(tmp_path / "fallback"), FIT, [tracker])
+    recorder.handle(_start(1, 0) + [_m(1, 2, 1, 4.0), _m(1, 3, 2, 3.0), _m(1, 4, 3, 2.0),
+                                    {"kind": "checkpoint", "attempt": 1, "seq": 5, "step": 3, "name": "c3"},
+                                    _m(1, 6, 4, 1.9)])
+    with caplog.at_level("WARNING"):
+        recorder.handle(_start(2, 1) + [_m(2, 2, 2, 3.1), _m(2, 3, 3, 2.1), _m(2, 4, 4, 1.7)])
+    recorder.stop()
+    assert [(r["step"], r["loss"]) for r in tracker.lines] == [(1, 4.0), (2, 3.0), (3, 2.0), (4, 1.7)]
+    assert "below a reported checkpoint" in caplog.text
+
+
+def test_tensorboard_shows_one_point_per_step_across_fits(tmp_path):
+    """The second fit resumes at step 2 of a run whose first fit reached step 4: TensorBoard's
+    own reader shows steps 1-5 once each, 3 and 4 from the second fit."""
+    from _trackers import tensorboard_scalars
+
+    run_dir = Location.parse(tmp_path / "run")
+    for start, lines in ((0, [(1, 4.0), (2, 3.0), (3, 2.0), (4, 1.9)]), (2, [(3, 2.1), (4, 1.8), (5, 1.5)])):
+        sink = TensorBoardSink(run_dir)
+        recorder = Recorder(run_dir, FIT, [sink])
+        recorder.handle(_start(1, start) + [_m(1, 2 + i, step, loss) for i, (step, loss) in enumerate(lines)])
+        recorder.stop()
+        recorder.close("ok")
+    shown = tensorboard_scalars(run_dir.local_path / "tensorboard")
+    assert shown["train/loss"] == [(1, 4.0), (2, 3.0), (3, pytest.approx(2.1)), (4, pytest.approx(1.8)), (5, 1.5)]
+
+
+def test_mlflow_sink_one_run_by_id_from_another_thread(tmp_path, monkeypatch):
+    """The recorder logs from its own thread: everything lands in the one run created by id,
+    and MLflow's thread-local active run is never used. FINISHED / KILLED / FAILED as the fit ended."""
+    import threading
+
+    mlflow = pytest.importorskip("mlflow")
     from raytrain_ddp.driver.sinks import MlflowSink
 
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())  # a local file store: no server,
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # and no database (mlflow-skinny has none)
-    cfg = load_config(None, ["name=mlflow-run", "run.loggers=[jsonl,mlflow]"])
-    sink = MlflowSink(cfg, Location.parse(tmp_path / "runs" / "mlflow-run"))
-    run_id = sink.run.info.run_id
-    sink.record({"step": 1, "time": 1.7e9, "loss": 2.0})
-    sink.record({"step": 2, "time": 1.7e9 + 1, "loss": 1.0, "val_loss": 0.5})
-    sink.close("ok")
-    run = mlflow.get_run(run_id)
-    assert run.info.status == "FINISHED" and run.data.params["train.lr"] == str(cfg.train.lr)
-    history = mlflow.MlflowClient().get_metric_history(run_id, "train/loss")
-    assert [(m.step, m.value) for m in history] == [(1, 2.0), (2, 1.0)]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = mlflow.MlflowClient()
+    for status, expected in (("ok", "FINISHED"), ("interrupted", "KILLED"), ("failed", "FAILED")):
+        cfg = load_config(None, [f"name=mlflow-{status}", "run.loggers=[jsonl,mlflow]"])
+        sink = MlflowSink(cfg, Location.parse(tmp_path / "runs" / cfg.name), fit_id="a" * 32)
+        worker = threading.Thread(target=lambda: [sink.record({"step": 1, "time": 1.7e9, "loss": 2.0, "lr": 0.1}),
+                                                  sink.record({"step": 2, "time": 1.7e9 + 1, "loss": 1.0,
+                                                               "val_loss": 0.5, "attempt": 1})])
+        worker.start()
+        worker.join(timeout=60)
+        sink.close(status)
+        assert mlflow.active_run() is None
+        experiment = client.get_experiment_by_name(cfg.name)
+        runs = client.search_runs([experiment.experiment_id])
+        assert len(runs) == 1, [(r.info.run_name, r.info.status) for r in runs]
+        run = runs[0]
+        assert run.info.run_id == sink.run_id and run.info.run_name == cfg.name and run.info.status == expected
+        assert run.data.tags["raytrain_ddp.fit_id"] == "a" * 32 and run.data.params["train.lr"] == str(cfg.train.lr)
+        assert len(run.data.params) == len(_flat_keys(cfg))
+        history = client.get_metric_history(run.info.run_id, "train/loss")
+        assert [(m.step, m.value, m.timestamp) for m in history] == [(1, 2.0, 1_700_000_000_000),
+                                                                     (2, 1.0, 1_700_000_001_000)]
+        assert set(run.data.metrics) == {"train/loss", "train/lr", "val/loss"}
+
+
+def _flat_keys(cfg):
+    from raytrain_ddp.driver.sinks import _flatten, config_tree
+
+    return _flatten(config_tree(cfg))
+
+
+def test_wandb_sink_offline_run_read_back(tmp_path, monkeypatch):
+    """An offline W&B run, logged from another thread, read back from its .wandb file."""
+    import threading
+
+    pytest.importorskip("wandb")
+    from _trackers import wandb_offline_run, wandb_points
+    from raytrain_ddp.driver.sinks import WandbSink
+
+    for status, code in (("ok", 0), ("failed", 1)):
+        wandb_dir = tmp_path / status
+        wandb_dir.mkdir()
+        monkeypatch.setenv("WANDB_MODE", "offline")
+        monkeypatch.setenv("WANDB_DIR", str(wandb_dir))
+        monkeypatch.delenv("WANDB_PROJECT", raising=False)
+        cfg = load_config(None, [f"name=wandb-{status}", "run.loggers=[jsonl,wandb]"])
+        sink = WandbSink(cfg, Location.parse(tmp_path / "runs" / cfg.name), fit_id="b" * 32)
+        lines = [{"step": 1, "time": 1.7e9, "loss": 2.0, "lr": 0.1}, {"step": 2, "time": 1.7e9 + 1, "loss": 1.0},
+                 {"step": 2, "time": 1.7e9 + 2, "val_loss": 0.5, "val_accuracy": 0.75}]
+        worker = threading.Thread(target=lambda: [sink.record(line) for line in lines])
+        worker.start()
+        worker.join(timeout=60)
+        sink.close(status)
+        run = wandb_offline_run(wandb_dir)
+        assert run["name"] == cfg.name and run["project"] == cfg.name and run["exit_code"] == code
+        assert run["config"]["train"]["lr"] == cfg.train.lr and run["config"]["raytrain_ddp"]["fit_id"] == "b" * 32
+        assert wandb_points(run, "train/loss") == [(1, 2.0), (2, 1.0)]
+        assert wandb_points(run, "val/loss") == [(2, 0.5)] and wandb_points(run, "val/accuracy") == [(2, 0.75)]
+
+
+def test_check_loggers_names_the_missing_package(monkeypatch):
+    """Before Ray starts: a logger whose package is missing is one line naming it and the fix."""
+    import importlib.util
+
+    from raytrain_ddp.driver import sinks
+    from raytrain_ddp.errors import UserError
+
+    real = importlib.util.find_spec
+    missing = {"wandb", "mlflow"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in missing else real(name, *a))
+    for logger in ("wandb", "mlflow"):
+        with pytest.raises(UserError, match=rf"run.loggers includes '{logger}' but the {logger} package is not "
+                                            rf"installed; pip install {logger}, or drop it from run.loggers"):
+            sinks.check_loggers(load_config(None, [f"run.loggers=[jsonl,{logger}]"]))
+    sinks.check_loggers(load_config(None, ["run.loggers=[jsonl,tensorboard]"]))  # tensorboardX is there
 
 
 def test_a_fit_in_a_bucket_hands_ray_an_empty_history_and_publishes_a_dead_upload(s3, tmp_path, monkeypatch):
