@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from _procs import descendants as _descendants, stat as _stat
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.rundir import read_metrics
 
@@ -33,28 +34,6 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "configs" / "tiny.yaml"
 CLI = Path(sys.executable).parent / "raytrain-ddp"
 STALE = "127.0.0.1:1\n"
-
-
-def _stat(pid: int) -> list[str]:
-    """/proc/PID/stat fields after the command name: [state, ppid, ...]; [] when gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return []
-
-
-def _descendants(root: int) -> list[int]:
-    parents = {int(p.name): _stat(int(p.name)) for p in Path("/proc").iterdir() if p.name.isdigit()}
-    children: dict[int, list[int]] = {}
-    for pid, fields in parents.items():
-        if fields:
-            children.setdefault(int(fields[1]), []).append(pid)
-    out, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 def _alive(proc: tuple[int, str]) -> bool:

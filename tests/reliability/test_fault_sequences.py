@@ -44,6 +44,7 @@ import pytest
 import torch
 
 from _harness import TINY
+from _procs import descendants as _descendants
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.rundir import read_jsonl, read_metrics
 from raytrain_ddp.testing.hooks import ENABLE, FAULT_ENV, SAMPLE_LOG_ENV, STEP_DELAY_ENV
@@ -91,23 +92,6 @@ def draw_plan(seed: int) -> list[Invocation]:
                                 rng.choice(["exit", "midstep"]))
         plan.append(inv)
     return plan
-
-
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(proc.name))
-    out, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 def _train_steps(run_dir: Path, since: float = 0.0) -> list[int]:
