@@ -87,7 +87,7 @@ def take(cfg: Any, fit_id: str) -> "Hold":
     """Hold `cfg`'s run directory for fit `fit_id`, or raise `RunHeld` naming its live holder."""
     run_dir = run_dir_of(cfg)
     loc = run_dir / HOLD_FILE
-    made_dir = run_dir.is_local and not run_dir.exists()
+    made_dir = _missing_dirs(run_dir)  # the run directory and its parents that this fit creates
     mine = Holder.me(fit_id)
     for _ in range(3):  # each pass: judge what is there, write ours, check it stuck
         held = _read(loc)
@@ -113,7 +113,7 @@ def take(cfg: Any, fit_id: str) -> "Hold":
 class Hold:
     """A taken hold: a daemon thread refreshes its heartbeat until `release()`."""
 
-    def __init__(self, loc: Location, holder: Holder, made_dir: bool) -> None:
+    def __init__(self, loc: Location, holder: Holder, made_dir: list[Path]) -> None:
         self.loc, self.holder, self._made_dir = loc, holder, made_dir
         self.lost: Optional[Holder] = None  # someone else's record found where ours was
         self._stop = threading.Event()
@@ -145,11 +145,22 @@ class Hold:
             there = _read(self.loc)
             if there is not None and there.fit_id == self.holder.fit_id:
                 self.loc.delete()
-            run_dir = self.loc.parent
-            if self._made_dir and run_dir.is_local and run_dir.is_empty_dir():
-                run_dir.local_path.rmdir()  # a fit refused before writing anything leaves no run directory
+            for directory in self._made_dir:  # deepest first: a fit refused before writing anything
+                if directory.is_dir() and not any(directory.iterdir()):  # leaves no run directory, nor its parents
+                    directory.rmdir()
         except OSError as exc:
             print(f"raytrain-ddp: warning: could not release {self.loc}: {exc}", file=sys.stderr, flush=True)
+
+
+def _missing_dirs(run_dir: Location) -> list[Path]:
+    """A local run directory's missing directories, deepest first (none on object stores)."""
+    if not run_dir.is_local:
+        return []
+    missing, path = [], run_dir.local_path
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
 
 
 def _refusal(run_dir: Location, held: Holder, cfg: Any) -> str:

@@ -157,11 +157,18 @@ def test_a_sigkilled_holder_is_taken_over_at_once(cfg, tmp_path):
     held.release()
 
 
-def test_cli_and_python_api_refuse_a_held_run_before_ray(tmp_path, capsys):
+def test_cli_and_python_api_refuse_a_held_run_before_ray(tmp_path, capsys, monkeypatch):
     """`raytrain-ddp train` and `raytrain_ddp.train(...)` of a run a live fit holds: exit 2 / `RunHeld`, no Ray."""
     import raytrain_ddp
     from raytrain_ddp.driver.cli import main
 
+    import raytrain_ddp.driver.launcher as launcher
+
+    def tripwire(*args, **kwargs):
+        raise AssertionError("Ray was contacted before the hold was checked")
+
+    monkeypatch.setattr(launcher, "connect_ray", tripwire)  # (this session's Ray may be up already)
+    monkeypatch.setattr(launcher, "connect_user_code", tripwire)
     overrides = [f"run.storage_path={tmp_path}", "name=busy"]
     held = hold.take(load_config(None, overrides), "7" * 32)
     try:
@@ -170,7 +177,6 @@ def test_cli_and_python_api_refuse_a_held_run_before_ray(tmp_path, capsys):
         assert err.startswith("raytrain-ddp: error: run directory ") and "\n" not in err and "fit 77777777" in err
         with pytest.raises(hold.RunHeld, match="fit 77777777"):
             raytrain_ddp.train(overrides=overrides)
-        assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
         assert sorted(p.name for p in (tmp_path / "busy").iterdir()) == [HOLD_FILE]  # nothing else written
     finally:
         held.release()
