@@ -16,23 +16,25 @@ import re
 import sys
 import sysconfig
 import traceback
+from pathlib import Path
 from typing import Optional
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
 
-def _library_dirs() -> tuple[str, ...]:
+def library_dirs() -> set[Path]:
+    """Where code that is not the user's lives: the standard library, site-packages, and this
+    package (resolved). What `user.runtime_env` does not ship, and what `user_frame` skips."""
     paths = {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    ours = os.path.dirname(os.path.abspath(__file__))
-    return tuple(os.path.abspath(p) + os.sep for p in paths | {ours} if p)
+    return {Path(p).resolve() for p in paths if p} | {Path(__file__).resolve().parent}
 
 
 def _is_users(filename: str) -> bool:
     if filename.startswith("<") or not filename.endswith(".py"):
         return False  # <frozen ...>, <string>: not a file the user can open
-    path = os.path.abspath(filename)
-    ours = f"{os.sep}raytrain_ddp{os.sep}" in path  # any copy of this package (a worker may import another)
-    return not ours and not path.startswith(_library_dirs())
+    path = Path(filename).resolve()
+    ours = "raytrain_ddp" in path.parts  # any copy of this package (a worker may import another)
+    return not ours and not any(base in path.parents for base in library_dirs())
 
 
 def user_frame(exc: BaseException) -> Optional[str]:
@@ -42,7 +44,8 @@ def user_frame(exc: BaseException) -> Optional[str]:
         frames = [(m.group(1), int(m.group(2)), m.group(3)) for m in _FRAME.finditer(str(exc))]
     for filename, line, name in reversed(frames):
         if _is_users(filename):
-            shown = os.path.relpath(filename) if not os.path.relpath(filename).startswith("..") else filename
+            relative = os.path.relpath(filename)
+            shown = filename if relative.startswith("..") else relative
             return f"{shown}:{line} in {name}"
     return None
 

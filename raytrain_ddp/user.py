@@ -25,7 +25,6 @@ import importlib
 import os
 import pickle
 import sys
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -233,9 +232,9 @@ def _modules_to_ship(code: UserCode) -> list[tuple[str, str]]:
     Skipped: `__main__` (pickled by value), installed packages and the standard library
     (the workers have them), and raytrain_ddp itself.
     """
-    installed = {Path(p).resolve() for key in ("stdlib", "platstdlib", "purelib", "platlib")
-                 if (p := sysconfig.get_paths().get(key))}
-    installed.add(Path(__file__).resolve().parent)
+    from raytrain_ddp.errors import library_dirs
+
+    installed = library_dirs()
     out: list[tuple[str, str]] = []
     for obj in (getattr(code, part) for part in USER_KEYS):
         if obj is None:
