@@ -161,22 +161,12 @@ def prepare_datasets(cfg: Config, checked: Optional[Prechecked] = None, code: An
     checked = checked or precheck(cfg, code, given)
     if uses_own_data(cfg):
         return _prepare_user_data(cfg, checked, code, given)
-    if cfg.data.source == "digits":
-        features, labels = load_digits_arrays()
-        table = _table(features, labels, cfg.data)
-        source = "digits (scikit-learn, 1,797 8x8 images)"
-    elif cfg.data.source == "synthetic":
-        features, labels = synthetic_arrays(cfg)
-        table = _table(features, labels, cfg.data)
-        source = f"synthetic ({cfg.data.synthetic.rows} rows)"
-    else:
-        table = None
-        source = str(cfg.data.path)
-
-    if table is not None:
-        total_rows = table.num_rows
-        spec_shape, num_classes, task = _spec_from_arrays(cfg, features, labels)
-        train_table, val_table = _split_table(table, cfg)
+    bundled = bundled_tables(cfg)
+    table = bundled.table if bundled else None
+    source = bundled.source if bundled else str(cfg.data.path)
+    if bundled is not None:
+        total_rows, spec_shape, num_classes, task = table.num_rows, bundled.shape, bundled.classes, bundled.task
+        train_table, val_table = bundled.train, bundled.val
         datasets = {TRAIN: ray.data.from_arrow(train_table)}
         if val_table is not None:
             datasets[VAL] = ray.data.from_arrow(val_table)
@@ -215,6 +205,33 @@ def prepare_datasets(cfg: Config, checked: Optional[Prechecked] = None, code: An
     split = [TRAIN] if cfg.data.sharding == "streaming" else []
     spec = DataSpec(task, tuple(spec_shape), int(num_classes), int(train_rows), int(val_rows), source)
     return PreparedData(datasets, spec, ray.train.DataConfig(datasets_to_split=split))
+
+
+@dataclass(frozen=True)
+class Bundled:
+    """A bundled source (digits, synthetic) as a table, its seeded split and the spec's numbers."""
+
+    table: pa.Table
+    train: pa.Table
+    val: Optional[pa.Table]
+    shape: tuple[int, ...]
+    classes: int
+    task: str
+    source: str
+
+
+def bundled_tables(cfg: Config) -> Optional[Bundled]:
+    """`data.source` digits or synthetic, ready for the built-in data path (Ray Data's tables,
+    or local mode's); None for parquet."""
+    if cfg.data.source == "digits":
+        (features, labels), source = load_digits_arrays(), "digits (scikit-learn, 1,797 8x8 images)"
+    elif cfg.data.source == "synthetic":
+        (features, labels), source = synthetic_arrays(cfg), f"synthetic ({cfg.data.synthetic.rows} rows)"
+    else:
+        return None
+    table = _table(features, labels, cfg.data)
+    shape, classes, task = _spec_from_arrays(cfg, features, labels)
+    return Bundled(table, *_split_table(table, cfg), tuple(shape), classes, task, source)
 
 
 def _prepare_user_data(cfg: Config, checked: Prechecked, code: Any, given: Optional[dict[str, Any]]) -> PreparedData:

@@ -120,12 +120,10 @@ def local_data(cfg: Config, checked: Any, code: Any) -> tuple[dict[str, Any], Da
         raise UserError(f"scaling.num_workers=0 (local mode) reads the data in this process: "
                         f"data.sharding={cfg.data.sharding!r} reads through Ray Data; use data.sharding=exact")
     own = uses_own_data(cfg)
-    if cfg.data.source in ("digits", "synthetic"):
-        features, labels = (data.load_digits_arrays() if cfg.data.source == "digits"
-                            else data.synthetic_arrays(cfg))
-        train, val = data._split_table(data._table(features, labels, cfg.data), cfg)
-        shape, classes, task = data._spec_from_arrays(cfg, features, labels)
-        source = cfg.data.source
+    bundled = data.bundled_tables(cfg)  # digits, synthetic: the same tables and split as a Ray run's
+    if bundled is not None:
+        train, val = bundled.train, bundled.val
+        shape, classes, task, source = bundled.shape, bundled.classes, bundled.task, bundled.source
     else:
         info = checked.parquet
         columns = None if own else [cfg.data.features, cfg.data.label]
