@@ -171,6 +171,10 @@ class RunLog:
         # The lines made at the last completed step (train, validation), on every rank: a
         # survivor's copy of that step carries them, since rank 0's sends die with rank 0.
         self.step_lines: list[dict[str, Any]] = []
+        # Rank 0's lines since its last checkpoint: the next checkpoint carries them, so a
+        # driver killed before writing them (object stores flush about once a second) loses
+        # none -- the next run's driver takes those it lacks from the checkpoint it resumes.
+        self.unsaved_lines: list[dict[str, Any]] = []
 
     def _record_attempt(self) -> int:
         """Rank 0 registers this worker-group start with the driver; every rank learns the number."""
@@ -271,13 +275,22 @@ class RunLog:
         record = {k: _plain(v) for k, v in record.items()}
         self.step_lines.append(record)
         if self.rank.is_main:
+            self.unsaved_lines = self.unsaved_lines[-(MAX_UNSAVED_LINES - 1):] + [record]
             self.outbox.send("metrics", record=record)
+
+    def lines_to_save(self) -> list[dict[str, Any]]:
+        """The lines a checkpoint of this step carries (rank 0's since the last one), handed over once."""
+        lines, self.unsaved_lines = self.unsaved_lines, []
+        return lines
 
     def _window(self) -> dict[str, Any]:
         blocked, self._blocked_s = self._blocked_s, 0.0
         return {**self.meter.summarize(self.data.wait_seconds, self.state.wrapper.comm_stats),
                 "checkpoint_blocked_s": blocked,
                 "nonfinite_steps": self.state.progress.nonfinite_steps, "attempt": self.attempt}
+
+
+MAX_UNSAVED_LINES = 10_000  # a checkpoint carries at most this many lines (a run that never saves)
 
 
 def _plain(value: Any) -> Any:
