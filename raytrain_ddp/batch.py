@@ -6,7 +6,7 @@ called as `model(x)`) or a dict of named tensors (the model is called with the
 `input_ids=...`); building a batch from column tensors, moving it to the device, calling
 the model, the loss `(output, batch) -> scalar` (a built-in by name or the user's), the
 user's `train.metrics` of a batch as `(sum, count)` pairs, and a batch's target and row count. Must not touch: reading or sharding data
-(`worker/shard.py`), optimisation, Ray. The driver's pipeline check (`user.py`) runs this
+(`data/worker_data.py`), optimisation, Ray. The driver's pipeline check (`user.py`) runs this
 same code on one small batch before any worker starts.
 """
 

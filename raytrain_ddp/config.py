@@ -3,7 +3,7 @@
 Owns: the schema (every key, its type, default and docstring), loading YAML, applying
 `a.b=c` overrides, and cross-field checks that can be made before Ray starts.
 Must not touch: Ray, torch, the filesystem beyond reading the YAML file. Checks that need
-the data (schema, row counts) live in `raytrain_ddp.driver.datasets`; this module only knows shapes
+the data (schema, row counts) live in `raytrain_ddp.data.sources`; this module only knows shapes
 of numbers.
 
 Every error raised here is a `ConfigError` whose message names the offending key, the
@@ -518,7 +518,7 @@ class Config(_Section):
 
     def chunk_rows(self) -> int:
         """data.chunk_rows, or its default for the micro batch (sharded sharding)."""
-        from raytrain_ddp.store import default_chunk_rows
+        from raytrain_ddp.data.store import default_chunk_rows
 
         return self.data.chunk_rows or default_chunk_rows(self.train.micro_batch_size)
 

@@ -26,7 +26,7 @@ class DataSpec:
     # A user pipeline's columns as the model sees them (after data.preprocess):
     # name -> (shape of one row, dtype name). Empty for the built-in data path.
     columns: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
-    # data.sharding='sharded': the chunk stores' directory (`rundir.Location`; `store.py`)
+    # data.sharding='sharded': the chunk stores' directory (`rundir.Location`; `data/store.py`)
     # holding train/ and val/. Where the data is, not what it is: not in `state_dict`.
     store: Optional[Any] = None
 

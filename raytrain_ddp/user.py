@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional, Union
 import numpy as np
 
 from raytrain_ddp.config import BUILTIN_LOSSES, BUILTIN_MODELS, BUILTIN_OPTIMIZERS, BUILTIN_SCHEDULES, Config
+from raytrain_ddp.data.columns import column_arrays, user_column_arrays, uses_own_data
 from raytrain_ddp.errors import UserError
 from raytrain_ddp.job import DataSpec
 
@@ -257,29 +258,6 @@ def _modules_to_ship(code: UserCode) -> list[tuple[str, str]]:
     return out
 
 
-class Preprocess:
-    """`data.preprocess` as Ray Data's `map_batches` function.
-
-    Holds the user's function pickled, and unpickles it on first call, on the Ray Data
-    task (whose runtime_env carries the module): Ray's controller, which also receives
-    the datasets, never has to import the user's code.
-    """
-
-    def __init__(self, fn: Callable[[dict], dict]) -> None:
-        import ray.cloudpickle
-
-        self._blob = ray.cloudpickle.dumps(fn)
-        self._fn: Optional[Callable[[dict], dict]] = None
-
-    def __call__(self, batch: dict) -> dict:
-        if self._fn is None:
-            self._fn = pickle.loads(self._blob)
-        return self._fn(batch)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"_blob": self._blob, "_fn": None}
-
-
 # --------------------------------------------------------------------------- the driver's check
 
 
@@ -289,12 +267,6 @@ class Checked:
 
     spec: DataSpec  # the data's spec; a user pipeline's columns, task and feature shape filled in
     params: int  # the model's parameter count (for the plan)
-
-
-def uses_own_data(cfg: Config) -> bool:
-    """Batches come from the user's pipeline (preprocess, dict batches or Python datasets):
-    columns keep their dtypes and `DataSpec.columns` describes them."""
-    return bool(cfg.data.preprocess or cfg.data.inputs or cfg.data.source == "datasets")
 
 
 def run_preprocess(cfg: Config, fn: Callable[[dict], dict], batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -329,7 +301,6 @@ def check_pipeline(cfg: Config, code: UserCode, sample: dict[str, np.ndarray], s
     import torch
 
     from raytrain_ddp.errors import DataError
-    from raytrain_ddp.worker.shard import column_arrays, user_column_arrays
 
     batch = run_preprocess(cfg, code.preprocess, sample) if code.preprocess else sample
     _require_columns(cfg, code, batch)

@@ -89,7 +89,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_data(args: argparse.Namespace) -> int:
-    from raytrain_ddp.driver.datasets import export_digits
+    from raytrain_ddp.data.sources import export_digits
 
     out = export_digits(args.out)
     print(f"wrote {out}")

@@ -69,6 +69,7 @@ from typing import Any, Optional
 
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import Config
+from raytrain_ddp.data import steps as data_steps
 from raytrain_ddp.driver.console import ProgressPrinter, final_metrics, print_plan, print_summary
 from raytrain_ddp.driver import hold, ray_console
 from raytrain_ddp.driver.ray_compat import forget_earlier_fits, install_sigint_handler
@@ -102,7 +103,7 @@ def run_training(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, 
     `code`: the user's model, loss and preprocess (`user.resolve`; by default resolved
     from the config's import paths); `datasets`: Ray Datasets given from Python.
     """
-    from raytrain_ddp.driver.datasets import precheck
+    from raytrain_ddp.driver.preflight import precheck
     from raytrain_ddp.user import resolve
 
     if code is None:
@@ -203,7 +204,7 @@ def prepare_job(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, A
     Give the trainer `RunConfig(name=cfg.name, storage_path=cfg.run.storage_path)`, so that
     checkpoints land where resume looks, and a worker count that `cfg` accepts.
     """
-    from raytrain_ddp.driver.datasets import precheck
+    from raytrain_ddp.driver.preflight import precheck
     from raytrain_ddp.user import resolve
 
     if code is None:
@@ -249,18 +250,19 @@ def _prepare(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, chec
     if prepared is None:
         import ray.data
 
-        from raytrain_ddp.driver.datasets import prepare_datasets
+        from raytrain_ddp.data.ray_datasets import prepare_datasets
+        from raytrain_ddp.driver.memory import check_exact_fits
 
         ray.data.DataContext.get_current().enable_progress_bars = False
-        prepared = prepare_datasets(cfg, checked, code, given)
+        prepared = prepare_datasets(cfg, checked, code, given, fits=check_exact_fits)
     run_dir.mkdir()
     forget_earlier_fits(run_dir)  # Ray's checkpoint history must never contradict ours (ray_compat.py)
     record_config(cfg, run_dir, resume_from, fit_id)  # config.yaml + config-history.jsonl (resume.py)
     for stale in (SUMMARY_FILE, ABORT_FILE):
         (run_dir / stale).delete()
 
-    steps_per_epoch = prepared.spec.train_rows // cfg.train.global_batch_size
-    total_steps = cfg.train.max_steps or cfg.train.epochs * steps_per_epoch
+    steps_per_epoch = data_steps.steps_per_epoch(prepared.spec.train_rows, cfg.train.global_batch_size)
+    total_steps = data_steps.total_steps(cfg, steps_per_epoch)  # as each rank's loop computes it
     job = Job(cfg=cfg, spec=prepared.spec, run_dir=str(run_dir), fit_id=fit_id,
               resume_from=Location.parse(resume_from) if resume_from else None,
               user_code=code.dumps() if code.custom else None)

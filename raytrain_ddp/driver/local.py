@@ -36,7 +36,7 @@ def run_local(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, che
     import torch
 
     from raytrain_ddp.driver.console import ProgressPrinter
-    from raytrain_ddp.driver.datasets import PreparedData
+    from raytrain_ddp.data.ray_datasets import PreparedData
     from raytrain_ddp.driver.launcher import _prepare, _root_message, report
     from raytrain_ddp.driver.sinks import make_sinks
     from raytrain_ddp.driver.stream import LocalMailbox, Recorder
@@ -108,10 +108,10 @@ def local_data(cfg: Config, checked: Any, code: Any) -> tuple[dict[str, Any], Da
     path's workers would read through Ray Data, read here with pyarrow."""
     import pyarrow.parquet as pq
 
-    from raytrain_ddp.driver import datasets as data
+    from raytrain_ddp.data.columns import TRAIN, VAL
+    from raytrain_ddp.data.sources import bundled_tables, check_row_counts, model_shape, split_table
     from raytrain_ddp.user import run_preprocess, uses_own_data
     from raytrain_ddp.worker.runtime import LocalShard
-    from raytrain_ddp.worker.shard import TRAIN, VAL
 
     if cfg.data.source == "datasets":
         raise UserError("scaling.num_workers=0 (local mode) runs without Ray: Ray Datasets given from Python need "
@@ -120,7 +120,7 @@ def local_data(cfg: Config, checked: Any, code: Any) -> tuple[dict[str, Any], Da
         raise UserError(f"scaling.num_workers=0 (local mode) reads the data in this process: "
                         f"data.sharding={cfg.data.sharding!r} reads through Ray Data; use data.sharding=exact")
     own = uses_own_data(cfg)
-    bundled = data.bundled_tables(cfg)  # digits, synthetic: the same tables and split as a Ray run's
+    bundled = bundled_tables(cfg)  # digits, synthetic: the same tables and split as a Ray run's
     if bundled is not None:
         train, val = bundled.train, bundled.val
         shape, classes, task, source = bundled.shape, bundled.classes, bundled.task, bundled.source
@@ -131,8 +131,8 @@ def local_data(cfg: Config, checked: Any, code: Any) -> tuple[dict[str, Any], Da
         if info.val is not None:
             train, val = table, pq.read_table(info.val.files, columns=columns)
         else:  # the seeded hold-out of the built-in data (Ray Data's train_test_split is Ray's)
-            train, val = data._split_table(table, cfg)
-        shape, classes, task = data._model_shape(cfg, info.feature_shape), info.num_classes, info.task
+            train, val = split_table(table, cfg)
+        shape, classes, task = model_shape(cfg, info.feature_shape), info.num_classes, info.task
         source = str(cfg.data.path)
     splits = {TRAIN: _numpy(train), **({VAL: _numpy(val)} if val is not None and val.num_rows else {})}
     if own:
@@ -142,7 +142,7 @@ def local_data(cfg: Config, checked: Any, code: Any) -> tuple[dict[str, Any], Da
             keep = list(batch) if cfg.data.inputs else [cfg.data.features, cfg.data.label]
             splits[name] = {column: np.asarray(batch[column]) for column in keep}
     rows = {name: len(next(iter(batch.values()))) for name, batch in splits.items()}
-    data._check_row_counts(cfg, rows[TRAIN], rows.get(VAL, 0), source)
+    check_row_counts(cfg, rows[TRAIN], rows.get(VAL, 0), source)
     if own:
         spec = dataclasses.replace(checked.pipeline.spec, train_rows=rows[TRAIN], val_rows=rows.get(VAL, 0))
     else:

@@ -2,8 +2,8 @@
 
 Owns: the check that `data.sharding: exact` (every worker holds the whole training set,
 so that the samples of step s do not depend on the worker count) fits in a worker's
-share of its node's memory. Must not touch: reading data (`datasets.py` hands over the
-size), training.
+share of its node's memory. Must not touch: reading data (`data/ray_datasets.py` hands over
+the size), training.
 
 Measured (issue #30): a 1.2 GB parquet set peaked at 3.3 and 3.7 GB per worker with exact
 sharding -- the Arrow blocks Ray Data hands over, the numpy views cut from them, and the
@@ -67,14 +67,3 @@ def _alive(nodes: Optional[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
         nodes = ray.nodes() if ray.is_initialized() else []
     return [n for n in nodes if n.get("Alive", True)]
-
-
-def parquet_bytes(files: list[str]) -> int:
-    """The uncompressed size of parquet files, from their footers (no data read)."""
-    import pyarrow.parquet as pq
-
-    total = 0
-    for file in files:
-        meta = pq.ParquetFile(file).metadata
-        total += sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
-    return total

@@ -1,9 +1,11 @@
 """Checks of a run's surroundings, made before anything touches the run directory or Ray.
 
 Owns: refusing a relative `run.storage_path` inside a submitted Ray job
-(`check_storage_under_job`) and, for an embedded Ray, a machine that cannot hold the
-worker group (`placement.check_machine`). Must not touch: the config's own rules
-(`config.py`), data (`datasets.py`), resume decisions (`resume.py`).
+(`check_storage_under_job`), for an embedded Ray a machine that cannot hold the worker
+group (`placement.check_machine`), and the data's precheck (`precheck`: the data room's
+own checks, then the user's pipeline on a few rows). Must not touch: the config's own
+rules (`config.py`), reading or checking the data itself (`raytrain_ddp/data/`), resume
+decisions (`resume.py`).
 
 Why a relative storage path is refused under `ray job submit`: the job's entrypoint runs
 in Ray's unpacked copy of `--working-dir`
@@ -19,7 +21,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from raytrain_ddp.config import Config
 from raytrain_ddp.errors import UserError
@@ -72,6 +74,24 @@ def preflight(cfg: Config) -> None:
     check_storage_under_job(cfg)
     if not _joins_a_cluster(cfg):
         check_machine(cfg)
+
+
+def precheck(cfg: Config, code: Any = None, given: Optional[dict[str, Any]] = None) -> Any:
+    """The data checks that need no Ray, run before Ray starts: bad parquet costs nothing.
+
+    With user code (`code.custom`) or a user pipeline, a few raw rows also go through
+    preprocess, the model factory, the forward and the loss (`user.check_pipeline`).
+    `given`: the Ray Datasets of `raytrain_ddp.train(datasets=...)`, sampled through Ray.
+    Returns `data.sources.Prechecked`, so `prepare_datasets` scans nothing twice.
+    """
+    from raytrain_ddp.data.sources import Prechecked, check_source, sample_and_spec
+    from raytrain_ddp.user import SAMPLE_ROWS, check_pipeline, uses_own_data
+
+    info = check_source(cfg, given)  # data.source against `given`; parquet files, columns, rows
+    if code is None or not (code.custom or uses_own_data(cfg)):
+        return Prechecked(info)
+    sample, spec = sample_and_spec(cfg, info, given, SAMPLE_ROWS)
+    return Prechecked(info, check_pipeline(cfg, code, sample, spec))
 
 
 def _joins_a_cluster(cfg: Config) -> bool:

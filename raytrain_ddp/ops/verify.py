@@ -8,7 +8,7 @@ every rank; the full model and optimizer state dicts, what a checkpoint saves, e
 rank 0), from one process, what it sent, how long a step took and how much of its
 communication backward hid (where the wrapper times it); exit 1 on any difference above
 1e-9, naming the tensor. It takes every config `train` takes: the rows go through
-`data.preprocess` and the driver's own checks (`driver/datasets.precheck`), batches are
+`data.preprocess` and the driver's own checks (`driver/preflight.precheck`), batches are
 built, fed to the model and scored by `batch.BatchFormat` as in training -- (x, y) or dict
 batches (`data.inputs`), the user's loss, the model's own (`train.loss: model`) -- with the
 built-in cross-entropy kept in float64. The sharded strategies (`SHARDED_STRATEGIES`: zero1, fsdp) build
@@ -162,10 +162,11 @@ def _rows(cfg: Any, config_path: Optional[str] = None) -> tuple[dict[str, np.nda
     """A few real rows of the configured data (seeded choice), as the model's columns, and the
     spec the model is built from: what `train` would feed it, `data.preprocess` applied and,
     for dict batches (`data.inputs`), every column the preprocess returns."""
-    from raytrain_ddp.driver import datasets
+    from raytrain_ddp.data import sources
+    from raytrain_ddp.data.columns import arrow_numpy, column_arrays
+    from raytrain_ddp.driver.preflight import precheck
     from raytrain_ddp.job import DataSpec
     from raytrain_ddp.user import resolve, run_preprocess, uses_own_data
-    from raytrain_ddp.worker.shard import arrow_numpy, column_arrays
 
     if cfg.data.source not in ("digits", "synthetic", "parquet"):
         raise UserError(f"verify takes rows from data.source digits, synthetic or parquet, not "
@@ -174,12 +175,12 @@ def _rows(cfg: Any, config_path: Optional[str] = None) -> tuple[dict[str, np.nda
     need = WORLD * MICRO_STEPS * ROWS_PER_MICRO * STEPS
     own = uses_own_data(cfg)
     cfg_code = resolve(cfg, config_path=config_path)[1]
-    checked = datasets.precheck(cfg, cfg_code)  # the driver's own checks, each error naming its key
+    checked = precheck(cfg, cfg_code)  # the driver's own checks, each error naming its key
     if checked.pipeline is not None:
         spec = checked.pipeline.spec
     elif cfg.data.source == "parquet":
         info = checked.parquet
-        spec = DataSpec(info.task, tuple(datasets._model_shape(cfg, info.feature_shape)), info.num_classes,
+        spec = DataSpec(info.task, tuple(sources.model_shape(cfg, info.feature_shape)), info.num_classes,
                         info.rows, 0, str(cfg.data.path))
     source = f"parquet {cfg.data.path}" if cfg.data.source == "parquet" else cfg.data.source
     if cfg.data.preprocess:
@@ -190,12 +191,12 @@ def _rows(cfg: Any, config_path: Optional[str] = None) -> tuple[dict[str, np.nda
         raw = (table for file in checked.parquet.files
                for table in _parquet_tables(file, names))
     else:
-        features, labels = (datasets.load_digits_arrays() if cfg.data.source == "digits"
-                            else datasets.synthetic_arrays(cfg))
+        features, labels = (sources.load_digits_arrays() if cfg.data.source == "digits"
+                            else sources.synthetic_arrays(cfg))
         if checked.pipeline is None:
-            shape, classes, task = datasets._spec_from_arrays(cfg, features, labels)
+            shape, classes, task = sources.spec_from_arrays(cfg, features, labels)
             spec = DataSpec(task, tuple(shape), classes, len(features), 0, cfg.data.source)
-        table = datasets._table(features, labels, cfg.data)
+        table = sources.arrays_table(features, labels, cfg.data)
         raw = (table.slice(i, 256) for i in range(0, table.num_rows, 256))
     rows = 0
     for table in raw:

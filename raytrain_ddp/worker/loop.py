@@ -6,7 +6,7 @@ behind (`Checkpointer.last_step_on_peer_loss`, `replica.py`). Each component dec
 line, `Checkpointer` when to save, `StepProfiler` which steps to trace: it wraps the
 window iterator to see where a step starts and ends), so the story below is the whole story.
 Must not touch: process-group setup (Ray Train's TorchConfig does it), data sharding
-(`shard.py`), gradient synchronisation (`raytrain_ddp.parallel`), files.
+(`data/worker_data.py`), gradient synchronisation (`raytrain_ddp.parallel`), files.
 
 Invariants the story relies on:
 - Every rank runs the same number of optimizer steps per epoch (`WorkerData` guarantees
@@ -24,13 +24,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from raytrain_ddp.data.steps import total_steps as total_steps_of
+from raytrain_ddp.data.worker_data import WorkerData
 from raytrain_ddp.job import Job
 from raytrain_ddp.worker.checkpointer import Checkpointer
 from raytrain_ddp.worker.runtime import RayTrainRuntime
 from raytrain_ddp.worker.hooks import load_hooks
 from raytrain_ddp.worker.meter import RunLog
 from raytrain_ddp.worker.profiler import StepProfiler
-from raytrain_ddp.worker.shard import WorkerData
 from raytrain_ddp.worker.state import build_state
 from raytrain_ddp.worker.step import NonFiniteAbort, train_step, validate
 
@@ -40,7 +41,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     runtime = loop_config.get("runtime") or RayTrainRuntime()  # a Ray Train worker, or local mode
     cfg, rank, hooks = job.cfg, runtime.rank(), load_hooks()
     data = WorkerData(cfg, job.spec, rank.world_rank, rank.world_size, rank.device, shards=runtime.shards())
-    total_steps = cfg.train.max_steps or cfg.train.epochs * data.steps_per_epoch
+    total_steps = total_steps_of(cfg, data.steps_per_epoch)  # as the driver computes it (data/steps.py)
     state = build_state(job, rank, total_steps)
     log = RunLog(job, rank, state, data, total_steps)  # records this attempt
     hooks.on_attempt(rank, log.attempt, state.module)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from raytrain_ddp.config import load_config
-from raytrain_ddp.driver.datasets import check_parquet, export_digits, load_digits_arrays, synthetic_arrays
+from raytrain_ddp.data.sources import check_parquet, export_digits, load_digits_arrays, synthetic_arrays
 from raytrain_ddp.job import DataSpec
-from raytrain_ddp.worker.shard import WorkerData
+from raytrain_ddp.data.worker_data import WorkerData
 from raytrain_ddp.errors import DataError
 from raytrain_ddp.models import build_model, loss_fn
 

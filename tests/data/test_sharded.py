@@ -16,8 +16,8 @@ import torch
 from raytrain_ddp.config import load_config
 from raytrain_ddp.job import DataSpec
 from raytrain_ddp.rundir import Location
-from raytrain_ddp.store import StoreReader, default_chunk_rows, epoch_chunks, read_manifest, write_store
-from raytrain_ddp.worker.shard import WorkerData
+from raytrain_ddp.data.store import StoreReader, default_chunk_rows, epoch_chunks, read_manifest, write_store
+from raytrain_ddp.data.worker_data import WorkerData
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -73,7 +73,7 @@ def test_direct_reads_give_the_arrays_arrow_gives_and_step_aside_when_they_canno
     (`arrow_numpy` of the chunks' table), chunk by chunk in a shuffled order, across files,
     with sliced inputs and a short last chunk; columns that are not plain numbers, or numbers
     with nulls, leave the store on the Arrow path."""
-    from raytrain_ddp.worker.shard import arrow_numpy
+    from raytrain_ddp.data.columns import arrow_numpy
 
     rng = np.random.default_rng(0)
     rows = 203
@@ -196,8 +196,8 @@ _MEMORY_SCRIPT = textwrap.dedent("""
     from raytrain_ddp.config import load_config
     from raytrain_ddp.job import DataSpec
     from raytrain_ddp.rundir import Location
-    from raytrain_ddp.store import read_manifest
-    from raytrain_ddp.worker.shard import WorkerData
+    from raytrain_ddp.data.store import read_manifest
+    from raytrain_ddp.data.worker_data import WorkerData
 
     def rss_mb():
         return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) / 1024
@@ -249,7 +249,7 @@ def test_read_ahead_keeps_order_bounds_its_window_raises_and_stops():
     import threading
     import time as _time
 
-    from raytrain_ddp.worker.shard import ReadAhead
+    from raytrain_ddp.data.worker_data import ReadAhead
 
     reads, lock = [], threading.Lock()
 

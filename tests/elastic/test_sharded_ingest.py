@@ -95,9 +95,10 @@ def test_sharded_user_pipeline_runs_preprocess_once_and_reuses_its_store(ray_clu
     import torch
 
     from raytrain_ddp.config import load_config
-    from raytrain_ddp.driver.datasets import prepare_datasets
+    from raytrain_ddp.data.ray_datasets import prepare_datasets
+    from raytrain_ddp.data.worker_data import WorkerData
+    from raytrain_ddp.driver.preflight import precheck
     from raytrain_ddp.user import UserCode
-    from raytrain_ddp.worker.shard import WorkerData
 
     def twice_with_weight(batch):  # defined here: pickled by value to Ray Data's tasks
         raw = np.stack(list(batch["x"])).astype(np.float32)  # a list column: an array per row
@@ -109,15 +110,15 @@ def test_sharded_user_pipeline_runs_preprocess_once_and_reuses_its_store(ray_clu
                  "scaling.num_workers=2"]
     cfg = load_config(None, [*overrides, "train.micro_batch_size=16"])
     code = UserCode(preprocess=twice_with_weight)
-    prepared = prepare_datasets(cfg, code=code)
+    prepared = prepare_datasets(cfg, precheck(cfg, code), code)
     assert prepared.datasets == {} and prepared.spec.train_rows == 2 * 1438 and prepared.spec.val_rows == 2 * 359
     part = tmp_path / "byo" / "data" / "train" / "part-00000.arrow"
     written = part.stat().st_mtime_ns
-    again = prepare_datasets(cfg, code=code)
+    again = prepare_datasets(cfg, precheck(cfg, code), code)
     assert again.spec.train_rows == prepared.spec.train_rows and part.stat().st_mtime_ns == written  # reused
     # what a resume may change: the micro batch (the store keeps its 16-row chunks), prefetch
     resized = load_config(None, [*overrides, "train.micro_batch_size=32", "data.prefetch_batches=3"])
-    prepare_datasets(resized, code=code)
+    prepare_datasets(resized, precheck(resized, code), code)
     assert part.stat().st_mtime_ns == written
     assert next(WorkerData(resized, again.spec, 0, 2, torch.device("cpu")).train_windows(epoch=0))[0]["x"].shape[0] == 32
 

@@ -26,7 +26,7 @@ from raytrain_ddp.job import DataSpec, Job
 from raytrain_ddp.parallel import STRATEGIES
 from raytrain_ddp.user import check_pipeline, resolve
 from raytrain_ddp.worker.context import Rank
-from raytrain_ddp.worker.shard import TRAIN, WorkerData
+from raytrain_ddp.data.worker_data import TRAIN, WorkerData
 from raytrain_ddp.worker.state import build_state
 from raytrain_ddp.worker.step import train_step
 

@@ -31,7 +31,7 @@ def _count_loop(loop_config: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from raytrain_ddp.worker.shard import TRAIN, WorkerData
+    from raytrain_ddp.data.worker_data import TRAIN, WorkerData
     from raytrain_ddp.worker.context import Rank
 
     rank = Rank.current()
@@ -65,7 +65,8 @@ def test_micro_step_counts_are_identical_on_every_rank(ray_cluster, tmp_path):
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from raytrain_ddp.driver.datasets import prepare_datasets
+    from raytrain_ddp.data.ray_datasets import prepare_datasets
+    from raytrain_ddp.driver.preflight import precheck
 
     files = tmp_path / "data"
     files.mkdir()
@@ -79,7 +80,7 @@ def test_micro_step_counts_are_identical_on_every_rank(ray_cluster, tmp_path):
             "model.name=mlp"]
     plain = tiny(tmp_path, "uneven", *base, "data.shuffle=false")
     buffered = tiny(tmp_path, "uneven", *base, "data.shuffle_buffer=48")
-    prepared = prepare_datasets(buffered)
+    prepared = prepare_datasets(buffered, precheck(buffered))
     assert prepared.spec.train_rows == 1001
     unequal = [ray.data.read_parquet(str(files)), ray.data.read_parquet(str(files)).limit(600)]
 

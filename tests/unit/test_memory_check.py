@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from raytrain_ddp.config import load_config
-from raytrain_ddp.driver.memory import GiB, check_exact_fits, parquet_bytes, worker_share
+from raytrain_ddp.data.sources import parquet_bytes
+from raytrain_ddp.driver.memory import GiB, check_exact_fits, worker_share
 from raytrain_ddp.errors import UserError
 
 pytestmark = pytest.mark.timeout(30)

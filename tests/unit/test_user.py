@@ -28,7 +28,7 @@ from raytrain_ddp.errors import UserError
 from raytrain_ddp.export import export_run, load_model
 from raytrain_ddp.job import DataSpec
 from raytrain_ddp.user import UserCode, import_path_of, resolve, runtime_env
-from raytrain_ddp.worker.shard import TRAIN, VAL, WorkerData
+from raytrain_ddp.data.worker_data import TRAIN, VAL, WorkerData
 
 pytestmark = pytest.mark.timeout(120)
 

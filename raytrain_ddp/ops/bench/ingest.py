@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterable, Optional
 import numpy as np
 
 from raytrain_ddp.ops.bench.common import Sizes, ratio, stats
-from raytrain_ddp.worker.shard import stack_column
+from raytrain_ddp.data.columns import stack_column
 
 FEATURES = 256
 CLASSES = 16
@@ -162,12 +162,12 @@ def in_memory_iter(x: Any, y: Any, seed: int) -> Iterable:
 
 
 def write_chunk_store(path: Path, out: Path, chunk_rows: int) -> Any:
-    """The parquet files as a chunk store (`raytrain_ddp/store.py`), in file order."""
+    """The parquet files as a chunk store (`raytrain_ddp/data/store.py`), in file order."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from raytrain_ddp.rundir import Location
-    from raytrain_ddp.store import write_store
+    from raytrain_ddp.data.store import write_store
 
     def tables():
         for file in sorted(path.glob("*.parquet")):
@@ -188,7 +188,7 @@ def sharded_reader(root: Any, rows: int, chunk_rows: int, device: str, world: in
 
     from raytrain_ddp.config import load_config
     from raytrain_ddp.job import DataSpec
-    from raytrain_ddp.worker.shard import WorkerData
+    from raytrain_ddp.data.worker_data import WorkerData
 
     cfg = load_config(None, ["model.name=mlp", "data.sharding=sharded", f"data.chunk_rows={chunk_rows}",
                              f"train.micro_batch_size={BATCH}", f"train.global_batch_size={BATCH * world}",
@@ -206,7 +206,7 @@ import torch
 torch.set_num_threads(1)
 from raytrain_ddp.ops.bench.ingest import sharded_reader, sharded_iter
 from raytrain_ddp.rundir import Location
-from raytrain_ddp.store import read_manifest
+from raytrain_ddp.data.store import read_manifest
 
 def rss_mb():
     return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) / 1024
@@ -235,7 +235,7 @@ def worker_memory(tmp: Path, rows: int, world: int = 2) -> dict[str, Any]:
     import pyarrow as pa
 
     from raytrain_ddp.rundir import Location
-    from raytrain_ddp.store import write_store
+    from raytrain_ddp.data.store import write_store
 
     def tables():
         rng = np.random.default_rng(0)

@@ -6,7 +6,7 @@ which makes a store complete); writing it from a stream of Arrow tables (the dri
 by Ray Data); reading one chunk by its index (a worker: a ranged read of that record
 batch only, through `pyarrow.fs`, so local disks and object stores alike); and the epoch
 order of chunks and each rank's chunks for a step. Must not touch: Ray, torch, models,
-what the columns mean (`worker/shard.py` turns them into tensors).
+what the columns mean (`columns.py` and `worker_data.py` turn them into tensors).
 
 The order (a function of seed, epoch and step only, never of the worker count):
 
@@ -169,7 +169,7 @@ class _RawIndex:
     buffer addresses (only the batches' metadata pages are touched; the map is closed at
     once, so nothing of it stays resident). A column qualifies when every chunk holds it as
     one contiguous array of values: a fixed-size list of numbers (its values buffer; the
-    list's validity is ignored, as `worker/shard.arrow_numpy` ignores it) or numbers without
+    list's validity is ignored, as `columns.arrow_numpy` ignores it) or numbers without
     nulls. A column of another type turns the raw path off for the store; a chunk with nulls
     in a column is read through Arrow (`read_arrays` returns None for a batch holding it), as
     `arrow_numpy` decides per table.
@@ -242,7 +242,7 @@ class StoreReader:
 
     def read_arrays(self, indices: Iterable[int]) -> Optional[dict[str, np.ndarray]]:
         """Chunks in the given order as one numpy array per column -- the arrays
-        `worker/shard.arrow_numpy(self.table(indices))` gives, read straight from the files
+        `columns.arrow_numpy(self.table(indices))` gives, read straight from the files
         (`_RawIndex`) -- or None where the raw path does not apply (a store in object
         storage, a column that is not plain numbers): read `table` then."""
         indices = [int(i) for i in indices]

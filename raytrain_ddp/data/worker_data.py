@@ -1,17 +1,18 @@
 """One rank's data: optimizer-step windows of micro-batches on the device.
 
-Owns: turning this worker's Ray Data shard into windows of `accumulation_steps`
-micro-batches (each rank's slice of every global batch), and the validation share; the
-columns' conversion to tensors. A micro-batch is whatever `raytrain_ddp.batch` builds from
-the columns of its rows: an `(x, y)` tuple or a dict of named tensors.
-Must not touch: models, optimisation, the driver's datasets (`driver/datasets.py`
-builds them and explains the two `data.sharding` modes).
+Owns: turning this worker's Ray Data shard (or its chunks of the chunk store) into windows
+of `accumulation_steps` micro-batches (each rank's slice of every global batch), and the
+validation share; the columns as tensors (`columns.py` cuts them). A micro-batch is
+whatever `raytrain_ddp.batch` builds from the columns of its rows: an `(x, y)` tuple or a
+dict of named tensors. `WorkerData` is the facade the loop sees; behind it one reader per
+`data.sharding` mode (`READERS`). Must not touch: models, optimisation, the driver's
+datasets (`ray_datasets.py` builds them and explains the three `data.sharding` modes).
 
 * ``exact``: every worker reads the full (unsplit) set once into memory, draws the same
   seeded permutation each epoch and takes its disjoint slice of every global batch, so
   the samples of optimizer step *s* are the same at any worker count.
 * ``sharded``: the order of ``exact`` at chunk granularity, read from the chunk store the
-  driver wrote (`raytrain_ddp/store.py`): each rank reads only its chunks of each step,
+  driver wrote (`store.py`): each rank reads only its chunks of each step,
   on a reader thread a few steps ahead, so its data memory is that window.
 * ``streaming``: `iter_torch_batches` over this worker's `streaming_split` stream; before
   every window the ranks agree that all still have a full one (`all_true`), so every
@@ -27,30 +28,27 @@ import numpy as np
 
 from raytrain_ddp.batch import BatchFormat, to_device
 from raytrain_ddp.config import Config
+from raytrain_ddp.data.columns import TRAIN, VAL, arrow_numpy, column_arrays, num_rows
+from raytrain_ddp.data.steps import steps_per_epoch
 from raytrain_ddp.errors import DataError
 from raytrain_ddp.job import DataSpec
 from raytrain_ddp.parallel.collectives import all_true
 
-TRAIN = "train"
-VAL = "val"
 _READ_BATCH_ROWS = 4096
-# sharded: a step read faster than this stays in the training thread (see `_sharded_windows`)
+# sharded: a step read faster than this stays in the training thread (see `ShardedReader.train_windows`)
 INLINE_READ_S = 0.001
 
 
-class WorkerData:
-    """One rank's view of the data: optimizer-step windows of micro-batches on `device`."""
+class _Reader:
+    """What every sharding mode shares: the run's numbers, the batch format, the counters the
+    meter reads, and the in-memory helpers (a whole shard as tensors, columns as a batch)."""
+
+    reads_ray_shards = True  # its rows come from `ray.train.get_dataset_shard` (not a chunk store)
 
     def __init__(self, cfg: Config, spec: DataSpec, world_rank: int, world_size: int, device: Any,
-                 shards: Optional[dict[str, Any]] = None):
-        """`shards` defaults to `ray.train.get_dataset_shard(...)`; tests pass Ray Data iterators."""
-        sharded = cfg.data.sharding == "sharded"
-        if shards is None and not sharded:
-            import ray.train
-
-            shards = {TRAIN: ray.train.get_dataset_shard(TRAIN)}
-            if spec.val_rows:
-                shards[VAL] = ray.train.get_dataset_shard(VAL)
+                 shards: Optional[dict[str, Any]]) -> None:
+        if shards is None and self.reads_ray_shards:
+            shards = _ray_shards(spec)
         self.cfg, self.spec = cfg, spec
         self.world_rank, self.world_size = world_rank, world_size
         self.device = device
@@ -64,39 +62,69 @@ class WorkerData:
         shards = shards or {}
         self._train_shard = shards.get(TRAIN)
         self._val_shard = shards.get(VAL)
-        self._train_columns: Optional[dict[str, Any]] = None
         self._val_columns: Optional[dict[str, Any]] = None
-        if sharded:
-            from raytrain_ddp.store import StoreReader, read_manifest
+        self.steps_per_epoch = 0
 
-            self._store = StoreReader(spec.store / TRAIN)
-            self._val_store = StoreReader(spec.store / VAL) if read_manifest(spec.store / VAL) else None
-            if self.micro_batch_size % self._store.manifest.chunk_rows:
-                raise DataError(f"{spec.store}: its chunks of {self._store.manifest.chunk_rows} rows do not divide "
-                                f"train.micro_batch_size={self.micro_batch_size}")
-            self.steps_per_epoch = self._store.manifest.rows // self.global_batch_size
-        elif cfg.data.sharding == "exact":
-            self._train_columns = self._materialize(self._train_shard)
-            self.steps_per_epoch = _num_rows(self._train_columns) // self.global_batch_size
-        else:
-            rows_per_rank = spec.train_rows // world_size
-            self.steps_per_epoch = rows_per_rank // (self.micro_batch_size * self.accumulation_steps)
+    def train_windows(self, epoch: int, skip_steps: int) -> Iterator[list[Any]]:
+        """One list of `accumulation_steps` micro-batches per optimizer step."""
+        raise NotImplementedError
 
-    # -- training ---------------------------------------------------------------------
+    def val_batches(self) -> Iterator[Any]:
+        """This rank's disjoint, strided share of the validation rows (each row once overall)."""
+        if self._val_shard is None:
+            return
+        if self._val_columns is None:
+            self._val_columns = self._materialize(self._val_shard)
+        mine = {name: column[self.world_rank::self.world_size] for name, column in self._val_columns.items()}
+        size = max(self.micro_batch_size, 256)
+        for start in range(0, num_rows(mine), size):
+            yield self._batch({name: column[start:start + size] for name, column in mine.items()})
 
-    def train_windows(self, epoch: int, skip_steps: int = 0) -> Iterator[list[Any]]:
-        """Yield one list of `accumulation_steps` micro-batches per optimizer step."""
-        if self.cfg.data.sharding == "exact":
-            yield from self._exact_windows(epoch, skip_steps)
-        elif self.cfg.data.sharding == "sharded":
-            yield from self._sharded_windows(epoch, skip_steps)
-        else:
-            yield from self._streaming_windows(epoch, skip_steps)
+    def epoch_order(self, rows: int, epoch: int) -> Any:
+        """The same permutation on every rank and at every world size: seeded by (seed, epoch)."""
+        import torch
 
-    def _exact_windows(self, epoch: int, skip_steps: int) -> Iterator[list[Any]]:
+        if not self.cfg.data.shuffle:
+            return torch.arange(rows)
+        gen = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + epoch)
+        return torch.randperm(rows, generator=gen)
+
+    def _materialize(self, shard: Any) -> dict[str, Any]:
+        """Read a whole (unsplit) dataset once through Ray Data into CPU tensors, one per column."""
+        import torch
+
+        start = time.perf_counter()
+        parts: dict[str, list[np.ndarray]] = {}
+        for batch in shard.iter_batches(batch_size=_READ_BATCH_ROWS, batch_format="numpy"):
+            for name, array in column_arrays(batch, self.cfg, self.spec).items():
+                parts.setdefault(name, []).append(array)
+        columns = {name: torch.from_numpy(np.concatenate(arrays)) for name, arrays in parts.items()}
+        self.wait_seconds += time.perf_counter() - start
+        return columns
+
+    def _collate(self, batch: dict[str, np.ndarray]) -> Any:
+        import torch
+
+        return self._batch({name: torch.from_numpy(a) for name, a in column_arrays(batch, self.cfg, self.spec).items()})
+
+    def _batch(self, columns: dict[str, Any]) -> Any:
+        return to_device(self.format.assemble(columns), self.device)
+
+
+class ExactReader(_Reader):
+    """``exact``: the whole (unsplit) training set in memory, this rank's slice of every
+    global batch of one seeded order."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._train_columns = self._materialize(self._train_shard)
+        self.steps_per_epoch = steps_per_epoch(num_rows(self._train_columns), self.global_batch_size)
+
+    def train_windows(self, epoch: int, skip_steps: int) -> Iterator[list[Any]]:
+        """This rank's micro-batches of each global batch of the epoch's order, from memory."""
         assert self._train_columns is not None
         columns = self._train_columns
-        order = self.epoch_order(_num_rows(columns), epoch)
+        order = self.epoch_order(num_rows(columns), epoch)
         b, k, w, r = self.micro_batch_size, self.accumulation_steps, self.world_size, self.world_rank
         for step in range(skip_steps, self.steps_per_epoch):
             start = time.perf_counter()
@@ -108,18 +136,27 @@ class WorkerData:
             self.wait_seconds += time.perf_counter() - start
             yield window
 
-    def epoch_order(self, rows: int, epoch: int) -> Any:
-        """The same permutation on every rank and at every world size: seeded by (seed, epoch)."""
-        import torch
 
-        if not self.cfg.data.shuffle:
-            return torch.arange(rows)
-        gen = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + epoch)
-        return torch.randperm(rows, generator=gen)
+class ShardedReader(_Reader):
+    """``sharded``: this rank's chunks of every global batch, read from the chunk store."""
+
+    reads_ray_shards = False
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        from raytrain_ddp.data.store import StoreReader, read_manifest
+
+        store = self.spec.store
+        self._store = StoreReader(store / TRAIN)
+        self._val_store = StoreReader(store / VAL) if read_manifest(store / VAL) else None
+        if self.micro_batch_size % self._store.manifest.chunk_rows:
+            raise DataError(f"{store}: its chunks of {self._store.manifest.chunk_rows} rows do not divide "
+                            f"train.micro_batch_size={self.micro_batch_size}")
+        self.steps_per_epoch = steps_per_epoch(self._store.manifest.rows, self.global_batch_size)
 
     def step_chunks(self, epoch: int, step: int) -> list[Any]:
         """sharded: this rank's chunk indices for each micro-step of `step` (`store.py`)."""
-        from raytrain_ddp.store import epoch_chunks, rank_chunks
+        from raytrain_ddp.data.store import epoch_chunks, rank_chunks
 
         if getattr(self, "_order", (None,))[0] != epoch:
             self._order = (epoch, epoch_chunks(self._store.manifest.full_chunks, self.cfg.train.seed, epoch,
@@ -129,7 +166,7 @@ class WorkerData:
                             world_size=self.world_size, world_rank=self.world_rank)
                 for micro in range(self.accumulation_steps)]
 
-    def _sharded_windows(self, epoch: int, skip_steps: int) -> Iterator[list[Any]]:
+    def train_windows(self, epoch: int, skip_steps: int) -> Iterator[list[Any]]:
         """Read this rank's chunks of each step: in this thread while a step's read is quick,
         then on a reader thread up to `ahead` steps ahead; resident data is those windows
         (pinned on CUDA), never the data set.
@@ -189,7 +226,27 @@ class WorkerData:
         return {name: torch.from_numpy(array if array.flags.writeable else array.copy())  # views of Arrow's buffers
                 for name, array in column_arrays(arrays, self.cfg, self.spec).items()}
 
-    def _streaming_windows(self, epoch: int, skip_steps: int) -> Iterator[list[Any]]:
+    def val_batches(self) -> Iterator[Any]:
+        """Every `world_size`-th chunk of the validation store from this rank's (each row once)."""
+        if self._val_store is None:
+            return
+        mine = list(range(self.world_rank, self._val_store.manifest.chunks, self.world_size))
+        per = max(1, max(self.micro_batch_size, 256) // self._val_store.manifest.chunk_rows)
+        for start in range(0, len(mine), per):
+            yield self._batch(self._columns(self._val_store, mine[start:start + per]))
+
+
+class StreamingReader(_Reader):
+    """``streaming``: this rank's `streaming_split` stream, windows while every rank has one."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        # rows_per_rank // (micro batch x accumulation) as before: the same number, as the
+        # global batch is world_size x micro batch x accumulation (config.accumulation_steps)
+        self.steps_per_epoch = steps_per_epoch(self.spec.train_rows, self.global_batch_size)
+
+    def train_windows(self, epoch: int, skip_steps: int) -> Iterator[list[Any]]:
+        """`iter_torch_batches` over this rank's stream, a window while every rank has a full one."""
         buffer = self.cfg.data.shuffle_buffer
         if buffer is None and self.cfg.data.shuffle:
             buffer = max(1024, 8 * self.micro_batch_size)
@@ -223,53 +280,68 @@ class WorkerData:
         """Agree across ranks that everyone still has a full window."""
         return all_true(full, self.device)
 
-    # -- validation -------------------------------------------------------------------
+
+READERS: dict[str, type[_Reader]] = {"exact": ExactReader, "sharded": ShardedReader, "streaming": StreamingReader}
+
+
+class WorkerData:
+    """One rank's view of the data: optimizer-step windows of micro-batches on `device`.
+
+    A facade over the reader of its `data.sharding` (`READERS`): the loop, the meter and
+    the tests see one interface whatever the mode."""
+
+    def __init__(self, cfg: Config, spec: DataSpec, world_rank: int, world_size: int, device: Any,
+                 shards: Optional[dict[str, Any]] = None):
+        """`shards` defaults to `ray.train.get_dataset_shard(...)`; tests pass Ray Data iterators."""
+        self.reader = READERS[cfg.data.sharding](cfg, spec, world_rank, world_size, device, shards)
+        self.cfg, self.spec = cfg, spec
+        self.world_rank, self.world_size, self.device = world_rank, world_size, device
+        self.micro_batch_size = self.reader.micro_batch_size
+        self.accumulation_steps = self.reader.accumulation_steps
+        self.global_batch_size = self.reader.global_batch_size
+        self.steps_per_epoch = self.reader.steps_per_epoch
+        self.format = self.reader.format
+
+    @property
+    def wait_seconds(self) -> float:
+        """Seconds spent waiting for data, cumulative (the meter's data wait)."""
+        return self.reader.wait_seconds
+
+    @property
+    def read_ahead_steps(self) -> int:
+        """sharded: windows that came from the reader thread."""
+        return self.reader.read_ahead_steps
+
+    @property
+    def inline_read_s(self) -> float:
+        """sharded: a step read faster than this stays in the training thread."""
+        return self.reader.inline_read_s
+
+    @inline_read_s.setter
+    def inline_read_s(self, seconds: float) -> None:
+        self.reader.inline_read_s = seconds
+
+    def train_windows(self, epoch: int, skip_steps: int = 0) -> Iterator[list[Any]]:
+        """Yield one list of `accumulation_steps` micro-batches per optimizer step."""
+        return self.reader.train_windows(epoch, skip_steps)
 
     def val_batches(self) -> Iterator[Any]:
-        """This rank's disjoint, strided share of the validation rows (each row once overall)."""
-        if self.cfg.data.sharding == "sharded":
-            yield from self._sharded_val_batches()
-            return
-        if self._val_shard is None:
-            return
-        if self._val_columns is None:
-            self._val_columns = self._materialize(self._val_shard)
-        mine = {name: column[self.world_rank::self.world_size] for name, column in self._val_columns.items()}
-        size = max(self.micro_batch_size, 256)
-        for start in range(0, _num_rows(mine), size):
-            yield self._batch({name: column[start:start + size] for name, column in mine.items()})
+        """This rank's disjoint share of the validation rows (each row once overall)."""
+        return self.reader.val_batches()
 
-    def _sharded_val_batches(self) -> Iterator[Any]:
-        """Every `world_size`-th chunk of the validation store from this rank's (each row once)."""
-        if self._val_store is None:
-            return
-        mine = list(range(self.world_rank, self._val_store.manifest.chunks, self.world_size))
-        per = max(1, max(self.micro_batch_size, 256) // self._val_store.manifest.chunk_rows)
-        for start in range(0, len(mine), per):
-            yield self._batch(self._columns(self._val_store, mine[start:start + per]))
+    def epoch_order(self, rows: int, epoch: int) -> Any:
+        """The same permutation on every rank and at every world size: seeded by (seed, epoch)."""
+        return self.reader.epoch_order(rows, epoch)
 
-    # -- helpers ----------------------------------------------------------------------
 
-    def _materialize(self, shard: Any) -> dict[str, Any]:
-        """Read a whole (unsplit) dataset once through Ray Data into CPU tensors, one per column."""
-        import torch
+def _ray_shards(spec: DataSpec) -> dict[str, Any]:
+    """This worker's dataset shards from Ray Train (the train split, and val if it has rows)."""
+    import ray.train
 
-        start = time.perf_counter()
-        parts: dict[str, list[np.ndarray]] = {}
-        for batch in shard.iter_batches(batch_size=_READ_BATCH_ROWS, batch_format="numpy"):
-            for name, array in column_arrays(batch, self.cfg, self.spec).items():
-                parts.setdefault(name, []).append(array)
-        columns = {name: torch.from_numpy(np.concatenate(arrays)) for name, arrays in parts.items()}
-        self.wait_seconds += time.perf_counter() - start
-        return columns
-
-    def _collate(self, batch: dict[str, np.ndarray]) -> Any:
-        import torch
-
-        return self._batch({name: torch.from_numpy(a) for name, a in column_arrays(batch, self.cfg, self.spec).items()})
-
-    def _batch(self, columns: dict[str, Any]) -> Any:
-        return to_device(self.format.assemble(columns), self.device)
+    shards = {TRAIN: ray.train.get_dataset_shard(TRAIN)}
+    if spec.val_rows:
+        shards[VAL] = ray.train.get_dataset_shard(VAL)
+    return shards
 
 
 class ReadAhead:
@@ -355,80 +427,3 @@ def _pin(batch: Any) -> Any:
     if isinstance(batch, dict):
         return {key: _pin(value) for key, value in batch.items()}
     return type(batch)(_pin(value) for value in batch)
-
-
-def arrow_numpy(table: Any) -> dict[str, np.ndarray]:
-    """A pyarrow table as Ray Data's numpy batch: fixed-size lists of numbers become 2-D
-    arrays directly (one copy); anything else (tensor extension columns, ragged lists) goes
-    through Ray Data's own conversion, so every mode sees the same arrays."""
-    import pyarrow as pa
-
-    out: dict[str, np.ndarray] = {}
-    rest = []
-    for name in table.column_names:
-        column = table.column(name)
-        kind = column.type
-        if pa.types.is_fixed_size_list(kind) and (pa.types.is_integer(kind.value_type)
-                                                   or pa.types.is_floating(kind.value_type)):
-            size = kind.list_size  # a chunk's values without pyarrow.compute's list_flatten
-            parts = [c.values.slice(c.offset * size, len(c) * size).to_numpy(zero_copy_only=False)
-                     for c in column.chunks]
-            out[name] = np.concatenate(parts).reshape(len(column), size)  # one copy, writable
-        elif (pa.types.is_integer(kind) or pa.types.is_floating(kind)) and column.null_count == 0:
-            out[name] = np.concatenate([c.to_numpy(zero_copy_only=False) for c in column.chunks])
-        else:
-            rest.append(name)
-    if rest:
-        from ray.data.block import BlockAccessor
-
-        out.update(BlockAccessor.for_block(table.select(rest)).to_batch_format("numpy"))
-    return {name: out[name] for name in table.column_names}
-
-
-def _num_rows(columns: dict[str, Any]) -> int:
-    return len(next(iter(columns.values()))) if columns else 0
-
-
-def column_arrays(batch: dict[str, np.ndarray], cfg: Config, spec: DataSpec) -> dict[str, np.ndarray]:
-    """The columns a micro-batch is built from, as arrays the model takes.
-
-    Built-in data (`spec.columns` empty): `data.features` as float32 in `spec.feature_shape`
-    (int64 token ids for "lm") and `data.label` as int64. A user pipeline: see
-    `user_column_arrays`.
-    """
-    if spec.columns:
-        return user_column_arrays(batch, cfg)
-    features, label = cfg.data.features, cfg.data.label
-    x = stack_column(batch[features])
-    if spec.task == "lm":
-        x = x.astype(np.int64, copy=not x.flags.writeable)
-    else:  # arrays this process owns are not copied again (Ray Data's are read-only views)
-        x = x.astype(np.float32, copy=not x.flags.writeable).reshape((len(x),) + spec.feature_shape)
-    y = stack_column(batch[label])
-    return {features: x, label: y.astype(np.int64, copy=not y.flags.writeable)}
-
-
-def user_column_arrays(batch: dict[str, np.ndarray], cfg: Config) -> dict[str, np.ndarray]:
-    """A user pipeline's columns (after `data.preprocess`): `data.features` and `data.label`
-    for (x, y) batches, every column for dict batches; each keeps its dtype, except float64,
-    which becomes float32 (the dtype of the model's parameters)."""
-    names = list(batch) if cfg.data.inputs else [cfg.data.features, cfg.data.label]
-    out = {}
-    for name in names:
-        array = stack_column(np.asarray(batch[name]))
-        if array.dtype == np.float64:
-            array = array.astype(np.float32)
-        if array.dtype.kind not in "biuf":
-            raise DataError(
-                f"column {name!r} holds {array.dtype} values; every column of a batch must be numeric "
-                "(turn it into numbers, or drop it, in data.preprocess)"
-            )
-        out[name] = array
-    return out
-
-
-def stack_column(column: np.ndarray) -> np.ndarray:
-    """Parquet list columns arrive as object arrays of arrays; make them one 2-D array."""
-    if column.dtype == object:
-        return np.stack(column) if len(column) else column
-    return column
