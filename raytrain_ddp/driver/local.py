@@ -108,9 +108,9 @@ def local_data(cfg: Config, checked: Any, code: Any) -> tuple[dict[str, Any], Da
     path's workers would read through Ray Data, read here with pyarrow."""
     import pyarrow.parquet as pq
 
-    from raytrain_ddp.data.columns import TRAIN, VAL
+    from raytrain_ddp.data.columns import TRAIN, VAL, uses_own_data
     from raytrain_ddp.data.sources import bundled_tables, check_row_counts, model_shape, split_table
-    from raytrain_ddp.user import run_preprocess, uses_own_data
+    from raytrain_ddp.user import run_preprocess
     from raytrain_ddp.worker.runtime import LocalShard
 
     if cfg.data.source == "datasets":

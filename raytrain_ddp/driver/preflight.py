@@ -84,8 +84,9 @@ def precheck(cfg: Config, code: Any = None, given: Optional[dict[str, Any]] = No
     `given`: the Ray Datasets of `raytrain_ddp.train(datasets=...)`, sampled through Ray.
     Returns `data.sources.Prechecked`, so `prepare_datasets` scans nothing twice.
     """
+    from raytrain_ddp.data.columns import uses_own_data
     from raytrain_ddp.data.sources import Prechecked, check_source, sample_and_spec
-    from raytrain_ddp.user import SAMPLE_ROWS, check_pipeline, uses_own_data
+    from raytrain_ddp.user import SAMPLE_ROWS, check_pipeline
 
     info = check_source(cfg, given)  # data.source against `given`; parquet files, columns, rows
     if code is None or not (code.custom or uses_own_data(cfg)):

@@ -163,10 +163,10 @@ def _rows(cfg: Any, config_path: Optional[str] = None) -> tuple[dict[str, np.nda
     spec the model is built from: what `train` would feed it, `data.preprocess` applied and,
     for dict batches (`data.inputs`), every column the preprocess returns."""
     from raytrain_ddp.data import sources
-    from raytrain_ddp.data.columns import arrow_numpy, column_arrays
+    from raytrain_ddp.data.columns import arrow_numpy, column_arrays, uses_own_data
     from raytrain_ddp.driver.preflight import precheck
     from raytrain_ddp.job import DataSpec
-    from raytrain_ddp.user import resolve, run_preprocess, uses_own_data
+    from raytrain_ddp.user import resolve, run_preprocess
 
     if cfg.data.source not in ("digits", "synthetic", "parquet"):
         raise UserError(f"verify takes rows from data.source digits, synthetic or parquet, not "
