@@ -1,12 +1,12 @@
 """The Ray Datasets the workers read, built on the driver from `cfg.data`.
 
 Owns: turning `cfg.data` into Ray Datasets (parquet, bundled digits, synthetic, or the
-user's own, through `data.preprocess`), the `DataSpec` the model is built from with its
-row counts, the chunk stores of `data.sharding: sharded` (`write_stores`), and the
-`DataConfig` that tells Ray Train which datasets to split. Must not touch: models,
-optimisation, process groups, the cluster (the driver hands in its memory check,
-`driver/memory.check_exact_fits`); each worker's batches (`worker_data.py`); the checks
-that need no Ray (`sources.py`).
+user's own, through `data.preprocess` as `map_batches`' function: `Preprocess`), the
+`DataSpec` the model is built from with its row counts, the chunk stores of
+`data.sharding: sharded` (`write_stores`), and the `DataConfig` that tells Ray Train which
+datasets to split. Must not touch: models, optimisation, process groups, the cluster (the
+driver hands in its memory check, `driver/memory.check_exact_fits`); each worker's
+batches (`worker_data.py`); the checks that need no Ray (`sources.py`).
 
 Three sharding modes (`data.sharding`):
 
