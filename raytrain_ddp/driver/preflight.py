@@ -21,10 +21,13 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from raytrain_ddp.config import Config
 from raytrain_ddp.errors import UserError
+
+if TYPE_CHECKING:
+    from raytrain_ddp.data.sources import Prechecked
 
 JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for the entrypoint
 JOB_WORKING_DIR_MARK = "working_dir_files"  # .../runtime_resources/working_dir_files/_ray_pkg_<hash>
@@ -76,13 +79,13 @@ def preflight(cfg: Config) -> None:
         check_machine(cfg)
 
 
-def precheck(cfg: Config, code: Any = None, given: Optional[dict[str, Any]] = None) -> Any:
+def precheck(cfg: Config, code: Any = None, given: Optional[dict[str, Any]] = None) -> "Prechecked":
     """The data checks that need no Ray, run before Ray starts: bad parquet costs nothing.
 
     With user code (`code.custom`) or a user pipeline, a few raw rows also go through
     preprocess, the model factory, the forward and the loss (`user.check_pipeline`).
     `given`: the Ray Datasets of `raytrain_ddp.train(datasets=...)`, sampled through Ray.
-    Returns `data.sources.Prechecked`, so `prepare_datasets` scans nothing twice.
+    What it found (`Prechecked`) goes to `prepare_datasets`, which then scans nothing twice.
     """
     from raytrain_ddp.data.columns import uses_own_data
     from raytrain_ddp.data.sources import Prechecked, check_source, sample_and_spec
