@@ -21,7 +21,7 @@ Must not touch: Ray (ranks come from `ops.ranks`, no cluster), the run directory
 wrappers themselves (it only calls `wrap_model` and the wrappers' public methods).
 
     raytrain-ddp verify examples/configs/quickstart.yaml [key=value ...]
-    raytrain_ddp.parallel.verify("examples/configs/quickstart.yaml")   # the same, from Python
+    raytrain_ddp.ops.verify.verify("examples/configs/quickstart.yaml")   # the same, from Python
 
 Why this shape: float64 leaves rounding near 1e-16, so 1e-9 separates "same arithmetic in
 another order" from a real difference; gradients are compared at every step because
