@@ -30,21 +30,24 @@ STRATEGIES = registry.NAMES
 REPLICATED_STRATEGIES = registry.REPLICATED
 SHARDED_STRATEGIES = registry.SHARDED
 
-_LAZY = {
-    "wrap_model": "wrap", "COMPRESSIONS": "wrap",
-    "WrappedModel": "base",
-    "CollectiveTimeoutError": "errors", "ModelMismatchError": "errors",
-    "UnusedParameterError": "errors", "RequiresGradChangeError": "errors",
-    "NaiveDDP": "naive", "BucketedDDP": "bucketed", "NativeDDP": "native", "LocalModel": "native",
-    "Zero1DDP": "zero1", "ZeroOptimizer": "zero1", "FullyShardedDP": "fsdp", "FSDPOptimizer": "fsdp",
-    "accumulation_window": "accumulate", "AccumulationWindow": "accumulate", "chunked": "accumulate",
+_P = "raytrain_ddp.parallel"
+_LAZY = {  # public name -> the module that defines it
+    "wrap_model": f"{_P}.wrap", "COMPRESSIONS": f"{_P}.wrap",
+    "WrappedModel": f"{_P}.base",
+    "CollectiveTimeoutError": f"{_P}.errors", "ModelMismatchError": f"{_P}.errors",
+    "UnusedParameterError": f"{_P}.errors", "RequiresGradChangeError": f"{_P}.errors",
+    "NaiveDDP": f"{_P}.naive", "BucketedDDP": f"{_P}.bucketed", "NativeDDP": f"{_P}.native",
+    "LocalModel": f"{_P}.native", "Zero1DDP": f"{_P}.zero1", "ZeroOptimizer": f"{_P}.zero1",
+    "FullyShardedDP": f"{_P}.fsdp", "FSDPOptimizer": f"{_P}.fsdp",
+    "accumulation_window": f"{_P}.accumulate", "AccumulationWindow": f"{_P}.accumulate",
+    "chunked": f"{_P}.accumulate",
 }
 __all__ = sorted([*_LAZY, "STRATEGIES", "REPLICATED_STRATEGIES", "SHARDED_STRATEGIES"])
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
