@@ -323,17 +323,23 @@ def _render(cfg: Any, path: Optional[str], report: Report, rank0: dict, source: 
                  f"tolerance {TOLERANCE:g}; comm ms: gradient "
                  "all-reduces in flight per step, exposed: the part after backward had finished, "
                  "hidden: the fraction backward hid; mean over ranks, '-' where not timed)")
-    lines += [f"note: {n}" for n in report.notes]
-    for f in report.findings:
-        gathers = (f.all_gather_bytes_per_step or 0.0) / report.param_bytes if report.param_bytes else 0.0
-        shards_parameters = f.strategy in registry.SHARDED and registry.STRATEGIES[f.strategy].shards_parameters
-        if not f.error and shards_parameters and gathers > 1.005:
-            lines.append(f"note: {f.strategy} all-gathered {gathers:.2f}x the parameter bytes per step: FSDP2 gathers a "
-                         f"unit before every forward ({MICRO_STEPS} micro-batches per step here) and non-root "
-                         "units again in backward; zero1 gathers once, after the optimizer step")
+    lines += [f"note: {n}" for n in report.notes] + _gather_notes(report)
     if report.ok:
         lines.append(f"verdict: OK, every strategy trains like torch DDP on this model ({report.seconds:.0f} s)")
     else:
         lines += [f"MISMATCH {problem}" for problem in report.problems]
         lines.append(f"verdict: FAILED ({len(report.problems)} problem(s); {report.seconds:.0f} s)")
     return lines
+
+
+def _gather_notes(report: Report) -> list[str]:
+    """Why a strategy that shards its parameters all-gathered more than their bytes per step."""
+    notes = []
+    for f in report.findings:
+        gathers = (f.all_gather_bytes_per_step or 0.0) / report.param_bytes if report.param_bytes else 0.0
+        shards_parameters = f.strategy in registry.SHARDED and registry.STRATEGIES[f.strategy].shards_parameters
+        if not f.error and shards_parameters and gathers > 1.005:
+            notes.append(f"note: {f.strategy} all-gathered {gathers:.2f}x the parameter bytes per step: FSDP2 gathers a "
+                         f"unit before every forward ({MICRO_STEPS} micro-batches per step here) and non-root "
+                         "units again in backward; zero1 gathers once, after the optimizer step")
+    return notes
