@@ -204,3 +204,13 @@ def test_pending_allowances_are_still_needed():
     present = {(e.file, e.target) for e in _all_edges()}
     stale = sorted(_PENDING_DATA_ROOM - present)
     assert not stale, f"remove these from _PENDING_DATA_ROOM, the edges are gone: {stale}"
+
+
+def test_config_and_the_registry_load_without_torch():
+    """The config reads the strategy table: both stay light (parallel/__init__.py is lazy)."""
+    import subprocess
+
+    code = ("import sys, raytrain_ddp.config, raytrain_ddp.parallel.registry, raytrain_ddp.errors; "
+            "assert 'torch' not in sys.modules and 'ray' not in sys.modules, 'torch or ray imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 0, proc.stderr
