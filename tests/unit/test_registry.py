@@ -24,8 +24,7 @@ REGISTRY = PACKAGE / "parallel" / "registry.py"
 # named strategies, not the list of what a strategy is (their lists of strategies do read
 # the registry: ops/bench/accumulation.py, memory.py). Nothing else may be added here.
 _NAMED_MEASUREMENTS = ("raytrain_ddp/ops/bench/gpu.py", "raytrain_ddp/ops/bench/ingest.py",
-                       "raytrain_ddp/ops/bench/ray_overhead.py", "raytrain_ddp/ops/bench/report.py",
-                       "raytrain_ddp/ops/bench/strategies.py")
+                       "raytrain_ddp/ops/bench/report.py", "raytrain_ddp/ops/bench/strategies.py")
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
