@@ -21,7 +21,7 @@ ConfigLike = Union[str, os.PathLike, dict, Config, None]
 def train(config: ConfigLike = None, *, model: Optional[Callable] = None, loss: Optional[Callable] = None,
           datasets: Optional[dict[str, Any]] = None, preprocess: Optional[Callable] = None,
           optimizer: Optional[Callable] = None, schedule: Optional[Callable] = None,
-          overrides: Sequence[str] = (), verbose: bool = False) -> dict[str, Any]:
+          metrics: Optional[Callable] = None, overrides: Sequence[str] = (), verbose: bool = False) -> dict[str, Any]:
     """Train and return the summary (the run's summary.json).
 
     config: a YAML file, a dict of keys, a `Config`, or None for the defaults; `overrides`
@@ -29,14 +29,16 @@ def train(config: ConfigLike = None, *, model: Optional[Callable] = None, loss: 
     nn.Module`; loss: `(output, batch) -> scalar`; preprocess: a Ray Data batch function
     (dict of numpy arrays in and out); datasets: `{"train": ray.data.Dataset, "val": ...}`
     (without "val", data.val_fraction of "train" is held out); optimizer: `fn(model, **train.optimizer_kwargs)
-    -> Optimizer`; schedule: `fn(optimizer, total_steps, **train.schedule_kwargs) -> LRScheduler`.
+    -> Optimizer`; schedule: `fn(optimizer, total_steps, **train.schedule_kwargs) -> LRScheduler`;
+    metrics: `fn(output, batch) -> {name: mean | (sum, count)}`, reported as `val_<name>`.
     Each replaces what the config names; `docs/byo.md` shows a whole run. The console shows
     what `raytrain-ddp train` shows: our lines only, unless `verbose` (Ray's own lines too).
     """
     from raytrain_ddp.driver.launcher import run_training
     from raytrain_ddp.driver.ray_console import VERBOSE_ENV
 
-    code_given = dict(model=model, loss=loss, preprocess=preprocess, optimizer=optimizer, schedule=schedule)
+    code_given = dict(model=model, loss=loss, preprocess=preprocess, optimizer=optimizer, schedule=schedule,
+                      metrics=metrics)
     cfg, code, datasets = _resolve(config, overrides, code_given, datasets)
     before = os.environ.get(VERBOSE_ENV)
     if verbose:
@@ -51,12 +53,13 @@ def train(config: ConfigLike = None, *, model: Optional[Callable] = None, loss: 
 def prepare_job(config: ConfigLike = None, *, model: Optional[Callable] = None, loss: Optional[Callable] = None,
                 datasets: Optional[dict[str, Any]] = None, preprocess: Optional[Callable] = None,
                 optimizer: Optional[Callable] = None, schedule: Optional[Callable] = None,
-                overrides: Sequence[str] = ()) -> dict[str, Any]:
+                metrics: Optional[Callable] = None, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """The inputs of your own `TorchTrainer` running `raytrain_ddp.train_loop_per_worker`:
     `train_loop_config`, `datasets`, `dataset_config`, `worker_runtime_env` (docs/byo.md)."""
     from raytrain_ddp.driver.launcher import prepare_job as _prepare_job
 
-    code_given = dict(model=model, loss=loss, preprocess=preprocess, optimizer=optimizer, schedule=schedule)
+    code_given = dict(model=model, loss=loss, preprocess=preprocess, optimizer=optimizer, schedule=schedule,
+                      metrics=metrics)
     cfg, code, datasets = _resolve(config, overrides, code_given, datasets)
     return _prepare_job(cfg, code=code, datasets=datasets)
 

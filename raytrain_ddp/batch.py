@@ -4,8 +4,8 @@ Owns: the two batch forms and what is done with them — an `(x, y)` tuple (the 
 called as `model(x)`) or a dict of named tensors (the model is called with the
 `data.inputs` columns as keyword arguments, the way Hugging Face models take
 `input_ids=...`); building a batch from column tensors, moving it to the device, calling
-the model, the loss `(output, batch) -> scalar` (a built-in by name or the user's), and a
-batch's target and row count. Must not touch: reading or sharding data
+the model, the loss `(output, batch) -> scalar` (a built-in by name or the user's), the
+user's `train.metrics` of a batch as `(sum, count)` pairs, and a batch's target and row count. Must not touch: reading or sharding data
 (`worker/shard.py`), optimisation, Ray. The driver's pipeline check (`user.py`) runs this
 same code on one small batch before any worker starts.
 """
@@ -30,11 +30,13 @@ class BatchFormat:
     inputs: Optional[tuple[str, ...]] = None  # None: (x, y) tuples; else the model's keyword arguments
     loss_name: str = "cross_entropy"  # a built-in (config.BUILTIN_LOSSES) unless user_loss is set
     user_loss: Optional[Callable[[Any, Any], torch.Tensor]] = None
+    user_metrics: Optional[Callable[[Any, Any], Any]] = None  # train.metrics: (output, batch) -> {name: value}
 
     @classmethod
-    def of(cls, cfg: Any, user_loss: Optional[Callable[[Any, Any], torch.Tensor]] = None) -> "BatchFormat":
+    def of(cls, cfg: Any, user_loss: Optional[Callable[[Any, Any], torch.Tensor]] = None,
+           user_metrics: Optional[Callable[[Any, Any], Any]] = None) -> "BatchFormat":
         inputs = tuple(cfg.data.inputs) if cfg.data.inputs else None
-        return cls(cfg.data.features, cfg.data.label, inputs, cfg.train.loss, user_loss)
+        return cls(cfg.data.features, cfg.data.label, inputs, cfg.train.loss, user_loss, user_metrics)
 
     @property
     def is_dict(self) -> bool:
@@ -68,6 +70,13 @@ class BatchFormat:
             raise KeyError(f"train.loss=cross_entropy needs the label column {self.label!r} (data.label) in the batch")
         return cross_entropy(output, target)
 
+    def metrics(self, output: Any, batch: Batch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The user's `train.metrics` of one batch as `{name: (sum, count)}` in float64, ready to
+        be added up over batches and ranks: a mean counts the batch's rows; a pair is taken as is."""
+        if self.user_metrics is None:
+            return {}
+        return metric_sums(self.user_metrics(output, batch), self.rows(batch))
+
     def target(self, batch: Batch) -> Optional[torch.Tensor]:
         """The label tensor (for cross_entropy and accuracy), or None when a dict batch has none."""
         if self.is_dict:
@@ -88,3 +97,40 @@ def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, Mapping):
         return {key: to_device(value, device) for key, value in batch.items()}
     return type(batch)(to_device(value, device) for value in batch)
+
+
+BUILTIN_METRICS = ("loss", "accuracy", "perplexity")  # val_<name> keys the loop reports itself
+
+
+def metric_sums(values: Any, rows: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """`{name: mean | (sum, count)}` (what a `train.metrics` function returns) -> `{name: (sum, count)}`.
+
+    Raises ValueError (the message names what is wrong, for the key's one line) on anything
+    else: not a dict, a name that is not an identifier or is a built-in's, a value that is
+    not one number.
+    """
+    if not isinstance(values, Mapping):
+        raise ValueError(f"returned a {type(values).__name__}; it must return a dict of name -> value")
+    out = {}
+    for name, value in values.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"metric name {name!r} must be an identifier (it is reported as val_<name>)")
+        if name in BUILTIN_METRICS:
+            raise ValueError(f"metric {name!r} would replace the built-in val_{name}; give it another name")
+        if isinstance(value, (tuple, list)):
+            if len(value) != 2:
+                raise ValueError(f"metric {name!r}: a pair must be (sum, count), got {len(value)} values")
+            out[name] = (_one_number(name, value[0]), _one_number(name, value[1]))
+        else:
+            out[name] = (_one_number(name, value) * rows, torch.tensor(float(rows), dtype=torch.float64))
+    return out
+
+
+def _one_number(name: str, value: Any) -> torch.Tensor:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.detach().reshape(()).to(torch.float64)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return torch.tensor(float(value), dtype=torch.float64)
+    shape = f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else ""
+    raise ValueError(f"metric {name!r} is a {type(value).__name__}{shape}; it must be one number "
+                     "(a scalar tensor or a float) or a (sum, count) pair")

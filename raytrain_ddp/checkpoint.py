@@ -15,8 +15,8 @@ Layout of a checkpoint directory:
     state.pt        torch.save of {component name: its state_dict()} (tensors and plain
                     Python values only; see `worker/state.py` for the components)
     manifest.json   {"format", "step", "epoch", "fit_id", "files": {name: {sha256, size}},
-                    and, for a survivor's copy of the last step (worker/replica.py),
-                    "origin" and "lines": that step's metrics lines)
+                    "lines": the metrics lines since the previous checkpoint, and, for a
+                    survivor's copy of the last step (worker/replica.py), "origin")
 
 Why a manifest written last: a directory holding `manifest.json` whose sizes and sha256
 match is a complete checkpoint; anything else (a crash mid-write, an upload to storage
@@ -75,7 +75,8 @@ def save_checkpoint(dirpath: PathLike, state: dict[str, Any], origin: Optional[s
     The state must hold only tensors, containers and primitives (see `rng_state`), so
     that `load_checkpoint` can read it back with `weights_only=True`. `origin`, when
     given, is recorded in the manifest (a survivor's copy of the last step says so), and
-    so are `lines`, the metrics lines of the checkpoint's step (JSON: `metrics.jsonl`'s).
+    so are `lines`, the metrics lines since the previous checkpoint (a survivor's copy: its
+    step's), as `metrics.jsonl` holds them.
     """
     missing = [k for k in REQUIRED_KEYS if k not in state]
     if missing:

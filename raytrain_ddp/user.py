@@ -1,11 +1,11 @@
-"""The user's model factory, loss, preprocess, optimizer and schedule: resolving, checking and shipping them.
+"""The user's model factory, loss, preprocess, optimizer, schedule and metrics: resolving, checking and shipping them.
 
-Owns: turning `model.name`, `train.loss`, `data.preprocess`, `train.optimizer` and
-`train.schedule` — import paths
+Owns: turning `model.name`, `train.loss`, `data.preprocess`, `train.optimizer`,
+`train.schedule` and `train.metrics` — import paths
 `"package.module:attribute"`, or the callables given to `raytrain_ddp.train(...)` — into
 one `UserCode`; building the model from it (`build_model`, which `raytrain-ddp verify`
 calls too); the driver's check of the whole pipeline on one small batch before any worker
-starts (`check_pipeline`: preprocess, columns, factory, forward, loss), each problem one
+starts (`check_pipeline`: preprocess, columns, factory, forward, loss, metrics), each problem one
 `UserError` naming its key; and what travels with the job so that Ray's processes can
 import the user's modules (`runtime_env`). Must not touch: Ray's cluster APIs (the
 launcher hands `runtime_env()` to Ray), reading data, training.
@@ -47,6 +47,7 @@ class UserCode:
     preprocess: Optional[Callable[[dict], dict]] = None  # numpy batch -> numpy batch (Ray Data)
     optimizer: Optional[Callable[..., Any]] = None  # (model, **train.optimizer_kwargs) -> Optimizer
     schedule: Optional[Callable[..., Any]] = None  # (optimizer, total_steps, **train.schedule_kwargs) -> LRScheduler
+    metrics: Optional[Callable[[Any, Any], Any]] = None  # (output, batch) -> {name: mean | (sum, count)}
 
     @property
     def custom(self) -> bool:
@@ -98,7 +99,7 @@ class UserCode:
     def batch_format(self, cfg: Config) -> Any:
         from raytrain_ddp.batch import BatchFormat
 
-        return BatchFormat.of(cfg, self.loss)
+        return BatchFormat.of(cfg, self.loss, self.metrics)
 
     def dumps(self) -> bytes:
         import ray.cloudpickle
@@ -123,6 +124,7 @@ USER_KEYS = {
     "preprocess": ("data.preprocess", ()),
     "optimizer": ("train.optimizer", BUILTIN_OPTIMIZERS),
     "schedule": ("train.schedule", BUILTIN_SCHEDULES),
+    "metrics": ("train.metrics", ()),
 }
 
 
@@ -314,8 +316,8 @@ def run_preprocess(cfg: Config, fn: Callable[[dict], dict], batch: dict[str, np.
 
 
 def check_pipeline(cfg: Config, code: UserCode, sample: dict[str, np.ndarray], spec: DataSpec) -> Checked:
-    """Push one small batch through preprocess, the factory, the forward and the loss (and
-    build the user's optimizer and schedule once).
+    """Push one small batch through preprocess, the factory, the forward, the loss and the
+    user's metrics (and build the user's optimizer and schedule once).
 
     `sample` holds raw rows as Ray Data hands them to `map_batches` (a dict of numpy
     arrays); `spec` is what is known of the data so far. For a user pipeline
@@ -359,6 +361,8 @@ def check_pipeline(cfg: Config, code: UserCode, sample: dict[str, np.ndarray], s
     except Exception as exc:  # noqa: BLE001 - the user's loss (or a model without its own loss)
         raise UserError(f"train.loss={cfg.train.loss!r} raised {_one_line(exc)}") from None
     _check_scalar(cfg, loss)
+    if code.metrics is not None:
+        _check_metrics(cfg, code.metrics, output, tensors, fmt.rows(tensors))
     if code.optimizer is not None:
         optimizer = code.build_optimizer(cfg, model)
         if code.schedule is not None:
@@ -366,6 +370,21 @@ def check_pipeline(cfg: Config, code: UserCode, sample: dict[str, np.ndarray], s
     elif code.schedule is not None:
         code.build_schedule(cfg, torch.optim.SGD(model.parameters(), lr=cfg.train.lr), 100)
     return Checked(spec, sum(p.numel() for p in model.parameters()))
+
+
+def _check_metrics(cfg: Config, fn: Callable[[Any, Any], Any], output: Any, batch: Any, rows: int) -> None:
+    """`train.metrics` on the sample batch: it runs and returns `{name: mean | (sum, count)}`."""
+    from raytrain_ddp.batch import metric_sums
+
+    key = f"train.metrics={cfg.train.metrics!r}"
+    try:
+        values = fn(output, batch)
+    except Exception as exc:  # noqa: BLE001 - the user's code
+        raise UserError(f"{key} raised {_one_line(exc)}") from None
+    try:
+        metric_sums(values, rows)
+    except ValueError as exc:
+        raise UserError(f"{key}: {exc}") from None
 
 
 def spec_columns(cfg: Config, columns: dict[str, tuple[tuple[int, ...], str]]) -> tuple[str, tuple[int, ...]]:

@@ -222,6 +222,13 @@ class TrainConfig(_Section):
     schedule_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments for your schedule function (train.schedule an import path).",
     )
+    metrics: Optional[str] = Field(
+        None, description="Your validation metrics as an import path 'package.module:fn', called as "
+        "fn(output, batch) -> {name: value} on every validation batch; a value is the batch's mean "
+        "(a scalar tensor or number, weighted by the batch's rows) or a (sum, count) pair. Each is "
+        "aggregated exactly over every rank's validation rows and reported as val_<name>. Built in, "
+        "with no code: val_accuracy (classification, lm) and val_perplexity (lm).",
+    )
     warmup_steps: int = Field(0, ge=0, description="Built-in schedules: linear warm-up steps before the decay.")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Built-in schedules: the floor as a fraction of lr.")
     precision: Literal["fp32", "bf16", "fp16"] = Field(
@@ -245,6 +252,11 @@ class TrainConfig(_Section):
     @classmethod
     def _schedule(cls, value: str) -> str:
         return _import_path_or(value, BUILTIN_SCHEDULES, "fn")
+
+    @field_validator("metrics")
+    @classmethod
+    def _metrics(cls, value: Optional[str]) -> Optional[str]:
+        return None if value is None else _import_path_or(value, (), "fn")
 
     @model_validator(mode="after")
     def _kwargs_only_for_user_code(self) -> "TrainConfig":

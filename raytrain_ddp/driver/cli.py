@@ -69,8 +69,10 @@ def _cmd_config(args: argparse.Namespace) -> int:
     if args.reference:
         print(reference_markdown())
         return 0
+    from raytrain_ddp.driver.config_view import render
+
     cfg = load_config(*_config_and_overrides(args))
-    print(cfg.to_yaml(), end="")
+    print(cfg.to_yaml() if args.all else render(cfg), end="")
     counts = cfg.valid_worker_counts()
     steps = ", ".join(f"{w} workers -> {cfg.accumulation_steps(w)}" for w in counts)
     print(f"# global batch {cfg.train.global_batch_size} = workers x micro-batch "
@@ -127,10 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.lr=0.01")
     train.set_defaults(func=_cmd_train)
 
-    config = sub.add_parser("config", help="validate a config and print it resolved (no Ray)")
+    config = sub.add_parser("config", help="validate a config and print the keys that apply, resolved (no Ray)")
     config.add_argument("config", nargs="?", default=None, help="YAML config file (omit for defaults)")
     config.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     config.add_argument("--reference", action="store_true", help="print every key as a markdown table")
+    config.add_argument("--all", action="store_true",
+                        help="print every key, those with no effect for these choices too (as config.yaml holds)")
     config.set_defaults(func=_cmd_config)
 
     plot = sub.add_parser("plot", help="plot loss / validation / throughput of a run directory to a PNG")

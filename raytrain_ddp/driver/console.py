@@ -62,14 +62,11 @@ def _describe_resume(resume_from: Optional[Path], total_steps: int) -> str:
 
 def print_summary(summary: dict[str, Any]) -> None:
     fm = summary["final_metrics"]
-    parts = [f"status {summary['status']}", f"{summary['steps']} steps", f"{summary['epochs']} epochs",
+    parts = [f"status {summary['status']}", f"{summary['steps']} steps", f"{summary['epochs']:g} epochs",
              f"{summary['attempts']} attempt(s)", f"{summary['elapsed_s']:.1f}s"]
     if "loss" in fm:
         parts.append(f"loss {fm['loss']:.4f}")
-    if "val_loss" in fm:
-        parts.append(f"val_loss {fm['val_loss']:.4f}")
-    if "val_accuracy" in fm:
-        parts.append(f"val_accuracy {100 * fm['val_accuracy']:.2f}%")
+    parts += _val_parts(fm)
     out = sys.stdout if summary["status"] == "ok" else sys.stderr
     print("raytrain-ddp: " + " | ".join(parts), file=out, flush=True)
     if summary["status"] == "interrupted":
@@ -96,16 +93,26 @@ def final_metrics(records: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _val_parts(record: dict[str, Any]) -> list[str]:
+    """`val_loss`, `val_accuracy` as a percentage, then the rest (`val_perplexity`, the
+    user's `train.metrics`) in name order."""
+    parts = [f"val_loss {record['val_loss']:.4f}"] if "val_loss" in record else []
+    if "val_accuracy" in record:
+        parts.append(f"val_accuracy {100 * record['val_accuracy']:.2f}%")
+    for key in sorted(k for k in record if k.startswith("val_") and k not in ("val_loss", "val_accuracy")):
+        if isinstance(record[key], (int, float)):
+            parts.append(f"{key} {record[key]:.4g}")
+    return parts
+
+
 def format_record(record: dict[str, Any], total_steps: Optional[int] = None) -> str:
     step = record.get("step", "?")
     width = len(str(total_steps)) if total_steps else 0
     where = f"step {step:>{width}}/{total_steps}" if total_steps else f"step {step}"
-    where += f" | epoch {record.get('epoch', '?')}"
+    epoch = record.get("epoch")
+    where += f" | epoch {epoch:g}" if isinstance(epoch, (int, float)) else " | epoch ?"
     if "val_loss" in record:
-        text = f"{where} | val_loss {record['val_loss']:.4f}"
-        if "val_accuracy" in record:
-            text += f" | val_accuracy {100 * record['val_accuracy']:.2f}%"
-        return text
+        return f"{where} | " + " | ".join(_val_parts(record))
     text = (f"{where} | loss {record.get('loss', float('nan')):.4f} | lr {record.get('lr', 0.0):.2e}"
             f" | {record.get('samples_per_s', 0.0):,.0f} samples/s"
             f" | data wait {100 * record.get('data_wait_fraction', 0.0):.0f}%")

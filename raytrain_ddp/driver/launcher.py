@@ -462,7 +462,8 @@ def build_summary(job: Job, *, status: str, error: Optional[str], elapsed_s: flo
         "status": status,
         "run_dir": str(run_dir),
         "steps": steps,
-        "epochs": int(manifest.get("epoch", 0)),
+        # epochs trained, fractions included, as every metrics line counts them (Progress.epochs_done)
+        "epochs": float(records[-1].get("epoch", 0)) if records else float(manifest.get("epoch", 0)),
         "attempts": len(attempts),
         "final_metrics": final_metrics(records),
         "checkpoint": str(latest[1]) if latest else None,

@@ -24,8 +24,9 @@ holds an event back until every earlier one of its attempt was applied -- see `R
                                              each per step: a redone one replaces its earlier self
     {"kind": "resumed",   "step": N, "origin": {...}, "lines": [...]}  lines past step N are
                                              redone: drop them; the attempt's line records where
-                                             it started from; `lines` (step N's, from a survivor's
-                                             copy) fill in those a lost rank 0 never delivered
+                                             it started from; `lines` (the checkpoint's: those
+                                             since the previous one) fill in any up to N that a
+                                             lost rank 0 or a killed driver never wrote
     {"kind": "abort",     "record": {...}}   every rank stopped together (abort.json)
     {"kind": "checkpoint", "step": N, "name": ..., "blocked_s": ...}
 The other way, the driver -> the workers: `request_stop` (Ctrl-C), which rank 0 reads at
@@ -372,10 +373,11 @@ class Recorder:
             self._lines = {_line_key(r) for r in self.metrics.records}
             self.attempts.amend_last({"resumed_step": step, **event.get("origin", {})})
             self.last_step = step
-            # The checkpoint's own lines of `step` (a survivor's copy): those rank 0 did not
-            # deliver before it was lost -- one train line and one validation line at most.
-            for record in event.get("lines", []):
-                if record.get("step") == step and _line_key(record) not in self._lines:
+            # The checkpoint's lines up to `step` that this file lacks: those a lost rank 0 did
+            # not deliver (a survivor's copy carries its step's), or that a killed driver had
+            # not written yet (every checkpoint carries the lines since the previous one).
+            for record in sorted(event.get("lines", []), key=lambda r: int(r.get("step", 0))):
+                if int(record.get("step", 0)) <= step and _line_key(record) not in self._lines:
                     self._apply({"kind": "metrics", "record": record})
         elif kind == "abort":
             self.abort = event["record"]

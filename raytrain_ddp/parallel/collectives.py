@@ -38,6 +38,15 @@ def sum_over_ranks(values: Sequence[float] | torch.Tensor, device: Optional[torc
     return t.flatten().tolist()  # one device->host copy, not one per element
 
 
+def union_over_ranks(names: Sequence[str]) -> list[str]:
+    """The sorted union of every rank's `names` (a rank that saw no batch still learns them)."""
+    if not _active():
+        return sorted(set(names))
+    gathered: list[Optional[list[str]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(set(names)))
+    return sorted(set().union(*(g or [] for g in gathered)))
+
+
 def max_over_ranks(values: Sequence[float], device: Optional[torch.device] = None) -> list[float]:
     """Element-wise maximum over ranks."""
     t = torch.tensor(list(values), dtype=torch.float64, device=device)

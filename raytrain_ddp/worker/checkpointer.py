@@ -98,7 +98,7 @@ class Checkpointer:
         survivor = written_by_survivor(manifest)
         origin = {"resumed_from": "scratch"} if found is None else {
             "resumed_from": "checkpoint" if survivor is None else "replica", "checkpoint": found[1].name}
-        self.log.resumed_at(step, origin, lines=manifest.get("lines", []))  # the driver takes step `step`'s
+        self.log.resumed_at(step, origin, lines=manifest.get("lines", []))  # the driver takes those it lacks
         check_same(step, "the step to resume from", self.rank.device)
         self.saved_step = step
         if found is None:
@@ -205,7 +205,8 @@ class Checkpointer:
                 self._wait_for_uploads()
             staged = report_checkpoint((lambda: state) if self.rank.is_main else None,
                                        {"step": progress.step, "epoch": progress.epoch, **metrics}, name,
-                                       asynchronous=self.upload == "async" and not durable, runtime=self.runtime)
+                                       asynchronous=self.upload == "async" and not durable, runtime=self.runtime,
+                                       lines=self.log.lines_to_save())
             self._staged += [staged] if staged else []
         blocked = time.perf_counter() - started
         if self.upload != "async" or durable:  # in storage now (see `saved_step`)
@@ -218,19 +219,21 @@ class Checkpointer:
 
 
 def report_checkpoint(state_dict: Optional[Any], metrics: dict[str, Any], name: str,
-                      asynchronous: bool = True, runtime: Any = None) -> Optional[str]:
+                      asynchronous: bool = True, runtime: Any = None,
+                      lines: Optional[list[dict[str, Any]]] = None) -> Optional[str]:
     """Hand one checkpoint to Ray Train: rank 0 passes `state_dict` (a callable), the others None.
 
     The state is serialised into a fresh staging directory; Ray copies it to
     `<storage>/<run>/<name>` and deletes the staging copy after the upload (in the
     background when `asynchronous`; in local mode the runtime copies it at once). Shared
     with `raytrain-ddp bench`'s checkpoint section, so the benchmark times exactly this
-    path. Returns rank 0's staging directory (gone once uploaded), None on the other ranks.
+    path. `lines`: the metrics lines since the previous checkpoint, kept in its manifest.
+    Returns rank 0's staging directory (gone once uploaded), None on the other ranks.
     """
     staging = None
     if state_dict is not None:
         staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, suffix=STAGING_NAME_SEP + name)
-        ckpt.save_checkpoint(staging, state_dict())
+        ckpt.save_checkpoint(staging, state_dict(), lines=lines)
     try:
         (runtime or RayTrainRuntime()).report(metrics, staging, name, asynchronous)
     except BaseException:

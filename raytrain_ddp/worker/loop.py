@@ -55,7 +55,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 for window in profiler.steps(data.train_windows(epoch, skip_steps=progress.steps_into_epoch)):
                     result = train_step(state, window, data.accumulation_steps, cfg.train, rank)  # counts it
                     hooks.after_step(progress.step)
-                    log.step(result, epoch, progress.epoch_ended(data.steps_per_epoch))
+                    log.step(result, progress.epoch_ended(data.steps_per_epoch))
                     if progress.step >= total_steps:
                         break
                     if checkpointer.after_step(progress.epoch_ended(data.steps_per_epoch)):
@@ -63,7 +63,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 if progress.step < total_steps or progress.epoch_ended(data.steps_per_epoch):
                     progress.next_epoch(epoch)  # exhausted (see the invariants above)
                 with log.paused():
-                    val = log.validation(epoch, validate(state, data, rank, job.spec))
+                    val = log.validation(validate(state, data, rank, job.spec))
                 checkpointer.save({"loss": log.last_loss, **val})
         except NonFiniteAbort as exc:
             log.abort(str(exc))

@@ -12,7 +12,7 @@ only the driver's node has. Rank 0 sends each record to the driver's mailbox act
 the same wall time: the gradient all-reduce synchronises them). Why our own history at
 all: Ray Train V2 keeps reported metrics only next to checkpoints.
 
-Train lines carry `step`, `epoch`, `time` (wall clock, epoch seconds), `loss`, `lr`,
+Train lines carry `step`, `epoch` (epochs trained, fractions included: `Progress.epochs_done`), `time` (wall clock, epoch seconds), `loss`, `lr`,
 `samples_per_s`, `data_wait_fraction`, `allreduce_calls`, `allreduce_bytes` (per
 optimizer step, averaged over the steps since the previous line), where the wrapper times
 its all-reduces (naive, bucketed, native on CPU) `comm_ms` (gradient communication per
@@ -20,8 +20,9 @@ step), `exposed_comm_ms` (the part of it the step waited for after backward) and
 `comm_overlap_fraction` (the part backward hid, 0..1),
 `checkpoint_blocked_s` (seconds the step loop waited for checkpoints since the previous
 line), `nonfinite_steps` (cumulative) and `attempt`. Validation lines carry `step`,
-`epoch`, `time`, `val_loss` and `val_accuracy` (classifiers, and token accuracy for lm:
-`worker/step.accuracy_counts`).
+`epoch`, `time`, `val_loss`, `val_accuracy` (classifiers, and token accuracy for lm:
+`worker/step.accuracy_counts`), `val_perplexity` (lm) and `val_<name>` for each of the
+user's `train.metrics` (`worker/user_metrics.py`).
 """
 
 from __future__ import annotations
@@ -170,6 +171,10 @@ class RunLog:
         # The lines made at the last completed step (train, validation), on every rank: a
         # survivor's copy of that step carries them, since rank 0's sends die with rank 0.
         self.step_lines: list[dict[str, Any]] = []
+        # Rank 0's lines since its last checkpoint: the next checkpoint carries them, so a
+        # driver killed before writing them (object stores flush about once a second) loses
+        # none -- the next run's driver takes those it lacks from the checkpoint it resumes.
+        self.unsaved_lines: list[dict[str, Any]] = []
 
     def _record_attempt(self) -> int:
         """Rank 0 registers this worker-group start with the driver; every rank learns the number."""
@@ -192,14 +197,17 @@ class RunLog:
         self.meter = StepMeter(self.job.cfg.train.global_batch_size, self.data.wait_seconds,
                                self.state.wrapper.comm_stats)
 
-    def step(self, result: Any, epoch: int, end_of_epoch: bool) -> None:
+    def _epochs(self) -> float:
+        return self.state.progress.epochs_done(self.data.steps_per_epoch)
+
+    def step(self, result: Any, end_of_epoch: bool) -> None:
         self.meter.step_done()
         self._last_result = result
         self.step_lines = []
         self._announce_decisions()
         step = self.state.progress.step
         if step % self.job.cfg.run.log_every_steps == 0 or step >= self.total_steps or end_of_epoch:
-            self._line({"step": step, "epoch": epoch + 1, "time": time.time(), "loss": result.loss,
+            self._line({"step": step, "epoch": self._epochs(), "time": time.time(), "loss": result.loss,
                         "lr": result.lr, **self._window()})
 
     @property
@@ -207,9 +215,9 @@ class RunLog:
         """The last step's loss (a host read of a device value: at epoch ends and on lines only)."""
         return math.nan if self._last_result is None else self._last_result.loss
 
-    def validation(self, epoch: int, val: dict[str, float]) -> dict[str, float]:
+    def validation(self, val: dict[str, float]) -> dict[str, float]:
         if val:
-            self._line({"step": self.state.progress.step, "epoch": epoch + 1, "time": time.time(), **val})
+            self._line({"step": self.state.progress.step, "epoch": self._epochs(), "time": time.time(), **val})
         self.outbox.flush()  # the epoch's lines are with the driver before its checkpoint
         return val
 
@@ -226,7 +234,7 @@ class RunLog:
     def abort(self, reason: str) -> None:
         """Every rank stops together (non-finite policy): the failed step's line and why."""
         progress = self.state.progress
-        self._line({"step": progress.step + 1, "epoch": progress.epoch + 1, "time": time.time(), "loss": math.nan,
+        self._line({"step": progress.step + 1, "epoch": self._epochs(), "time": time.time(), "loss": math.nan,
                     "lr": self.state.schedule.lr, **self._window()})
         self.outbox.send("abort", record={"step": progress.step + 1, "reason": reason})
         self.outbox.flush()
@@ -267,13 +275,22 @@ class RunLog:
         record = {k: _plain(v) for k, v in record.items()}
         self.step_lines.append(record)
         if self.rank.is_main:
+            self.unsaved_lines = self.unsaved_lines[-(MAX_UNSAVED_LINES - 1):] + [record]
             self.outbox.send("metrics", record=record)
+
+    def lines_to_save(self) -> list[dict[str, Any]]:
+        """The lines a checkpoint of this step carries (rank 0's since the last one), handed over once."""
+        lines, self.unsaved_lines = self.unsaved_lines, []
+        return lines
 
     def _window(self) -> dict[str, Any]:
         blocked, self._blocked_s = self._blocked_s, 0.0
         return {**self.meter.summarize(self.data.wait_seconds, self.state.wrapper.comm_stats),
                 "checkpoint_blocked_s": blocked,
                 "nonfinite_steps": self.state.progress.nonfinite_steps, "attempt": self.attempt}
+
+
+MAX_UNSAVED_LINES = 10_000  # a checkpoint carries at most this many lines (a run that never saves)
 
 
 def _plain(value: Any) -> Any:

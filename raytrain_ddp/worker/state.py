@@ -52,6 +52,11 @@ class Progress:
     def next_epoch(self, epoch: int) -> None:
         self.epoch, self.steps_into_epoch = epoch + 1, 0
 
+    def epochs_done(self, steps_per_epoch: int) -> float:
+        """Epochs trained, fractions included (4 of 50 steps: 0.08): the one way every line,
+        the console and summary.json count epochs (the checkpoint name `e0s4` says the same)."""
+        return round(self.epoch + self.steps_into_epoch / max(1, steps_per_epoch), 4)
+
     def state_dict(self) -> dict[str, int]:
         return {"step": self.step, "epoch": self.epoch, "steps_into_epoch": self.steps_into_epoch,
                 "nonfinite_steps": self.nonfinite_steps}

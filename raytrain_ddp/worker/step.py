@@ -27,7 +27,7 @@ import torch
 
 from raytrain_ddp.parallel.accumulate import accumulation_window
 from raytrain_ddp.parallel.base import broadcast_coalesced
-from raytrain_ddp.parallel.collectives import all_sum_, sum_over_ranks
+from raytrain_ddp.parallel.collectives import all_sum_, sum_over_ranks, union_over_ranks
 from raytrain_ddp.worker.context import Rank
 from raytrain_ddp.worker.state import TrainState
 
@@ -105,7 +105,8 @@ def _skip_step(state: TrainState, policy: Any) -> None:
 
 @torch.no_grad()
 def validate(state: TrainState, data: Any, rank: Rank, spec: Any) -> dict[str, float]:
-    """Loss (and accuracy, see `accuracy_counts`) over the whole validation set, summed over ranks.
+    """Loss, accuracy (`accuracy_counts`), perplexity (lm) and the user's `train.metrics` over
+    the whole validation set, summed over ranks: exact, whatever the split of rows.
 
     The loss is each batch's mean weighted by its rows. Runs the bare module: ranks may
     hold different numbers of validation batches, and a wrapper's forward could take part
@@ -117,6 +118,7 @@ def validate(state: TrainState, data: Any, rank: Rank, spec: Any) -> dict[str, f
         broadcast_coalesced(list(state.module.buffers()), None)
     state.module.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=rank.device)  # loss sum, rows, correct, rows scored
+    user: dict[str, torch.Tensor] = {}  # train.metrics: name -> (sum, count) on this rank
     shifted = shifts_labels(state.module, state.batch)
     with state.wrapper.summon_full_params():  # fsdp: gathered once, so no forward communicates
         for batch in data.val_batches():
@@ -129,14 +131,34 @@ def validate(state: TrainState, data: Any, rank: Rank, spec: Any) -> dict[str, f
             if counts is not None:
                 totals[2] += counts[0]
                 totals[3] += counts[1]
+            for name, (total, rows) in state.batch.metrics(output, batch).items():
+                user.setdefault(name, torch.zeros(2, dtype=torch.float64, device=rank.device))
+                user[name][0] += total
+                user[name][1] += rows
     loss_sum, count, correct, scored = sum_over_ranks(totals)
+    user_means = _user_metrics_over_ranks(user, rank) if state.batch.user_metrics is not None else {}
     state.module.train()
     if count == 0:
         return {}
     out = {"val_loss": loss_sum / count}
     if scored:
         out["val_accuracy"] = correct / scored
-    return out
+    if spec.task == "lm":  # the mean token cross-entropy's exponential, as Hugging Face's recipes report it
+        out["val_perplexity"] = math.exp(min(out["val_loss"], 700.0))
+    return {**out, **user_means}
+
+
+def _user_metrics_over_ranks(user: dict[str, torch.Tensor], rank: Rank) -> dict[str, float]:
+    """`train.metrics`: every rank's (sum, count) of each name, summed over ranks -> `val_<name>`.
+
+    The names are agreed first (a rank may have seen no validation batch), so every rank
+    sends the same tensor."""
+    names = union_over_ranks(list(user))
+    if not names:
+        return {}
+    zero = torch.zeros(2, dtype=torch.float64, device=rank.device)
+    sums = sum_over_ranks(torch.stack([user.get(name, zero) for name in names]))
+    return {f"val_{name}": sums[2 * i] / sums[2 * i + 1] for i, name in enumerate(names) if sums[2 * i + 1]}
 
 
 IGNORE_INDEX = -100  # a label position that is not scored (torch's cross_entropy and Hugging Face's default)

@@ -22,8 +22,9 @@ HEADER = """\
 Every key of a run's YAML config, with its default. The table is what
 `raytrain-ddp config --reference` prints. Set a key in the YAML file, or on the command
 line as `key.sub=value` (`raytrain-ddp train CONFIG train.lr=0.01`);
-`raytrain-ddp config CONFIG [key.sub=value ...]` validates a config and prints it resolved,
-without starting Ray. How these keys behave when a run is resumed with a changed config:
+`raytrain-ddp config CONFIG [key.sub=value ...]` validates a config and prints the keys
+that apply to it, resolved, without starting Ray (`--all`: every key, as a run's
+config.yaml holds them). How these keys behave when a run is resumed with a changed config:
 [the resume rules](usage.md#resuming-a-run).
 
 """

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "configs" / "tiny.yaml"
 
 PLAN = re.compile(r"^(raytrain-ddp: run '[\w.-]+' -> |  (data|model|batch|schedule|resume) {2,}\S)")
-PROGRESS = re.compile(r"^(step +\d+/\d+ \| epoch \d+ \| |\[rank 0\] (attempt \d+: |run\.profile: |gradients all-reduced ))")
+PROGRESS = re.compile(r"^(step +\d+/\d+ \| epoch [\d.]+ \| |\[rank 0\] (attempt \d+: |run\.profile: |gradients all-reduced ))")
 SUMMARY = re.compile(r"^raytrain-ddp: (status ok \| |run directory |latest checkpoint )")
 WARNING = re.compile(r"^raytrain-ddp: warning: ")
 

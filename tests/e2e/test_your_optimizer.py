@@ -1,10 +1,13 @@
-"""Your optimizer and your schedule, from YAML, through a killed worker (issue #30).
+"""Your optimizer, schedule and metrics, from YAML, through a killed worker (issue #30).
 
 `train.optimizer: "usermod:make"` builds AdamW with a no-decay group of its own;
-`train.schedule: "usermod:sched"` returns a LambdaLR. One CLI run on 2 workers with
-`zero1` (which shards whatever optimizer the user built) loses rank 1 after step 12 and
-goes on: every logged step's `lr` is the user's schedule at that step, before and after
-the restart, and the final optimizer state holds the user's two groups.
+`train.schedule: "usermod:sched"` returns a LambdaLR; `train.metrics: "usermod:f1"` adds
+`val_f1` (a (sum, count) pair), `val_err` (a per-batch mean) and `val_top2`. One CLI run on
+2 workers with `zero1` (which shards whatever optimizer the user built) loses rank 1
+after step 12 and goes on: every logged step's `lr` is the user's schedule at that step,
+before and after the restart, the final optimizer state holds the user's two groups, and
+the user's metrics are aggregated over both ranks' validation rows exactly as the
+built-in accuracy is (`val_err == 1 - val_accuracy`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,14 @@ def make(model, lr=0.01, decay=0.1):
 
 def sched(optimizer, total_steps, floor=0.2):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(floor, 1.0 - s / total_steps))
+
+def f1(output, batch):
+    _, y = batch
+    pred = output.argmax(-1)
+    tp = ((pred == 1) & (y == 1)).sum()
+    wrong_1 = ((pred == 1) != (y == 1)).sum()  # false positives and false negatives of class 1
+    top2 = (output.topk(2, dim=-1).indices == y[:, None]).any(-1).sum()
+    return {"f1": (2 * tp, 2 * tp + wrong_1), "err": (pred != y).float().mean(), "top2": (top2, len(y))}
 '''
 
 
@@ -53,7 +64,7 @@ def test_your_optimizer_and_schedule_train_shard_and_resume_on_their_curve(tmp_p
         [str(CLI), "train", str(config), f"run.storage_path={tmp_path / 'runs'}", "name=yours", "train.epochs=1",
          "run.log_every_steps=1", "parallel.strategy=zero1", "train.optimizer=usermod:make",
          "train.optimizer_kwargs={lr: 0.02, decay: 0.1}", "train.schedule=usermod:sched",
-         "train.schedule_kwargs={floor: 0.2}"],
+         "train.schedule_kwargs={floor: 0.2}", "train.metrics=usermod:f1"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     run_dir = tmp_path / "runs" / "yours"
     story = f"rc={done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
@@ -72,3 +83,12 @@ def test_your_optimizer_and_schedule_train_shard_and_resume_on_their_curve(tmp_p
     assert state["schedule"] == {"last_epoch": 22}
     config_yaml = (run_dir / "config.yaml").read_text()
     assert "optimizer: usermod:make" in config_yaml and "schedule: usermod:sched" in config_yaml
+    assert "metrics: usermod:f1" in config_yaml
+    val = [r for r in read_metrics(run_dir / "metrics.jsonl") if "val_loss" in r]
+    assert val and all(k in val[-1] for k in ("val_f1", "val_err", "val_top2")), val
+    last = val[-1]
+    assert 0.0 <= last["val_f1"] <= 1.0
+    assert last["val_err"] == pytest.approx(1.0 - last["val_accuracy"], abs=1e-6)  # rows weighted over both ranks (float32 batch means)
+    assert last["val_accuracy"] <= last["val_top2"] <= 1.0
+    assert summary["final_metrics"]["val_f1"] == last["val_f1"]
+    assert "val_f1" in done.stdout and "epochs" in done.stdout, story

@@ -80,7 +80,7 @@ def _count(world_rank: int, world_size: int) -> dict[tuple[str, str], list[dict[
             for step in range(WARMUP + MEASURED):
                 with counting(host_step_counters(state.optimizer)) as counter:
                     result = train_step(state, window(step), 2, cfg.train, rank)
-                    log.step(result, 0, end_of_epoch=False)  # no line due: nothing read
+                    log.step(result, end_of_epoch=False)  # no line due: nothing read
                 per_step.append(dict(counter.counts))
             assert result.loss == result.loss  # a logging step would read it (finite here)
             out[(preset, strategy)] = per_step[WARMUP:]

@@ -20,6 +20,31 @@ def test_config_command_prints_resolved_config_and_derived_batch(capsys):
     assert "lr: 0.01" in out and "accumulation steps" in out
 
 
+def test_config_prints_only_the_keys_that_apply_and_all_with_all(capsys):
+    """The quickstart (cnn, digits, adamw, cosine) shows no gpt, parquet or sgd keys, and names
+    them in one comment line; --all prints config.yaml's every key; choosing gpt / sgd /
+    parquet brings theirs back."""
+    import yaml
+
+    quickstart = str(ROOT / "examples/configs/quickstart.yaml")
+    assert main(["config", quickstart]) == 0
+    out = capsys.readouterr().out
+    shown = yaml.safe_load(out)
+    assert "d_model" not in shown["model"] and "hidden_sizes" not in shown["model"]
+    assert "path" not in shown["data"] and "synthetic" not in shown["data"] and "momentum" not in shown["train"]
+    assert shown["train"]["lr"] == 0.003 and shown["parallel"]["shm"] is True
+    (note,) = [line for line in out.splitlines() if line.startswith("# not shown")]
+    assert "model.d_model" in note and "train.momentum" in note and "config --all" in note
+    assert main(["config", quickstart, "--all"]) == 0
+    full = yaml.safe_load(capsys.readouterr().out)
+    assert full["model"]["d_model"] == 128 and "# not shown" not in str(full)
+    assert main(["config", quickstart, "model.name=gpt", "train.optimizer=sgd", "data.source=parquet",
+                 "data.path=x.parquet", "train.max_steps=5"]) == 0
+    picked = yaml.safe_load(capsys.readouterr().out)
+    assert picked["model"]["d_model"] == 128 and picked["train"]["momentum"] == 0.9
+    assert picked["data"]["path"] == "x.parquet" and "epochs" not in picked["train"]
+
+
 def test_user_errors_are_one_line_exit_2(capsys):
     assert main(["config", "missing.yaml"]) == 2
     assert "missing.yaml" in capsys.readouterr().err

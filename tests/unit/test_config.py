@@ -91,9 +91,9 @@ def test_public_key_set_is_frozen():
         "parallel.bucket_cap_mb", "scaling.num_workers", "scaling.use_gpu", "run.storage_path",
         "run.log_every_steps", "run.checkpoint_every_steps", "run.num_to_keep",
         "run.max_failures", "run.resume",
-        # issue #30: your optimizer and schedule
-        "train.optimizer_kwargs", "train.no_decay", "train.schedule", "train.schedule_kwargs",
+        # issue #30: your optimizer, schedule and metrics
+        "train.optimizer_kwargs", "train.no_decay", "train.schedule", "train.schedule_kwargs", "train.metrics",
     }
     keys = set(config_keys())
     assert contract <= keys
-    assert len(keys) == 74, sorted(keys - contract)
+    assert len(keys) == 75, sorted(keys - contract)

@@ -110,6 +110,39 @@ def test_validate_sums_loss_and_accuracy_over_all_batches(group):
     assert validate(parts, _ValData([]), RANK, SPEC) == {}
 
 
+def test_validate_adds_the_users_metrics_and_lm_perplexity(group):
+    """train.metrics: a per-batch mean counts the batch's rows, a (sum, count) pair is summed
+    as is; both agree with the built-in accuracy over batches of different sizes. An lm's
+    val_perplexity is exp(val_loss)."""
+    cfg = _cfg()
+    parts = _build(cfg)
+
+    def metrics(output, batch):
+        pred = output.argmax(-1)
+        return {"err": (pred != batch[1]).float().mean(), "hits": ((pred == batch[1]).sum(), len(batch[1]))}
+
+    parts.batch = dataclasses.replace(parts.batch, user_metrics=metrics)
+    batches = _window() + [(torch.randn(3, 8), torch.tensor([0, 1, 2]))]
+    out = validate(parts, _ValData(batches), RANK, SPEC)
+    assert out["val_err"] == pytest.approx(1 - out["val_accuracy"], abs=1e-7)  # the user's float32 mean
+    assert out["val_hits"] == pytest.approx(out["val_accuracy"], abs=1e-12)
+    assert "val_perplexity" not in out
+    lm = validate(parts, _ValData(batches), RANK, dataclasses.replace(SPEC, task="lm"))
+    assert lm["val_perplexity"] == pytest.approx(math.exp(lm["val_loss"]), rel=1e-12)
+
+
+def test_metric_sums_takes_means_and_pairs_and_names_what_is_wrong():
+    from raytrain_ddp.batch import metric_sums
+
+    sums = metric_sums({"m": torch.tensor(0.5), "p": (torch.tensor(3), 4), "f": 0.25}, rows=8)
+    assert {k: (float(a), float(b)) for k, (a, b) in sums.items()} == {"m": (4.0, 8.0), "p": (3.0, 4.0), "f": (2.0, 8.0)}
+    for values, message in [([1.0], "returned a list"), ({"a b": 1.0}, "must be an identifier"),
+                            ({"loss": 1.0}, "built-in val_loss"), ({"p": (1, 2, 3)}, "must be \\(sum, count\\)"),
+                            ({"v": torch.ones(2)}, "shape \\(2,\\)"), ({"s": "high"}, "is a str")]:
+        with pytest.raises(ValueError, match=message):
+            metric_sums(values, rows=8)
+
+
 def test_accuracy_from_tensors_dicts_and_hugging_face_outputs():
     """Classification and token accuracy, whatever holds the logits; None where it does not apply."""
     from transformers.modeling_outputs import CausalLMOutput, SequenceClassifierOutput
@@ -189,11 +222,11 @@ def test_rank0_says_the_auto_layout_once_it_is_chosen(group, capsys):
     parts = _build(cfg)
     log = RunLog(Job(cfg=cfg, spec=SPEC, run_dir="/nonexistent", fit_id="f" * 32), RANK, parts, _Data(), 10)
     result = train_step(parts, _window(), 2, cfg.train, RANK)
-    log.step(result, 0, False)  # not decided yet: nothing said
+    log.step(result, False)  # not decided yet: nothing said
     parts.wrapper.tuning = {"text": "1.1 MB (5 buckets); synced backward ms ..."}
     for _ in range(2):
         parts.progress.step_done()
-        log.step(result, 0, False)
+        log.step(result, False)
     said = [line for line in capsys.readouterr().out.splitlines() if "auto tuning" in line]
     assert said == ["[rank 0] parallel auto tuning at step 2: 1.1 MB (5 buckets); synced backward ms ..."]
 

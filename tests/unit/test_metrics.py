@@ -236,3 +236,48 @@ def test_a_restart_from_a_survivors_copy_fills_in_the_lines_a_lost_rank0_never_d
     records = read_metrics(tmp_path / "run0")
     assert [(r["step"], "val_loss" in r) for r in records] == [(1, False), (2, False), (3, False), (3, True)]
     assert records[3]["val_loss"] == 0.55
+
+
+def test_a_checkpoint_carries_the_lines_since_the_previous_one_and_fills_a_killed_drivers_gap(tmp_path):
+    """A driver killed between a checkpoint's upload and its next write of metrics.jsonl (an
+    object store's file is rewritten about once a second) left lines 3..5 unwritten; the
+    checkpoint at step 5 carries them and the next run's resume writes them, in order, once."""
+    from raytrain_ddp.driver.stream import Recorder
+    from raytrain_ddp.rundir import read_metrics
+
+    line = {"epoch": 0.1, "time": 1.7e9, "lr": 0.1, "attempt": 1}
+    run_dir = Location.parse(tmp_path / "run")
+    first = Recorder(run_dir, "fit1", [])
+    first.handle([{"kind": "attempt", "attempt": 1, "seq": 0, "record": {"fit_id": "fit1", "world_size": 2}},
+                  *({"kind": "metrics", "attempt": 1, "seq": s, "record": {**line, "step": s, "loss": 1.0}}
+                    for s in (1, 2))])
+    first.stop()  # what the killed driver had written
+    carried = [{**line, "step": s, "loss": 1.0 / s} for s in (5, 3, 4)] + [{"step": 5, "epoch": 0.1, "val_loss": 0.5}]
+    carried.append({**line, "step": 1, "loss": 99.0})  # already written: not taken again
+    second = Recorder(Location.parse(tmp_path / "run"), "fit2", [])
+    second.handle([{"kind": "attempt", "attempt": 1, "seq": 0, "record": {"fit_id": "fit2", "world_size": 2}},
+                   {"kind": "resumed", "attempt": 1, "seq": 1, "step": 5, "origin": {"resumed_from": "checkpoint"},
+                    "lines": carried},
+                   {"kind": "metrics", "attempt": 1, "seq": 2, "record": {**line, "step": 6, "loss": 0.1}}])
+    second.stop()
+    records = read_metrics(tmp_path / "run")
+    assert [(r["step"], "val_loss" in r) for r in records] == \
+        [(1, False), (2, False), (3, False), (4, False), (5, False), (5, True), (6, False)]
+    assert records[0]["loss"] == 1.0 and records[2]["loss"] == pytest.approx(1 / 3)
+
+
+def test_rank0_hands_each_line_to_one_checkpoint():
+    import types
+
+    import torch
+
+    from raytrain_ddp.worker.meter import RunLog
+
+    log = RunLog.__new__(RunLog)
+    log.rank = types.SimpleNamespace(is_main=True)
+    log.step_lines, log.unsaved_lines = [], []
+    log.outbox = types.SimpleNamespace(send=lambda *a, **k: None)
+    for step in (1, 2):
+        log._line({"step": step, "loss": torch.tensor(0.5)})
+    assert [r["step"] for r in log.lines_to_save()] == [1, 2] and log.lines_to_save() == []
+    assert log.step_lines[0]["loss"] == 0.5  # plain numbers, as metrics.jsonl holds them

@@ -78,6 +78,22 @@ def named(spec):
     return Named(spec.feature_shape[0], spec.num_classes)
 
 NOT_CALLABLE = 3
+
+def metrics_ok(output, batch):
+    pred = output.argmax(-1)
+    return {"err": (pred != batch[1]).float().mean(), "hits": ((pred == batch[1]).sum(), len(batch[1]))}
+
+def metrics_list(output, batch):
+    return [1.0]
+
+def metrics_vector(output, batch):
+    return {"per_class": output.mean(0)}
+
+def metrics_boom(output, batch):
+    return {"x": 1 / 0}
+
+def metrics_clash(output, batch):
+    return {"accuracy": 1.0}
 """
 
 
@@ -155,6 +171,13 @@ BAD_INPUTS = [
     (["train.loss=usermods:detached_loss"], "does not depend on the model's parameters"),
     (["model.name=usermods:three_classes"], "but the model outputs 3 classes"),
     (["data.inputs=[x]", "model.name=usermods:named", "data.preprocess=usermods:scale"], None),  # dict batches, model(x=...): a good pipeline gets as far as Ray
+    # train.metrics: run on the sample batch, its result checked (issue #30)
+    (["train.metrics=usermods:metrics_ok"], None),
+    (["train.metrics=usermods:metrics_list"],
+     "train.metrics='usermods:metrics_list': returned a list; it must return a dict of name -> value"),
+    (["train.metrics=usermods:metrics_vector"], "metric 'per_class' is a Tensor of shape (10,); it must be one number"),
+    (["train.metrics=usermods:metrics_boom"], "train.metrics='usermods:metrics_boom' raised ZeroDivisionError"),
+    (["train.metrics=usermods:metrics_clash"], "metric 'accuracy' would replace the built-in val_accuracy"),
     (["model.name=usermods:two_by_five"], "the model's output has shape [8, 2, 5] but label column 'y' (data.label) has shape [8]"),
 ]
 
