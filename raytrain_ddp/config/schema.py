@@ -280,7 +280,7 @@ class ParallelConfig(_Section):
         "this model and network, the same on every worker (rank 0 prints the choice).",
     )
     first_bucket_mb: float = Field(
-        1.0, gt=0.0, description="bucketed/native: cap of the first bucket in MB (the output "
+        1.0, gt=0.0, description="bucketed/native/zero1: cap of the first bucket in MB (the output "
         "layers, whose gradients backward produces first), as torch DDP's 1 MB: a small "
         "first bucket starts communication early.",
     )
