@@ -45,6 +45,10 @@ class Strategy:
         """The wrapper class (imports its module: torch)."""
         return _load(self.cls)
 
+    def load_local(self) -> Any:
+        """The class `wrap_model` returns without a process group (`local`)."""
+        return _load(self.local) if self.local else None
+
 
 _TABLE = (
     Strategy("naive", "raytrain_ddp.parallel.naive:NaiveDDP", "replicated"),

@@ -102,10 +102,8 @@ def wrap_model(
         previous().close()  # two live wrappers would both sync every backward
     given = dict(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, compress=compress,
                  device_ids=device_ids, param_dtype=param_dtype, shm=shm)
-    unknown = set(spec.options) - set(given)
-    assert not unknown, f"registry: {spec.name} takes options wrap_model does not know: {unknown}"
     if spec.local and process_group is None and not dist.is_initialized():
-        wrapper = registry._load(spec.local)(module)  # one process: nothing to synchronise
+        wrapper = spec.load_local()(module)  # one process: nothing to synchronise
     else:
         options = {key: given[key] for key in spec.options}
         wrapper = spec.load()(module, process_group, verify_init=verify_init,

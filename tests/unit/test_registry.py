@@ -67,7 +67,7 @@ def test_each_row_loads_its_class_and_options_are_wrap_models():
     for spec in registry.STRATEGIES.values():
         assert spec.load().strategy == spec.name
         if spec.local:
-            assert registry._load(spec.local).strategy == spec.name
+            assert spec.load_local().strategy == spec.name
         assert set(spec.options) | set(registry.COMMON_OPTIONS) <= keywords, spec.name
         init = set(inspect.signature(spec.load().__init__).parameters)
         assert set(spec.options) | set(registry.COMMON_OPTIONS) <= init, spec.name
