@@ -19,6 +19,10 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
+# The root of the user's errors is defined with the wrappers (the bottom layer, which
+# imports nothing of ours outside itself) and re-exported here for everyone else.
+from raytrain_ddp.parallel.errors import UserError  # noqa: F401
+
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
 
@@ -56,8 +60,6 @@ def in_user_code(exc: BaseException) -> str:
     return f" (at {where})" if where else ""
 
 
-class UserError(Exception):
-    """Bad input from the user: the message is the whole story."""
 
 
 class DataError(UserError, ValueError):

@@ -8,7 +8,6 @@ of the seed set by the caller before `build_model`.
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -122,7 +121,3 @@ def cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
     return F.cross_entropy(logits.float(), y)
 
-
-def loss_fn(spec: DataSpec) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The training loss for this data: cross-entropy for classifiers and language models."""
-    return cross_entropy

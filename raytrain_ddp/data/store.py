@@ -298,10 +298,3 @@ def rank_chunks(order: np.ndarray, step: int, micro: int, *, chunk_rows: int, mi
     per_step = per_micro * accumulation_steps * world_size
     start = step * per_step + (micro * world_size + world_rank) * per_micro
     return order[start:start + per_micro]
-
-
-def default_chunk_rows(micro_batch_size: int) -> int:
-    """The largest divisor of the micro batch that is at most 64 (the micro batch itself when
-    that divisor would be under 8: a handful of rows per read costs more than it shuffles)."""
-    best = max(d for d in range(1, min(64, micro_batch_size) + 1) if micro_batch_size % d == 0)
-    return best if best >= 8 or micro_batch_size <= 64 else micro_batch_size

@@ -13,6 +13,12 @@ from typing import Any, Callable
 import yaml
 
 from raytrain_ddp.config import BUILTIN_MODELS, BUILTIN_OPTIMIZERS, BUILTIN_SCHEDULES, Config
+from raytrain_ddp.parallel import registry
+
+
+def _strategy_takes(cfg: Config, option: str) -> bool:
+    return option in registry.get(cfg.parallel.strategy, "parallel.strategy").options
+
 
 # key -> when it has an effect. A key not listed always applies.
 APPLIES: dict[str, Callable[[Config], bool]] = {
@@ -38,10 +44,11 @@ APPLIES: dict[str, Callable[[Config], bool]] = {
     "train.schedule_kwargs": lambda c: c.train.schedule not in BUILTIN_SCHEDULES,
     "train.warmup_steps": lambda c: c.train.schedule in BUILTIN_SCHEDULES,
     "train.min_lr_ratio": lambda c: c.train.schedule in ("cosine", "linear"),
-    "parallel.bucket_cap_mb": lambda c: c.parallel.strategy != "naive",
-    "parallel.first_bucket_mb": lambda c: c.parallel.strategy in ("bucketed", "native"),
-    "parallel.compress": lambda c: c.parallel.strategy != "naive",
-    "parallel.shm": lambda c: c.parallel.strategy == "bucketed" and not c.scaling.use_gpu,
+    # parallel.*: the options the strategy's row of the registry takes (parallel/registry.py)
+    "parallel.bucket_cap_mb": lambda c: _strategy_takes(c, "bucket_cap_mb"),
+    "parallel.first_bucket_mb": lambda c: _strategy_takes(c, "first_bucket_mb"),
+    "parallel.compress": lambda c: _strategy_takes(c, "compress"),
+    "parallel.shm": lambda c: _strategy_takes(c, "shm") and not c.scaling.use_gpu,
     "scaling.resize_interval_s": lambda c: isinstance(c.scaling.num_workers, tuple),
 }
 

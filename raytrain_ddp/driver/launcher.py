@@ -2,7 +2,7 @@
 
 Owns: connecting to Ray (embedded or joined), building the `TorchTrainer` and running
 it, the run directory's `config.yaml` and `summary.json`. Must not touch: what happens
-inside a step (`worker/`), how batches are cut (`worker/shard.py`), gradient
+inside a step (`worker/`), how batches are cut (`data/worker_data.py`), gradient
 synchronisation (`parallel/`). Where a run starts from is `resume.py`'s decision; what
 is printed is `console.py`'s.
 

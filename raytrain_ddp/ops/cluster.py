@@ -5,6 +5,8 @@ installed `ray` package after Ray's own default-filling, plus our rules) and Kub
 `RayCluster` / `RayJob` manifests (the fields this project relies on). Every problem names
 the file, the key path and the fix; the exit code is 1 when any problem is found.
 Must not touch: Ray runtime (nothing here starts or contacts a cluster), the training path.
+Needs `jsonschema`, the `cluster` extra (`pip install raytrain-ddp[cluster]`): without
+it, the command stops with one line saying so; training never needs it.
 
 Our rules, and why:
 * image: `rayproject/ray:<installed Ray>-py3XX-cuXXX`. A different Ray on the nodes than
@@ -45,6 +47,7 @@ from typing import Any, Iterable, Optional
 import yaml
 
 import raytrain_ddp
+from raytrain_ddp.errors import UserError
 
 GUARDED_PORTS = {6379: "GCS", 8265: "dashboard / jobs API", 10001: "Ray Client server"}
 IMAGE_RE = re.compile(r"^rayproject/ray:(?P<ver>\d+\.\d+\.\d+)-py(?P<py>3\d{1,2})-(?P<acc>cu\d{3}|cpu)$")
@@ -84,7 +87,12 @@ def key_path(parts: Iterable[Any]) -> str:
 
 # --------------------------------------------------------------------------- entry point
 
+JSONSCHEMA_MISSING = ("raytrain-ddp cluster validate needs the jsonschema package (Ray's schema "
+                      "check): pip install raytrain-ddp[cluster]")
+
+
 def main(files: list[str]) -> int:
+    _require_jsonschema()
     paths, problems = _expand(files or ["cluster"])
     warnings: list[Problem] = []
     for path in paths:
@@ -97,6 +105,13 @@ def main(files: list[str]) -> int:
     print(f"raytrain-ddp cluster validate: {len(paths)} file(s), {len(problems)} problem(s)"
           + (f", {len(warnings)} warning(s)" if warnings else "") + ("" if problems else " -- all good"))
     return 1 if problems else 0
+
+
+def _require_jsonschema() -> None:
+    try:
+        import jsonschema  # noqa: F401
+    except ImportError:
+        raise UserError(JSONSCHEMA_MISSING) from None
 
 
 def _expand(items: list[str]) -> tuple[list[Path], list[Problem]]:

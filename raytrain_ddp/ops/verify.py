@@ -11,17 +11,19 @@ communication backward hid (where the wrapper times it); exit 1 on any differenc
 `data.preprocess` and the driver's own checks (`driver/preflight.precheck`), batches are
 built, fed to the model and scored by `batch.BatchFormat` as in training -- (x, y) or dict
 batches (`data.inputs`), the user's loss, the model's own (`train.loss: model`) -- with the
-built-in cross-entropy kept in float64. The sharded strategies (`SHARDED_STRATEGIES`: zero1, fsdp) build
+built-in cross-entropy kept in float64. The sharded strategies (`parallel.registry.SHARDED`: zero1, fsdp) build
 their optimizer through `wrapper.make_optimizer` (every wrapper offers it) and are compared
 on parameters and buffers after every step, not gradients: zero1's `.grad` is averaged only
 inside the rank's chunk, fsdp's are shards; fsdp's full parameters are read inside
 `summon_full_params()` (its gathers there are not counted as sent). What they send is
 reduce-scatter + all-gather bytes, shown against gradient + parameter bytes.
-Must not touch: Ray (ranks come from `ops.ranks`, no cluster), the run directory, the
-wrappers themselves (it only calls `wrap_model` and the wrappers' public methods).
+The rank side (each rank's runs) is `ops/verify_rank.py`; this module is the driver
+side: the rows, the ranks' launch, the merged report and its table. Must not touch: Ray
+(ranks come from `ops.ranks`, no cluster), the run directory, the wrappers themselves
+(it only calls `wrap_model` and the wrappers' public methods).
 
     raytrain-ddp verify examples/configs/quickstart.yaml [key=value ...]
-    raytrain_ddp.parallel.verify("examples/configs/quickstart.yaml")   # the same, from Python
+    raytrain_ddp.ops.verify.verify("examples/configs/quickstart.yaml")   # the same, from Python
 
 Why this shape: float64 leaves rounding near 1e-16, so 1e-9 separates "same arithmetic in
 another order" from a real difference; gradients are compared at every step because
@@ -34,9 +36,7 @@ dropout masks depend on the batch layout, so with either the one-process column 
 
 from __future__ import annotations
 
-import contextlib
 import os
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -44,10 +44,10 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from raytrain_ddp.errors import UserError
+from raytrain_ddp.ops.verify_rank import MICRO_STEPS, REFERENCE, ROWS_PER_MICRO, STEPS, WORLD, rank_main
+from raytrain_ddp.parallel import registry
 
-STEPS, MICRO_STEPS, ROWS_PER_MICRO, WORLD = 3, 2, 4, 2
 TOLERANCE = 1e-9
-REFERENCE = "torch"  # torch.nn.parallel.DistributedDataParallel, same options
 
 
 @dataclass
@@ -123,7 +123,6 @@ def verify(config: Any = None, overrides: Optional[Sequence[str]] = None, *, str
     `report.problems`)."""
     from raytrain_ddp.config import Config, load_config
     from raytrain_ddp.ops.ranks import RankError, run_ranks
-    from raytrain_ddp.parallel import SHARDED_STRATEGIES, STRATEGIES
 
     start = time.monotonic()
     path = None
@@ -132,7 +131,7 @@ def verify(config: Any = None, overrides: Optional[Sequence[str]] = None, *, str
     else:
         path = None if config is None else str(config)
         cfg = load_config(path, list(overrides or []))
-    every = STRATEGIES + SHARDED_STRATEGIES
+    every = registry.NAMES
     kinds = tuple(strategies) or every
     unknown = sorted(set(kinds) - set(every))
     if unknown:
@@ -140,7 +139,7 @@ def verify(config: Any = None, overrides: Optional[Sequence[str]] = None, *, str
     columns, spec, source = _rows(cfg, path)
     job = dict(cfg=cfg, config_path=path, spec=spec, columns=columns, kinds=kinds)
     try:
-        per_rank = run_ranks(_rank_main, WORLD, job, timeout_s=timeout_s, pg_timeout_s=30, threads=1)
+        per_rank = run_ranks(rank_main, WORLD, job, timeout_s=timeout_s, pg_timeout_s=30, threads=1)
     except RankError as exc:
         raise UserError(f"verify: the ranks did not finish: {exc}") from None
     report = _merge(cfg, per_rank, kinds)
@@ -325,13 +324,7 @@ def _render(cfg: Any, path: Optional[str], report: Report, rank0: dict, source: 
                  f"tolerance {TOLERANCE:g}; comm ms: gradient "
                  "all-reduces in flight per step, exposed: the part after backward had finished, "
                  "hidden: the fraction backward hid; mean over ranks, '-' where not timed)")
-    lines += [f"note: {n}" for n in report.notes]
-    for f in report.findings:
-        gathers = (f.all_gather_bytes_per_step or 0.0) / report.param_bytes if report.param_bytes else 0.0
-        if not f.error and f.strategy == "fsdp" and gathers > 1.005:
-            lines.append(f"note: fsdp all-gathered {gathers:.2f}x the parameter bytes per step: FSDP2 gathers a "
-                         f"unit before every forward ({MICRO_STEPS} micro-batches per step here) and non-root "
-                         "units again in backward; zero1 gathers once, after the optimizer step")
+    lines += [f"note: {n}" for n in report.notes] + _gather_notes(report)
     if report.ok:
         lines.append(f"verdict: OK, every strategy trains like torch DDP on this model ({report.seconds:.0f} s)")
     else:
@@ -340,270 +333,14 @@ def _render(cfg: Any, path: Optional[str], report: Report, rank0: dict, source: 
     return lines
 
 
-# -- rank side -----------------------------------------------------------------------------
-
-def _rank_main(world_rank: int, world_size: int, job: dict) -> dict:
-    import torch
-    from raytrain_ddp.parallel import SHARDED_STRATEGIES
-
-    from raytrain_ddp.user import resolve
-    from raytrain_ddp.worker.step import logits_of
-
-    cfg, spec = job["cfg"], job["spec"]
-    code = resolve(cfg, config_path=job["config_path"])[1]
-    fmt = code.batch_format(cfg)  # (x, y) or dict batches, the user's loss or the model's: as `train`
-    columns = {}
-    for name, array in job["columns"].items():
-        t = torch.from_numpy(np.ascontiguousarray(array))
-        columns[name] = t.double() if t.is_floating_point() else t
-
-    def build():
-        torch.manual_seed(cfg.train.seed)
-        return code.build_model(cfg, spec).double()
-
-    def micro(step: int, j: int, rank: int):
-        lo = ((step * MICRO_STEPS + j) * world_size + rank) * ROWS_PER_MICRO
-        return fmt.assemble({name: t[lo:lo + ROWS_PER_MICRO] for name, t in columns.items()})
-
-    def loss_of(model, batch):
-        output = fmt.forward(model, batch)
-        if fmt.user_loss is None and fmt.loss_name == "cross_entropy":
-            return _loss(logits_of(output), fmt.target(batch))  # float64 throughout (train's upcasts to fp32)
-        return fmt.loss(output, batch)
-
-    def whole(parts):
-        """Micro-batches as one batch (one process's view of a step)."""
-        if fmt.is_dict:
-            return {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
-        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-
-    probe = build()
-    facts = _facts(probe, [micro(0, j, world_rank) for j in range(MICRO_STEPS)], loss_of)
-    find_unused = cfg.parallel.find_unused_parameters
-    unused_anywhere = _any_rank(bool(facts["unused"]))
-    single = _single(cfg, build, micro, whole, loss_of, world_size) if facts["single_ok"] else None
-    runs = {}
-    for kind in (REFERENCE, *job["kinds"]):
-        runs[kind] = _run(kind, build, micro, loss_of, world_rank, cfg, find_unused or unused_anywhere)
-    ref = runs[REFERENCE]
-    results = {}
-    for kind, run in runs.items():
-        if "error" in run or "error" in ref:
-            results[kind] = {"error": run.get("error") or f"torch DDP failed: {ref['error']}"}
-            continue
-        stats = run["stats"]
-        results[kind] = {
-            "grad": None if run["grads"] is None else
-            max((_max_diff(g, rg) for g, rg in zip(run["grads"], ref["grads"])), key=lambda d: d[0]),
-            "param": _worst(run["steps"], ref["steps"], "params"),
-            "buffer": _worst(run["steps"], ref["steps"], "buffers"),
-            "state": None if world_rank != 0 else  # the full state dicts are rank 0's
-            max((_state_diff(a, b) for a, b in zip(run["full"], ref["full"])), key=lambda d: d[0]),
-            "single": None if single is None else _max_diff(run["steps"][-1]["params"], single),
-            "reduce_scatter_bytes": stats.get("reduce_scatter_bytes", 0),
-            "all_gather_bytes": stats.get("all_gather_bytes") if kind in SHARDED_STRATEGIES else None,
-            "allreduce_bytes": stats.get("allreduce_bytes", 0),
-            "broadcast_bytes": stats.get("broadcast_bytes", 0),
-            "comm_s": stats.get("comm_s"),
-            "exposed_comm_s": stats.get("exposed_comm_s"),
-            "ms": run["ms"],
-        }
-    if not facts["single_ok"]:
-        facts["notes"].append(facts.pop("single_why"))
-    return {"runs": results, "facts": facts}
-
-
-def _loss(logits, y):
-    """Mean cross-entropy in float64 (the training loss upcasts to fp32; here nothing rounds)."""
-    import torch.nn.functional as F
-
-    if logits.dim() == 3:
-        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
-    return F.cross_entropy(logits, y)
-
-
-def _optimizer(cfg: Any, params):
-    import torch
-
-    if cfg.train.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.train.lr, momentum=cfg.train.momentum,
-                               weight_decay=cfg.train.weight_decay)
-    return torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-
-
-def _seed_forward(step: int, j: int, rank: int) -> None:
-    import torch
-
-    torch.manual_seed(1_000_003 * step + 1009 * j + rank)  # same dropout masks in every run
-
-
-def _facts(model, batches, loss_of) -> dict:
-    """Frozen, tied and (on this rank, step 1) unused parameters; whether one process compares."""
-    from torch import nn
-
-    names_of: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(p), []).append(name)
-    for batch in batches:
-        loss_of(model, batch).backward()
-    named = list(model.named_parameters())
-    batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
-                    for m in model.modules())
-    dropout = any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
-    buffers = list(model.buffers())
-    why = ("one process is not a reference for this model (" +
-           ("BatchNorm statistics are per rank under DDP" if batchnorm else
-            "dropout masks depend on how rows are batched") + "); torch DDP is") if batchnorm or dropout else ""
-    return {
-        "n_params": sum(p.numel() for _, p in named), "n_tensors": len(named),
-        "grad_bytes": sum(p.numel() * p.element_size() for _, p in named if p.requires_grad),
-        "param_bytes": sum(p.numel() * p.element_size() for _, p in named),
-        "n_buffers": len(buffers), "buffer_bytes": sum(b.numel() * b.element_size() for b in buffers),
-        "frozen": [n for n, p in named if not p.requires_grad],
-        "tied": [group for group in names_of.values() if len(group) > 1],
-        "unused": [n for n, p in named if p.requires_grad and p.grad is None],
-        "single_ok": not (batchnorm or dropout), "single_why": why, "notes": [],
-    }
-
-
-def _any_rank(flag: bool) -> bool:
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([int(flag)])
-    dist.all_reduce(t)
-    return bool(t.item())
-
-
-def _single(cfg: Any, build, micro, whole, loss_of, world_size: int) -> dict:
-    """One process: every rank's micro-batches of a step in one mean-loss batch."""
-    model = build()
-    opt = _optimizer(cfg, model.parameters())
-    for step in range(STEPS):
-        parts = [micro(step, j, r) for r in range(world_size) for j in range(MICRO_STEPS)]
-        loss_of(model, whole(parts)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return _state(model)["params"]
-
-
-def _worst(steps: list[dict], ref_steps: list[dict], key: str) -> tuple[float, str]:
-    return max((_max_diff(s[key], r[key]) for s, r in zip(steps, ref_steps)), key=lambda d: d[0])
-
-
-def _run(kind: str, build, micro, loss_of, world_rank: int, cfg: Any, find_unused: bool) -> dict:
-    """Train STEPS steps with one strategy (or torch DDP) on a fresh group; its state after each."""
-    import torch.distributed as dist
-    from raytrain_ddp.parallel import SHARDED_STRATEGIES, wrap_model
-    from raytrain_ddp.parallel.native import make_ddp
-
-    p = cfg.parallel
-    # "auto" is bucketed's alone (it tries layouts while training: exercised here too); torch
-    # DDP and the other strategies get the default cap. A layout never changes the arithmetic.
-    cap = p.bucket_cap_mb if p.bucket_cap_mb != "auto" or kind == "bucketed" else 25.0
-    pg = dist.new_group()  # a run that fails cannot derail the next one's collectives
-    try:
-        module = build()
-        if kind == REFERENCE:
-            model = make_ddp(module, process_group=pg, bucket_cap_mb=cap, first_bucket_mb=p.first_bucket_mb,
-                             broadcast_buffers=p.broadcast_buffers, find_unused_parameters=find_unused)
-        else:
-            model = wrap_model(module, kind, process_group=pg, bucket_cap_mb=cap, first_bucket_mb=p.first_bucket_mb,
-                               broadcast_buffers=p.broadcast_buffers, find_unused_parameters=find_unused,
-                               collective_timeout_s=20, shm=p.shm)
-        sharded = kind in SHARDED_STRATEGIES
-        if kind == REFERENCE:
-            opt = _optimizer(cfg, model.parameters())
-        else:  # every wrapper builds it; a sharded one steps this rank's shard
-            opt = model.make_optimizer(lambda params: _optimizer(cfg, params))
-        grads, steps, full, times, broadcast_bytes, summon_bytes = [], [], [], [], 0, 0
-        not_training: dict[str, int] = {}  # what reading the full state dicts sent
-        buffer_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
-        for step in range(STEPS):
-            start = time.perf_counter()
-            for j in range(MICRO_STEPS):
-                batch = micro(step, j, world_rank)
-                _seed_forward(step, j, world_rank)
-                if kind == REFERENCE and model.will_sync_module_buffers():
-                    broadcast_bytes += buffer_bytes
-                with model.no_sync() if j < MICRO_STEPS - 1 else contextlib.nullcontext():
-                    (loss_of(model, batch) / MICRO_STEPS).backward()
-            if not sharded:
-                grads.append({n: (q.grad.detach().clone() if q.grad is not None else None)
-                              for n, q in module.named_parameters()})
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - start)
-            if kind == "fsdp":  # full parameters (a gather, not part of training: not counted)
-                before = model.comm_stats.get("all_gather_bytes", 0)
-                with model.summon_full_params():
-                    steps.append(_state(module))
-                summon_bytes += model.comm_stats.get("all_gather_bytes", 0) - before
-            else:
-                steps.append(_state(module))
-            before = dict(model.comm_stats) if kind != REFERENCE else {}
-            full.append(_full_state(model if kind != REFERENCE else module, opt, module))
-            for key, value in (dict(model.comm_stats) if kind != REFERENCE else {}).items():
-                if isinstance(value, int) and key in before:  # its gathers are verify's, not training's
-                    not_training[key] = not_training.get(key, 0) + value - before[key]
-        out = {"steps": steps, "full": full, "grads": None if sharded else grads, "ms": statistics.median(times) * 1e3}
-        out["stats"] = {} if kind == REFERENCE else dict(model.comm_stats)
-        if summon_bytes:
-            out["stats"]["all_gather_bytes"] -= summon_bytes
-        for key, value in not_training.items():
-            out["stats"][key] -= value
-        if kind == REFERENCE:  # torch DDP all-reduces every trainable gradient once per sync
-            out["stats"] = {"allreduce_bytes": _torch_bytes(module) * STEPS, "broadcast_bytes": broadcast_bytes}
-        return out
-    except Exception as exc:  # noqa: BLE001 - reported in the table, named
-        return {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"}
-
-
-def _torch_bytes(module) -> int:
-    return sum(q.numel() * q.element_size() for q in module.parameters() if q.requires_grad)
-
-
-def _state(module) -> dict:
-    return {"params": {n: q.detach().clone() for n, q in module.named_parameters()},
-            "buffers": {n: b.detach().clone() for n, b in module.named_buffers()}}
-
-
-def _full_state(model, opt, module) -> dict:
-    """What a checkpoint saves of model and optimizer, flat: `name` and `name: <state key>`
-    (a collective for zero1 / fsdp, whose full state lands on rank 0; gathers not counted)."""
-    import torch
-
-    # Copies: torch's state dicts hold the live tensors, which the next step moves.
-    out = {name: t.detach().clone() for name, t in model.state_dict().items() if isinstance(t, torch.Tensor)}
-    names = [name for name, _ in module.named_parameters()]
-    state = opt.state_dict().get("state", {})
-    for index, entry in state.items():
-        where = names[index] if isinstance(index, int) and index < len(names) else str(index)
-        for key, value in entry.items():
-            out[f"{where}: optimizer {key}"] = (value.detach().clone() if isinstance(value, torch.Tensor)
-                                                else torch.tensor(float(value)))
-    return out
-
-
-def _state_diff(a: dict, b: dict) -> tuple[float, str]:
-    """Largest |a - b| over the entries of two flat state dicts; an entry only one has: infinite."""
-    for name in sorted(set(a) ^ set(b)):
-        return float("inf"), f"{name} (in {'this strategy' if name in a else 'torch DDP'}'s state dict only)"
-    return _max_diff(a, b)
-
-
-def _max_diff(a: dict, b: dict) -> tuple[float, str]:
-    """Largest |a - b| over same-named tensors (None vs a tensor: infinite), and where."""
-    worst: tuple[float, str] = (0.0, "")
-    for name, t in a.items():
-        u = b.get(name)
-        if t is None and u is None:
-            continue
-        if t is None or u is None:
-            return float("inf"), f"{name} (grad None in one, not the other)"
-        if t.shape != u.shape:
-            return float("inf"), f"{name} (shape {tuple(t.shape)} vs {tuple(u.shape)})"
-        d = (t.double() - u.double()).abs().max().item() if t.numel() else 0.0
-        if d != d or d > worst[0]:
-            worst = (float("inf") if d != d else d, name)
-    return worst
+def _gather_notes(report: Report) -> list[str]:
+    """Why a strategy that shards its parameters all-gathered more than their bytes per step."""
+    notes = []
+    for f in report.findings:
+        gathers = (f.all_gather_bytes_per_step or 0.0) / report.param_bytes if report.param_bytes else 0.0
+        shards_parameters = f.strategy in registry.SHARDED and registry.STRATEGIES[f.strategy].shards_parameters
+        if not f.error and shards_parameters and gathers > 1.005:
+            notes.append(f"note: {f.strategy} all-gathered {gathers:.2f}x the parameter bytes per step: FSDP2 gathers a "
+                         f"unit before every forward ({MICRO_STEPS} micro-batches per step here) and non-root "
+                         "units again in backward; zero1 gathers once, after the optimizer step")
+    return notes

@@ -1,195 +1,55 @@
-"""Data-parallel wrappers: from-scratch (`naive`, `bucketed`) and torch DDP (`native`).
+"""Data-parallel wrappers: from scratch (naive, bucketed, zero1), torch DDP (native), FSDP2 (fsdp).
 
-Owns: `wrap_model` (the single entry point), the strategy names, the shared interface
-and errors, and the gradient-accumulation window. Must not import Ray (a test enforces
-it): the loop reaches Ray, this package only reaches torch and torch.distributed.
+Owns: the package's public names, each imported on first use (PEP 562), so that the
+strategy table (`parallel.registry`) and the errors (`parallel.errors`) load without
+torch: the config reads the registry, and `import raytrain_ddp.config` stays light.
+`wrap_model` (`parallel/wrap.py`) is the single entry point. Must not import Ray or
+anything of ours outside this package (a test enforces it): the loop reaches Ray, this
+package only torch and torch.distributed.
 
     model = wrap_model(net, "bucketed", bucket_cap_mb=25)
     for step in range(steps):
         for (x, y), scale in accumulation_window(model, next_micro_batches(), expected=k):
             (loss_fn(model(x), y) * scale).backward()    # syncs only on the last one
         optimizer.step(); optimizer.zero_grad()
+
+`STRATEGIES` is every strategy name; `REPLICATED_STRATEGIES` those after whose synced
+backward every rank holds the same gradients, `SHARDED_STRATEGIES` those that shard the
+optimizer state (build the optimizer with `wrapper.make_optimizer(factory)` and clip with
+`wrapper.clip_grad_norm_(max_norm)`; docs/parallel.md).
 """
 
 from __future__ import annotations
 
-import weakref
-from typing import Optional, Union
+import importlib
+from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch import nn
+from raytrain_ddp.parallel import registry
 
-from raytrain_ddp.parallel.accumulate import AccumulationWindow, accumulation_window, chunked
-from raytrain_ddp.parallel.base import (
-    STRATEGIES,
-    CollectiveTimeoutError,
-    ModelMismatchError,
-    RequiresGradChangeError,
-    UnusedParameterError,
-    WrappedModel,
-)
-from raytrain_ddp.parallel.bucketed import BucketedDDP
-from raytrain_ddp.parallel.naive import NaiveDDP
-from raytrain_ddp.parallel.native import LocalModel, NativeDDP
-from raytrain_ddp.parallel.fsdp import FSDPOptimizer, FullyShardedDP
-from raytrain_ddp.parallel.zero1 import ZeroOptimizer, Zero1DDP
+STRATEGIES = registry.NAMES
+REPLICATED_STRATEGIES = registry.REPLICATED
+SHARDED_STRATEGIES = registry.SHARDED
 
-# Strategies that shard the optimizer state (docs/parallel.md): every rank holds the same
-# *parameters* after a step, not the same gradients, so build the optimizer with
-# `wrapper.make_optimizer(factory)` and clip with `wrapper.clip_grad_norm_(max_norm)`.
-SHARDED_STRATEGIES = ("zero1", "fsdp")
-
-__all__ = [
-    "STRATEGIES", "wrap_model", "verify", "WrappedModel", "CollectiveTimeoutError", "ModelMismatchError",
-    "UnusedParameterError", "RequiresGradChangeError", "NaiveDDP", "BucketedDDP", "NativeDDP", "LocalModel",
-    "accumulation_window", "AccumulationWindow", "chunked",
-    "SHARDED_STRATEGIES", "Zero1DDP", "ZeroOptimizer", "FullyShardedDP", "FSDPOptimizer",
-]
-
-COMPRESSIONS = (None, "bf16", "auto")
-_SIXTEEN_BIT = (torch.float16, torch.bfloat16)
-# module -> its current wrapper (weak both ways; nothing stored on the module, so it still pickles)
-_LIVE_WRAPPERS: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+_P = "raytrain_ddp.parallel"
+_LAZY = {  # public name -> the module that defines it
+    "wrap_model": f"{_P}.wrap", "COMPRESSIONS": f"{_P}.wrap",
+    "WrappedModel": f"{_P}.base",
+    "CollectiveTimeoutError": f"{_P}.errors", "ModelMismatchError": f"{_P}.errors",
+    "UnusedParameterError": f"{_P}.errors", "RequiresGradChangeError": f"{_P}.errors",
+    "NaiveDDP": f"{_P}.naive", "BucketedDDP": f"{_P}.bucketed", "NativeDDP": f"{_P}.native",
+    "LocalModel": f"{_P}.native", "Zero1DDP": f"{_P}.zero1", "ZeroOptimizer": f"{_P}.zero1",
+    "FullyShardedDP": f"{_P}.fsdp", "FSDPOptimizer": f"{_P}.fsdp",
+    "accumulation_window": f"{_P}.accumulate", "AccumulationWindow": f"{_P}.accumulate",
+    "chunked": f"{_P}.accumulate",
+}
+__all__ = sorted([*_LAZY, "STRATEGIES", "REPLICATED_STRATEGIES", "SHARDED_STRATEGIES"])
 
 
-def wrap_model(
-    module: nn.Module,
-    strategy: str,
-    *,
-    bucket_cap_mb: Union[float, str] = 25.0,
-    first_bucket_mb: float = 1.0,
-    compress: Optional[str] = None,
-    verify_init: bool = False,
-    process_group: Optional[dist.ProcessGroup] = None,
-    device_ids: Optional[list] = None,
-    collective_timeout_s: Optional[float] = None,
-    broadcast_buffers: bool = True,
-    find_unused_parameters: bool = False,
-    param_dtype: Optional[torch.dtype] = None,
-    shm: bool = True,
-) -> WrappedModel:
-    """Wrap `module` (already on its device) for data-parallel training.
-
-    Every strategy trains like torch DDP with the same options, rank by rank (see
-    `WrappedModel` for the rules, `raytrain-ddp verify` to check it on your model), or
-    raises an error naming the parameter; never a silent difference.
-
-    Must be called on every rank of the group (it communicates): rank 0's parameters and
-    buffers are broadcast to all ranks, or, with `verify_init=True`, compared, and every
-    rank raises `ModelMismatchError` naming the first tensor that differs.
-
-    strategy             "naive" | "bucketed" | "native" (see `STRATEGIES`).
-    bucket_cap_mb        bucketed/native: bucket size; smaller = earlier overlap, more calls.
-                         "auto" (bucketed): a few timed synced steps at the start pick it
-                         for this model and network, the same on every rank
-                         (`wrapper.tuning` says what was chosen).
-    first_bucket_mb      bucketed/native/zero1: cap of the first bucket (the output layers, whose
-                         gradients backward produces first), 1 MiB as in torch DDP, so
-                         communication starts early.
-    compress             None | "bf16": all-reduce bf16 copies of fp32 gradients (half the
-                         bytes); bucketed and native only; refused for 16-bit parameters.
-                         "auto" (bucketed): also time bf16 while tuning, keep it if it pays.
-    process_group        default: the global group; without one (or world size 1) the
-                         scratch strategies send nothing, and native returns `LocalModel`.
-    device_ids           native only, as in torch DDP (e.g. [local_rank] on GPU; None on CPU).
-    collective_timeout_s a gradient all-reduce that does not finish in this time raises
-                         `CollectiveTimeoutError` naming the bucket/parameter. The process
-                         group's own timeout (init_process_group) still applies, and if it is
-                         shorter it fires first (reported the same way). On NCCL, without
-                         it, waits return at once and only NCCL's watchdog enforces the
-                         group's timeout, by aborting the process (see `base.wait_work`).
-    broadcast_buffers    as torch DDP: re-broadcast rank 0's buffers (BatchNorm running
-                         stats) before each forward that follows a synced one.
-    find_unused_parameters as torch DDP: parameters that get no gradient in a synced backward
-                         are allowed; they keep grad=None if no rank used them. Without it
-                         such a parameter raises `UnusedParameterError` naming it, at that
-                         step, on every rank at the first step (never a hang).
-
-    param_dtype          fsdp only: FSDP2's mixed-precision parameter dtype (e.g.
-                         torch.bfloat16); the other strategies leave precision to autocast.
-    shm                  bucketed, CPU: when every rank of the group is on one host, all-reduce
-                         the buckets through shared memory (/dev/shm) instead of gloo's TCP,
-                         the same sums; decided together at the first synced backward, gloo
-                         otherwise (`wrapper.transport` says which). False: always the group.
-
-    Sharded strategies (`SHARDED_STRATEGIES`: "zero1" written from scratch, "fsdp" = torch
-    FSDP2) keep 1/W of the optimizer state per rank: build the optimizer with
-    `wrapper.make_optimizer(factory)` and clip with `wrapper.clip_grad_norm_`, which every
-    strategy offers (docs/parallel.md).
-
-    Changing `requires_grad` after wrapping: naive/bucketed follow it (frozen parameters
-    stop syncing and keep grad None, unfrozen ones start), as in one process; native raises
-    `RequiresGradChangeError` naming the parameter where torch DDP cannot follow it.
-    Wrapping a module that is already wrapped closes the earlier wrapper first.
-    """
-    if strategy not in STRATEGIES + SHARDED_STRATEGIES:
-        raise ValueError(f"strategy={strategy!r} is not one of {STRATEGIES + SHARDED_STRATEGIES}")
-    if compress not in COMPRESSIONS:
-        raise ValueError(f"compress={compress!r} is not one of {COMPRESSIONS}")
-    if compress is not None and strategy == "naive":
-        raise ValueError(
-            f"compress={compress!r} is supported by 'bucketed' and 'native', not 'naive' "
-            "(naive sends each gradient as is)"
-        )
-    auto = [name for name, value in (("bucket_cap_mb", bucket_cap_mb), ("compress", compress)) if value == "auto"]
-    if auto and strategy != "bucketed":
-        raise ValueError(f"{auto[0]}='auto' (timed tuning of the layout) is supported by 'bucketed' only, "
-                         f"not {strategy!r}; give a number (bucket_cap_mb) or None/'bf16' (compress)")
-    if compress == "bf16":
-        sixteen = [n for n, p in module.named_parameters() if p.requires_grad and p.dtype in _SIXTEEN_BIT]
-        if sixteen:
-            raise ValueError(
-                f"compress={compress!r} would send the same bytes and lose precision: parameter "
-                f"'{sixteen[0]}' ({len(sixteen)} in all) is already 16-bit "
-                f"({dict(module.named_parameters())[sixteen[0]].dtype}); use compress=None"
-            )
-    if bucket_cap_mb != "auto" and not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
-        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be > 0 or 'auto'")
-    if not (isinstance(first_bucket_mb, (int, float)) and first_bucket_mb > 0):
-        raise ValueError(f"first_bucket_mb={first_bucket_mb!r} must be > 0")
-    if collective_timeout_s is not None and not collective_timeout_s > 0:
-        raise ValueError(f"collective_timeout_s={collective_timeout_s!r} must be > 0 (or None)")
-    if isinstance(module, WrappedModel):
-        raise ValueError(f"module is already wrapped (strategy {module.strategy!r}); pass .module")
-
-    previous = _LIVE_WRAPPERS.get(module)
-    if previous is not None and previous() is not None:
-        previous().close()  # two live wrappers would both sync every backward
-    options = dict(verify_init=verify_init, collective_timeout_s=collective_timeout_s,
-                   broadcast_buffers=broadcast_buffers, find_unused_parameters=find_unused_parameters)
-    if strategy == "fsdp":
-        options["param_dtype"] = param_dtype
-    if strategy in ("bucketed", "native", "zero1"):
-        options["first_bucket_mb"] = first_bucket_mb
-    if strategy == "bucketed":
-        options["shm"] = shm
-    wrapper = _build(module, strategy, bucket_cap_mb, compress, process_group, device_ids, options)
-    _LIVE_WRAPPERS[module] = weakref.ref(wrapper)
-    return wrapper
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _build(module, strategy, bucket_cap_mb, compress, process_group, device_ids, options) -> WrappedModel:
-    if strategy == "naive":
-        return NaiveDDP(module, process_group, **options)
-    if strategy == "bucketed":
-        return BucketedDDP(module, process_group, bucket_cap_mb=bucket_cap_mb, compress=compress, **options)
-    if strategy in SHARDED_STRATEGIES:
-        cls = Zero1DDP if strategy == "zero1" else FullyShardedDP
-        return cls(module, process_group, bucket_cap_mb=bucket_cap_mb, compress=compress, **options)
-    if process_group is None and not dist.is_initialized():
-        return LocalModel(module)
-    return NativeDDP(module, process_group, bucket_cap_mb=bucket_cap_mb, compress=compress,
-                     device_ids=device_ids, **options)
-
-
-def verify(config=None, overrides=None, **kwargs):
-    """Check every strategy against one process and torch DDP on 2 local gloo ranks, on the
-    model and data of a config; returns the report (see `raytrain_ddp.ops.verify.verify`).
-
-    A thin entry point: the implementation lives with the operator tools and is imported
-    only when called, so this package still imports nothing but torch.
-    """
-    from raytrain_ddp.ops.verify import verify as _verify
-
-    return _verify(config, overrides, **kwargs)
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

@@ -1,53 +1,42 @@
-"""What every data-parallel strategy shares: the wrapper interface, start-up sync, errors.
+"""What every data-parallel strategy shares: the wrapper interface and the scratch base.
 
-Owns: `WrappedModel` (the one interface naive / bucketed / native implement, shaped like
-Lightning Fabric's strategy: call it like the module, `.module` for the bare model,
-`.no_sync()` to skip gradient sync, `.comm_stats` for what was sent), the rank-0
-broadcast / `verify_init` check done at wrap time, and the errors the wrappers raise.
-Must not touch: Ray, optimizers, data, checkpoints files. Only torch and torch.distributed.
+Owns: `WrappedModel` (the one interface every strategy implements, shaped like Lightning
+Fabric's strategy: call it like the module, `.module` for the bare model, `.no_sync()` to
+skip gradient sync, `.comm_stats` for what was sent) and `ScratchBase` (what the
+from-scratch strategies share: hooks, unused-parameter checks, requires_grad changes,
+pickling). Its neighbours: `errors.py` (the errors), `startup.py` (the rank-0 broadcast /
+`verify_init` check done at wrap time), `watch.py` (waiting on and timing collectives);
+their names are re-exported here. Must not touch: Ray, optimizers, data, checkpoint
+files, anything of ours outside `parallel/`. Only torch and torch.distributed.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import logging
-import os
-import sys
-import tempfile
-import threading
 import time
-import zlib
-from datetime import timedelta
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from raytrain_ddp.errors import UserError
-
-STRATEGIES = ("naive", "bucketed", "native")
-
-
-class CollectiveTimeoutError(RuntimeError):
-    """A collective did not finish in time, or failed; the message names the operation.
-
-    Usually a peer rank died, hangs, or skipped a step (ranks must run the same number
-    of synced backward passes). Raised on the rank that was left waiting.
-    """
-
-
-class ModelMismatchError(UserError, RuntimeError):
-    """Ranks hold different models (structure, or weights with verify_init=True)."""
-
-
-class UnusedParameterError(UserError, RuntimeError):
-    """A trainable parameter got no gradient in a synced backward, without find_unused_parameters."""
-
-
-class RequiresGradChangeError(UserError, RuntimeError):
-    """`requires_grad` changed after wrapping in a way the strategy cannot follow (native only)."""
+from raytrain_ddp.parallel.errors import (  # noqa: F401 - re-exported: `from ...base import` keeps working
+    CollectiveTimeoutError,
+    ModelMismatchError,
+    RequiresGradChangeError,
+    UnusedParameterError,
+)
+from raytrain_ddp.parallel.startup import broadcast_coalesced, check_structure, sync_initial_state  # noqa: F401
+from raytrain_ddp.parallel.watch import (  # noqa: F401
+    COLLECTIVES,
+    CollectiveWatch,
+    CommClock,
+    comm_timing,
+    dump_flight_recorder,
+    report_stuck_collective,
+    split_comm_time,
+    wait_work,
+)
 
 
 _STAT_KEYS = ("allreduce_calls", "allreduce_bytes", "syncs", "broadcasts", "broadcast_bytes", "control_bytes")
@@ -55,7 +44,7 @@ TIMING_KEYS = ("comm_s", "exposed_comm_s")  # present only where the wrapper tim
 
 
 class WrappedModel(nn.Module):
-    """Interface shared by the three strategies; the reference semantics are torch DDP's.
+    """Interface shared by every strategy; the reference semantics are torch DDP's.
 
     - call it like the module; `.module` is the bare model (save `.module` or use
       `state_dict()`, which returns the bare module's keys, so checkpoints load into an
@@ -183,77 +172,6 @@ class WrappedModel(nn.Module):
         comm, exposed = split_comm_time(backward_end, spans)
         self._stats["comm_s"] = self._stats.get("comm_s", 0.0) + comm
         self._stats["exposed_comm_s"] = self._stats.get("exposed_comm_s", 0.0) + exposed
-
-
-def split_comm_time(backward_end: float, spans: list[tuple[float, float]]) -> tuple[float, float]:
-    """(communication time, the part of it after `backward_end`) from (start, end) spans.
-
-    Communication time is the length of the union of the spans (two all-reduces in flight
-    at once count once); the exposed part is that union clipped to after backward ended.
-    """
-    comm = exposed = 0.0
-    lo = hi = None
-    for start, end in sorted(spans) + [(float("inf"), float("inf"))]:
-        if hi is not None and start > hi:
-            comm += hi - lo
-            exposed += max(0.0, hi - max(lo, backward_end))
-            lo = hi = None
-        if hi is None:
-            lo, hi = start, max(start, end)
-        else:
-            hi = max(hi, end)
-    return comm, exposed
-
-
-class CommClock:
-    """When each gradient all-reduce of one backward was launched and completed (CPU/gloo).
-
-    Completion is observed from the training thread, never from gloo's: `poll` (called by
-    the gradient hooks while something is in flight, and when backward ends) stamps each
-    work it finds complete, and after backward each `wait`'s return stamps the rest. A work
-    that finished during backward is thus stamped at the next gradient hook (an upper bound
-    of its end, at most one gradient later), which is hidden time either way; the exposed
-    part is exact. A Python callback on the work's future would instead take the GIL on
-    gloo's thread once per bucket, against the training thread: it measured ~1 ms of CPU
-    per step on the bench's MLP (2 buckets), more than the rest of the wrapper's Python.
-    On CUDA a work completes when the collective is queued on the stream, not when it ran,
-    so host clocks cannot tell: the wrappers time only CPU tensors (`comm_timing(device)`);
-    use torch.profiler on GPUs.
-    """
-
-    __slots__ = ("started", "ended", "works", "open")
-
-    def __init__(self) -> None:
-        self.started: list[float] = []
-        self.ended: list[float] = []
-        self.works: list = []
-        self.open: list[int] = []  # slots launched and not yet seen complete
-
-    def launched(self, work) -> None:
-        self.open.append(len(self.works))
-        self.works.append(work)
-        self.started.append(time.perf_counter())
-        self.ended.append(0.0)
-
-    def poll(self) -> None:
-        """Stamp, with the time now, every open work that has completed."""
-        now, still = 0.0, []
-        for slot in self.open:
-            if self.works[slot].is_completed():
-                self.ended[slot] = now = now or time.perf_counter()
-            else:
-                still.append(slot)
-        self.open = still
-
-    def spans(self) -> list[tuple[float, float]]:
-        """Call after every work was waited for (and polled); an unstamped one reads as now."""
-        now = time.perf_counter()
-        return [(s, e if e else now) for s, e in zip(self.started, self.ended)]
-
-
-def comm_timing(device: torch.device) -> bool:
-    """Whether host clocks see when a collective on `device` ran (see `CommClock`)."""
-    return device.type == "cpu"
 
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
@@ -459,246 +377,6 @@ def unused_message(strategy: str, names: list[str], ranks: list[list[int]], limi
     )
 
 
-def broadcast_coalesced(tensors: list[torch.Tensor], pg) -> int:
-    """Overwrite `tensors` with group rank 0's, one broadcast per (dtype, device); returns bytes.
-
-    torch DDP's buffer sync (`_sync_buffers`): in place, without bumping version counters
-    (a buffer saved for backward must not look modified).
-    """
-    if not tensors:
-        return 0
-    src = dist.get_global_rank(pg, 0) if pg is not None else 0
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    nbytes = 0
-    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(tensors)):
-        for group in groups.values():
-            flat = torch._utils._flatten_dense_tensors([t.detach() for t in group])
-            dist.broadcast(flat, src=src, group=pg)
-            nbytes += flat.numel() * flat.element_size()
-            for t, synced in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
-                t.copy_(synced)
-    return nbytes
-
-
-# -- start-up: same structure everywhere, then rank 0's weights everywhere --------------
-
-def _named_state(module: nn.Module, buffers: bool = True) -> list[tuple[str, str, torch.Tensor]]:
-    """Parameters then buffers, in registration order: the order every rank broadcasts in."""
-    items = [("parameter", n, p) for n, p in module.named_parameters()]
-    if buffers:
-        items += [("buffer", n, b) for n, b in module.named_buffers()]
-    return items
-
-
-def check_structure(module: nn.Module, pg, world_size: int, world_rank: int) -> None:
-    """One tiny all-reduce so a rank with a different model fails clearly instead of hanging."""
-    items = _named_state(module)
-    device = items[0][2].device if items else torch.device("cpu")
-    signature = ";".join(f"{kind}:{name}:{tuple(t.shape)}:{t.dtype}" for kind, name, t in items)
-    crc = zlib.crc32(signature.encode())
-    flags = torch.tensor([crc, -crc], dtype=torch.int64, device=device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=pg)
-    if flags[0].item() != crc or flags[1].item() != -crc:
-        raise ModelMismatchError(
-            f"the model's structure differs across ranks (rank {world_rank} of {world_size} has "
-            f"{len(items)} parameters/buffers, signature crc32={crc}); every rank must build the "
-            "same model (same names, shapes and dtypes) before wrap_model"
-        )
-
-
-def sync_initial_state(module: nn.Module, pg, *, verify: bool, world_size: int, world_rank: int,
-                       buffers: bool = True) -> None:
-    """Broadcast rank 0's parameters and buffers (verify=False), or check they already agree.
-
-    `buffers=False` (torch DDP's broadcast_buffers=False) leaves each rank's buffers its own.
-
-    With verify=True nothing is overwritten: every rank compares its tensors with rank 0's
-    and a flag matrix is all-reduced, so every rank (not only the odd one out) raises the
-    same `ModelMismatchError` naming the first differing tensor; no rank is left waiting.
-    """
-    items = _named_state(module, buffers)
-    if not items:
-        return
-    device = items[0][2].device
-    check_structure(module, pg, world_size, world_rank)
-    src = dist.get_global_rank(pg, 0) if pg is not None else 0
-    differs = torch.zeros(world_size, len(items), dtype=torch.int32, device=device)
-    max_diff: dict[int, float] = {}
-    with torch.no_grad():
-        for i, (_, _, tensor) in enumerate(items):
-            if not verify:
-                dist.broadcast(tensor.data, src=src, group=pg)
-                continue
-            reference = tensor.detach().clone()
-            dist.broadcast(reference, src=src, group=pg)
-            if not torch.equal(reference, tensor.detach()):
-                differs[world_rank, i] = 1
-                if tensor.is_floating_point() and tensor.numel():
-                    max_diff[i] = (reference - tensor.detach()).abs().max().item()
-    if not verify:
-        return
-    dist.all_reduce(differs, group=pg)  # everyone learns every rank's verdict
-    bad_items = differs.any(dim=0).nonzero()
-    if bad_items.numel():
-        i = int(bad_items[0])
-        kind, name, _ = items[i]
-        ranks = differs[:, i].nonzero().flatten().tolist()
-        n_bad = bad_items.numel()
-        here = f" (max abs difference on this rank: {max_diff[i]:g})" if i in max_diff else ""
-        raise ModelMismatchError(
-            f"model parameters are not the same on all processes: {kind} '{name}' on rank(s) "
-            f"{ranks} differs from rank 0{here}; {n_bad} of {len(items)} tensors differ. "
-            "Seed every rank identically before building the model (torch.manual_seed), or "
-            "wrap with verify_init=False to broadcast rank 0's weights instead."
-        )
-
-
-# -- waiting on collectives --------------------------------------------------------------
-
-def wait_work(work, what: Union[str, Callable[[], str]], timeout_s: Optional[float], world_rank: int,
-              world_size: int, device: Optional[torch.device] = None) -> None:
-    """Wait for an async collective; a timeout or failure becomes a `CollectiveTimeoutError`.
-
-    `what` names the operation; a callable is called only if it fails (the name of a bucket
-    costs string formatting, and a wait happens per bucket per step).
-
-    CPU tensors (gloo): `work.wait(timeout)` blocks this thread until the collective
-    completes or `timeout_s` passes, then raises the named error. `timeout_s=None` waits
-    as long as the process group's own timeout (set at `init_process_group`) allows; a
-    failure then is still reported with `what` in it.
-
-    CUDA tensors (`device` on CUDA; NCCL): never a host wait. `work.wait()` without a
-    timeout only makes the current CUDA stream wait for the collective and returns at
-    once, as torch DDP's `fut.wait()` does, so the host keeps queueing work while the GPU
-    computes. (`work.wait(timeout)` would block the host until the kernel finished: one
-    host sync per bucket.) The timeout is then enforced without the host: `COLLECTIVES`,
-    a watch thread, names a collective still unfinished after `timeout_s` (the named
-    `CollectiveTimeoutError` text, on stderr and in the log, with NCCL's flight recorder
-    dumped next to it where torch has one); NCCL's watchdog ends the process at the
-    process group's timeout, which the launcher sets above `timeout_s` (so the name comes
-    first).
-    """
-    stream = device is not None and device.type != "cpu"
-    try:
-        if timeout_s is None or stream:
-            work.wait()
-        else:
-            work.wait(timeout=timedelta(seconds=timeout_s))
-    except Exception as exc:  # gloo: RuntimeError("Operation timed out!"), DistBackendError, ...
-        text = str(exc)
-        if timeout_s is not None and "timed out" in text.lower():
-            verdict = f"did not finish within {timeout_s:g}s"
-        else:
-            verdict = f"failed ({type(exc).__name__}: {text.strip().splitlines()[0] if text else ''})"
-        raise CollectiveTimeoutError(_stuck_message(what, verdict, world_rank, world_size)) from exc
-    if stream and timeout_s is not None:
-        COLLECTIVES.track(work, what, timeout_s, world_rank, world_size)
-
-
-def _stuck_message(what: Union[str, Callable[[], str]], verdict: str, world_rank: int, world_size: int) -> str:
-    what = what() if callable(what) else what
-    return (f"{what} {verdict} on rank {world_rank} of {world_size}; a peer rank probably died, "
-            "hangs, or skipped this step (every rank must run the same synced backward passes)")
-
-
-class _Tracked:
-    __slots__ = ("deadline", "work", "what", "timeout_s", "world_rank", "world_size")
-
-    def __init__(self, deadline, work, what, timeout_s, world_rank, world_size) -> None:
-        self.deadline, self.work, self.what = deadline, work, what
-        self.timeout_s, self.world_rank, self.world_size = timeout_s, world_rank, world_size
-
-
-class CollectiveWatch:
-    """Names a CUDA collective that outlives its timeout, without the step ever waiting on it.
-
-    `track` (per bucket, on the training thread) appends the work and first drops those
-    completed (collectives of one process group complete in launch order, so the oldest
-    unfinished one is the stuck one; what is kept is what is in flight, at most a step's
-    worth). A daemon thread, started at the first `track`, calls `check` every
-    `poll_s`: the oldest unfinished work past its deadline is reported once, through
-    `report` (default: stderr, the log, and NCCL's flight recorder dumped). `is_completed`
-    on NCCL queries a CUDA event: it never blocks.
-    """
-
-    def __init__(self, report: Optional[Callable[[str], None]] = None, poll_s: Optional[float] = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self._lock = threading.Lock()
-        self._inflight: collections.deque = collections.deque()
-        self._thread: Optional[threading.Thread] = None
-        self._report = report or report_stuck_collective
-        self._poll_s = poll_s
-        self._clock = clock
-        self.reported: list[str] = []
-
-    def track(self, work, what: Union[str, Callable[[], str]], timeout_s: float, world_rank: int,
-              world_size: int) -> None:
-        with self._lock:
-            self._drop_completed()
-            self._inflight.append(_Tracked(self._clock() + timeout_s, work, what, timeout_s, world_rank, world_size))
-            if self._thread is None and self._poll_s != 0:
-                poll = self._poll_s or min(5.0, max(0.05, timeout_s / 20))
-                self._thread = threading.Thread(target=self._run, args=(poll,), name="raytrain-collective-watch",
-                                                daemon=True)
-                self._thread.start()
-
-    def _drop_completed(self) -> None:
-        while self._inflight and self._inflight[0].work.is_completed():
-            self._inflight.popleft()
-
-    def check(self) -> Optional[str]:
-        """One look: the message for the oldest unfinished collective past its deadline (once)."""
-        with self._lock:
-            self._drop_completed()
-            head = self._inflight[0] if self._inflight else None
-            if head is None or self._clock() < head.deadline:
-                return None
-            self._inflight.popleft()  # reported once; the next one gets its own deadline
-        message = _stuck_message(head.what, f"did not finish within {head.timeout_s:g}s", head.world_rank,
-                                 head.world_size)
-        message = f"{CollectiveTimeoutError.__name__}: {message}"
-        self.reported.append(message)
-        self._report(message)
-        return message
-
-    def _run(self, poll_s: float) -> None:
-        while True:
-            time.sleep(poll_s)
-            try:
-                self.check()
-            except Exception:  # noqa: BLE001 - a watch must never take the worker down
-                logging.getLogger(__name__).exception("collective watch")
-
-
-def report_stuck_collective(message: str) -> None:
-    """Say which collective is stuck (stderr and the log), and dump NCCL's flight recorder."""
-    dumped = dump_flight_recorder()
-    text = message + (f" (NCCL flight recorder dumped to {dumped})" if dumped else "")
-    print(text, file=sys.stderr, flush=True)
-    logging.getLogger(__name__).error(text)
-
-
-def dump_flight_recorder() -> Optional[str]:
-    """NCCL's flight recorder (the last collectives, TORCH_NCCL_TRACE_BUFFER_SIZE of them) to a
-    file next to where torch's own dump goes; None where torch or the build has none."""
-    dump = getattr(getattr(torch._C, "_distributed_c10d", None), "_dump_nccl_trace", None)
-    if dump is None or not int(os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0") or 0):
-        return None
-    try:
-        prefix = os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE") or os.path.join(tempfile.gettempdir(),
-                                                                                   "nccl_trace_rank_")
-        rank = dist.get_rank() if dist.is_initialized() else os.getpid()
-        path = f"{prefix}{rank}_raytrain"
-        with open(path, "wb") as f:
-            f.write(dump())
-        return path
-    except Exception:  # noqa: BLE001 - the name is what matters; the dump is a bonus
-        return None
-
-
-COLLECTIVES = CollectiveWatch()  # one per process: every wrapper's CUDA collectives
 
 
 def format_bytes(nbytes: float) -> str:

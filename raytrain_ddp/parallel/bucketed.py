@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raytrain_ddp.parallel import tuning
+from raytrain_ddp.parallel import registry, tuning
 from raytrain_ddp.parallel.shm import ShmExchange, open_exchange
 from raytrain_ddp.parallel.base import CommClock, ScratchBase, _queue_callback, comm_timing, describe_tensors
 
@@ -125,7 +125,7 @@ class GpuSpan:
 class BucketedDDP(ScratchBase):
     """Flat gradient buckets, all-reduced asynchronously as soon as they are full."""
 
-    strategy = "bucketed"
+    strategy = registry.name_of(__name__)  # "bucketed": the name is the registry's
     _transient = ("_handles", "_buckets", "_views", "_works", "_flats", "_clock", "_shm", "_gpu_tuning")
     _plain_state = ScratchBase._plain_state | {"_pending", "_ready", "_scaled", "_next", "_works", "_clock",
                                                "_backward_start", "_wire_dtype"}

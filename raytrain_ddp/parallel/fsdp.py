@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from raytrain_ddp.parallel import registry
 from raytrain_ddp.parallel.base import WrappedModel, broadcast_coalesced, sync_initial_state
 from raytrain_ddp.parallel.zero1 import SHARD_STAT_KEYS, _copy, all_gather_flat, reduce_scatter_flat
 
@@ -147,7 +148,7 @@ def _comms(stats: dict[str, Any]):
 class FullyShardedDP(WrappedModel):
     """torch FSDP2 with the interface and forward-time rules of the other strategies."""
 
-    strategy = "fsdp"
+    strategy = registry.name_of(__name__)  # "fsdp": the name is the registry's
 
     def __init__(self, module: nn.Module, process_group=None, *, bucket_cap_mb: float = 25.0,
                  compress: Optional[str] = None, param_dtype: Optional[torch.dtype] = None,

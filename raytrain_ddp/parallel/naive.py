@@ -20,13 +20,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from raytrain_ddp.parallel import registry
 from raytrain_ddp.parallel.base import ScratchBase, _queue_callback, comm_timing, describe_tensors
 
 
 class NaiveDDP(ScratchBase):
-    """One all-reduce per gradient after backward; the baseline the other two must beat."""
+    """One all-reduce per gradient after backward; the baseline the other strategies must beat."""
 
-    strategy = "naive"
+    strategy = registry.name_of(__name__)  # "naive": the name is the registry's
 
     def __init__(self, module: nn.Module, process_group=None, *, verify_init: bool = False,
                  collective_timeout_s: Optional[float] = None, broadcast_buffers: bool = True,

@@ -57,6 +57,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from raytrain_ddp.parallel import registry
 from raytrain_ddp.parallel.base import (
     CollectiveTimeoutError,
     RequiresGradChangeError,
@@ -113,7 +114,7 @@ _REDUCTION_UNFINISHED = "Expected to have finished reduction in the prior iterat
 class LocalModel(WrappedModel):
     """One process, nothing to synchronise: the module itself behind the shared interface."""
 
-    strategy = "native"
+    strategy = registry.name_of(__name__)  # "native": the name is the registry's
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__(None)
@@ -128,7 +129,7 @@ class LocalModel(WrappedModel):
 class NativeDDP(WrappedModel):
     """torch DDP; comm_stats are counted by a comm hook around torch's own hooks."""
 
-    strategy = "native"
+    strategy = registry.name_of(__name__)  # "native": the name is the registry's
 
     _module_path = "ddp.module."
 

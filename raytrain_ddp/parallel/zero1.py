@@ -59,6 +59,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from raytrain_ddp.parallel import registry
 from raytrain_ddp.parallel.base import RequiresGradChangeError, describe_tensors
 from raytrain_ddp.parallel.bucketed import BucketedDDP, _Bucket, assign_buckets
 
@@ -99,7 +100,7 @@ class _Slice:
 class Zero1DDP(BucketedDDP):
     """Bucketed gradients reduce-scattered; each rank steps 1/W of the parameters; all-gather."""
 
-    strategy = "zero1"
+    strategy = registry.name_of(__name__)  # "zero1": the name is the registry's
     _transient = BucketedDDP._transient + ("_shards", "_slices", "_optimizer_ref")
 
     def __init__(self, module: nn.Module, process_group=None, *, bucket_cap_mb: float = 25.0,
@@ -472,13 +473,3 @@ class ZeroOptimizer:
             inner_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})
         self._inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})
 
-
-def optimizer_state_bytes(optimizer: Any) -> int:
-    """Bytes of the tensors an optimizer holds on this rank (DTensors: the local shard)."""
-    total = 0
-    for entry in optimizer.state.values():
-        for value in entry.values():
-            if torch.is_tensor(value):
-                local = value.to_local() if hasattr(value, "to_local") else value
-                total += local.numel() * local.element_size()
-    return total

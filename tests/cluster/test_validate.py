@@ -188,3 +188,15 @@ def test_local_run_storage_on_a_multi_node_cluster_is_a_warning(tmp_path, capsys
     out = capsys.readouterr().out
     assert "warning: " in out and "'/mnt/runs' is a local path on a multi-node cluster" in out
     assert "3 file(s), 0 problem(s), 3 warning(s)" in out
+
+
+def test_without_jsonschema_one_line_names_the_extra(capsys, monkeypatch):
+    """jsonschema is the `cluster` extra: without it, one line naming the install, exit 2."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "jsonschema", None)  # `import jsonschema` raises ImportError
+    monkeypatch.chdir(REPO)
+    assert cli_main(["cluster", "validate"]) == 2
+    captured = capsys.readouterr()
+    lines = (captured.out + captured.err).strip().splitlines()
+    assert len(lines) == 1 and "pip install raytrain-ddp[cluster]" in lines[0], lines

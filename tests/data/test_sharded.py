@@ -16,7 +16,8 @@ import torch
 from raytrain_ddp.config import load_config
 from raytrain_ddp.job import DataSpec
 from raytrain_ddp.rundir import Location
-from raytrain_ddp.data.store import StoreReader, default_chunk_rows, epoch_chunks, read_manifest, write_store
+from raytrain_ddp.config.checks import default_chunk_rows
+from raytrain_ddp.data.store import StoreReader, epoch_chunks, read_manifest, write_store
 from raytrain_ddp.data.worker_data import WorkerData
 
 pytestmark = pytest.mark.timeout(60)

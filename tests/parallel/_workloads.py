@@ -49,3 +49,14 @@ def reference_params(optimizer: str, steps: int, samples_per_step: list[int]) ->
         opt.step()
         opt.zero_grad(set_to_none=True)
     return [p.detach().clone() for p in model.parameters()]
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of the tensors an optimizer holds on this rank (DTensors: the local shard)."""
+    total = 0
+    for entry in optimizer.state.values():
+        for value in entry.values():
+            if torch.is_tensor(value):
+                local = value.to_local() if hasattr(value, "to_local") else value
+                total += local.numel() * local.element_size()
+    return total

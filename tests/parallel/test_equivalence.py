@@ -22,7 +22,7 @@ from _workloads import (
     EXPECTED_BUCKETS, TINY_BUCKET_MB, make_model, make_optimizer, reference_params, step_data,
     trainable_bytes,
 )
-from raytrain_ddp.parallel import STRATEGIES, accumulation_window, wrap_model
+from raytrain_ddp.parallel import REPLICATED_STRATEGIES, accumulation_window, wrap_model
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
@@ -98,7 +98,7 @@ def _comm_checks(world_rank, world_size):
 
 def _run_all(world_rank, world_size):
     results = {}
-    for strategy in STRATEGIES:
+    for strategy in REPLICATED_STRATEGIES:
         for optimizer in ("sgd", "adamw"):
             results[(strategy, optimizer, None)] = _train(world_rank, world_size, strategy, optimizer)
     # One micro-step per window: the synced backward adopts fresh gradients (pre-divided

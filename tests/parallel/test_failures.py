@@ -15,7 +15,7 @@ from torch import nn
 
 from _spawn import run_ranks
 from _workloads import TINY_BUCKET_MB, make_model
-from raytrain_ddp.parallel import STRATEGIES, ModelMismatchError, wrap_model
+from raytrain_ddp.parallel import REPLICATED_STRATEGIES, ModelMismatchError, wrap_model
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
 
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
 
 def _start_up(world_rank, world_size):
     out = {}
-    for strategy in STRATEGIES:
+    for strategy in REPLICATED_STRATEGIES:
         try:  # different seeds per rank: every rank must raise, none may hang
             wrap_model(make_model(seed=world_rank + 1), strategy, verify_init=True)
             out[strategy] = None
@@ -57,7 +57,7 @@ def _start_up(world_rank, world_size):
 
 def test_verify_init_and_structure_raise_on_every_rank():
     for rank, out in enumerate(run_ranks(_start_up, 2, timeout_s=60)):
-        for strategy in STRATEGIES:
+        for strategy in REPLICATED_STRATEGIES:
             msg = out[strategy]
             assert msg is not None, f"{strategy}: rank {rank} did not raise"
             assert "model parameters are not the same on all processes" in msg

@@ -27,7 +27,7 @@ from _spawn import run_ranks
 from _syncs import counting, host_step_counters
 from raytrain_ddp.config import load_config
 from raytrain_ddp.job import DataSpec, Job
-from raytrain_ddp.parallel import SHARDED_STRATEGIES, STRATEGIES
+from raytrain_ddp.parallel import STRATEGIES
 from raytrain_ddp.worker.context import Rank
 from raytrain_ddp.worker.meter import RunLog
 from raytrain_ddp.worker.state import build_state
@@ -70,7 +70,7 @@ def _preset(name: str, strategy: str, world_rank: int):
 def _count(world_rank: int, world_size: int) -> dict[tuple[str, str], list[dict[str, int]]]:
     out = {}
     for preset in ("quickstart", "gpt"):
-        for strategy in STRATEGIES + SHARDED_STRATEGIES:
+        for strategy in STRATEGIES:
             cfg, spec, window = _preset(preset, strategy, world_rank)
             rank = Rank(world_rank, world_size, world_rank, torch.device("cpu"))
             job = Job(cfg=cfg, spec=spec, run_dir="/nonexistent", fit_id="f" * 32)
@@ -90,7 +90,7 @@ def _count(world_rank: int, world_size: int) -> dict[tuple[str, str], list[dict[
 def test_at_most_one_host_sync_per_steady_state_step_for_every_strategy():
     ranks = run_ranks(_count, 2, timeout_s=200, threads=1)
     for counts in ranks:
-        assert set(counts) == {(p, s) for p in ("quickstart", "gpt") for s in STRATEGIES + SHARDED_STRATEGIES}
+        assert set(counts) == {(p, s) for p in ("quickstart", "gpt") for s in STRATEGIES}
         for (preset, strategy), per_step in counts.items():
             for step in per_step:
                 assert sum(step.values()) <= BUDGET, (preset, strategy, per_step)

@@ -15,7 +15,7 @@ from torch import nn
 from _spawn import run_ranks
 from _workloads import make_model, make_optimizer, reference_params, step_data
 from raytrain_ddp.parallel import (
-    STRATEGIES, LocalModel, WrappedModel, accumulation_window, chunked, wrap_model,
+    REPLICATED_STRATEGIES, LocalModel, WrappedModel, accumulation_window, chunked, wrap_model,
 )
 from raytrain_ddp.parallel import tuning
 from raytrain_ddp.parallel.base import CommClock, split_comm_time
@@ -216,7 +216,7 @@ def test_wrap_model_rejects_bad_options():
 def _single(world_rank=0, world_size=1):
     """Every strategy equals plain training, sends nothing; state_dict has bare keys."""
     out = {}
-    for strategy in STRATEGIES:
+    for strategy in REPLICATED_STRATEGIES:
         model = wrap_model(make_model(seed=1), strategy)
         assert isinstance(model, WrappedModel) and model.strategy == strategy
         opt = make_optimizer("adamw", model.parameters())

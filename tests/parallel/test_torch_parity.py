@@ -23,12 +23,12 @@ from torch.nn.parallel import DistributedDataParallel
 from _ddp_models import batch, build, loss_of
 from _spawn import run_ranks
 from _workloads import TINY_BUCKET_MB
-from raytrain_ddp.parallel import STRATEGIES, wrap_model
+from raytrain_ddp.parallel import REPLICATED_STRATEGIES, wrap_model
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
 TOL = 1e-9
-OURS = STRATEGIES  # naive, bucketed, native
+OURS = REPLICATED_STRATEGIES
 
 
 def _wrap(kind: str, module: nn.Module, pg, **opts):

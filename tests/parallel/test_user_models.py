@@ -23,7 +23,7 @@ import torch.distributed as dist
 from _spawn import run_ranks
 from raytrain_ddp.config import load_config
 from raytrain_ddp.job import DataSpec, Job
-from raytrain_ddp.parallel import STRATEGIES
+from raytrain_ddp.parallel import REPLICATED_STRATEGIES
 from raytrain_ddp.user import check_pipeline, resolve
 from raytrain_ddp.worker.context import Rank
 from raytrain_ddp.data.worker_data import TRAIN, WorkerData
@@ -108,7 +108,7 @@ def _train(world_rank: int, world_size: int, example: str, strategy: str, data_a
 
 def _all_strategies(world_rank: int, world_size: int, data: dict) -> dict[tuple[str, str], list[torch.Tensor]]:
     return {(example, strategy): _train(world_rank, world_size, example, strategy, data[example])
-            for example in ("images", "text") for strategy in STRATEGIES}
+            for example in ("images", "text") for strategy in REPLICATED_STRATEGIES}
 
 
 @pytest.fixture

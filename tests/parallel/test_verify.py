@@ -90,7 +90,7 @@ def test_verify_finds_unused_tied_and_buffers_on_a_users_model(tmp_path):
     """A model factory with BatchNorm, tied and unused parameters: every strategy still matches
     torch DDP (buffers included); verify names the unused layer and says which option to set."""
     pytest.importorskip("raytrain_ddp.user")
-    from raytrain_ddp.parallel import verify
+    from raytrain_ddp.ops.verify import verify
 
     (tmp_path / "verify_models.py").write_text(FACTORY)
     config = tmp_path / "byo.yaml"

@@ -28,9 +28,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from _spawn import run_ranks
-from _workloads import TINY_BUCKET_MB, make_model, make_optimizer, step_data, trainable_bytes
+from _workloads import TINY_BUCKET_MB, make_model, make_optimizer, optimizer_state_bytes, step_data, trainable_bytes
 from raytrain_ddp.parallel import RequiresGradChangeError, accumulation_window, wrap_model
-from raytrain_ddp.parallel.zero1 import optimizer_state_bytes
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 

@@ -22,9 +22,10 @@ import torch.distributed as dist
 from raytrain_ddp.ops.bench.common import Sizes, run_ranks, stats
 from raytrain_ddp.ops.bench.strategies import build_model, grad_bytes, make_batch
 from raytrain_ddp.models import cross_entropy
+from raytrain_ddp.parallel import registry
 
 KS = (1, 2, 4, 8)
-STRATEGIES = ("naive", "bucketed", "native")
+STRATEGIES = registry.REPLICATED
 MICRO_BATCH = 16
 
 

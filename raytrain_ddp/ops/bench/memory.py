@@ -39,8 +39,9 @@ import torch.distributed as dist
 from raytrain_ddp.models import cross_entropy
 from raytrain_ddp.ops.bench.common import Sizes, run_ranks, stats
 from raytrain_ddp.ops.bench.strategies import build_model, make_batch
+from raytrain_ddp.parallel import registry
 
-STRATEGIES = ("bucketed", "zero1", "fsdp")
+STRATEGIES = (registry.DEFAULT,) + registry.SHARDED  # the default replicated one, then the sharded
 MICRO_STEPS = 2
 # The table's scenario: a device and a worker count people train on.
 DEVICE_GB, FIT_WORKERS = 80, 8
@@ -141,7 +142,7 @@ def summarise(model_name: str, ranks: list[dict], world_size: int) -> dict[str, 
                      "all_gather_over_param_bytes": wire["all_gather_bytes"] / full},
             "fits_params": DEVICE_GB * 1e9 / at_fit,
         }
-    buck = rows["bucketed"]["bytes_per_rank"]["optimizer"]
+    buck = rows[registry.DEFAULT]["bytes_per_rank"]["optimizer"]
     for strategy in STRATEGIES:
         rows[strategy]["optimizer_share_of_bucketed"] = rows[strategy]["bytes_per_rank"]["optimizer"] / buck
     return {"model": model_name, "params": n_params, "per_rank_batch": first["batch"], "strategies": rows}

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_ddp.ops.bench.common import Sizes, free_port, ratio, stats
+from raytrain_ddp.parallel import registry
 
 
 def train_fn(config: dict) -> None:
@@ -119,7 +120,7 @@ def _read(path: str, launched: float) -> dict[str, Any]:
             "threads": data["threads"]}
 
 
-def run(sizes: Sizes, world_size: int = 2, rounds: int = 1, strategy: str = "bucketed",
+def run(sizes: Sizes, world_size: int = 2, rounds: int = 1, strategy: str = registry.DEFAULT,
         ray_init_s: float = float("nan"), log=print) -> dict[str, Any]:
     """Needs `ray.init` done by the caller (its time is passed in as `ray_init_s`)."""
     log(f"  ray_overhead: plain torch.distributed vs TorchTrainer, {world_size} workers x {rounds} round(s) ...")

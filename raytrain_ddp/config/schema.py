@@ -1,31 +1,27 @@
-"""The one typed configuration tree for a training run.
+"""The one typed configuration tree for a training run: every key, its type, default and docstring.
 
-Owns: the schema (every key, its type, default and docstring), loading YAML, applying
-`a.b=c` overrides, and cross-field checks that can be made before Ray starts.
-Must not touch: Ray, torch, the filesystem beyond reading the YAML file. Checks that need
-the data (schema, row counts) live in `raytrain_ddp.data.sources`; this module only knows shapes
-of numbers.
+Owns: the schema (one pydantic section per concern, `Config` the whole run) and the
+checks of single keys. Cross-field checks live in `checks.py`, loading YAML and
+overrides in `load.py`, the docs table in `reference.py`. Must not touch: Ray, torch,
+the filesystem. Checks that need the data (schema, row counts) live in `raytrain_ddp.data.sources`; this
+package only knows shapes of numbers. Strategy names come from `parallel/registry.py`.
 
-Every error raised here is a `ConfigError` whose message names the offending key, the
-value given and what is allowed, so the CLI can print it without a traceback.
+Every error is a `ConfigError` (or a pydantic error turned into one by `load.py`) whose
+message names the offending key, the value given and what is allowed, so the CLI can
+print it without a traceback.
 """
 
 from __future__ import annotations
 
-import math
-import os
 import re
-from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-
+from raytrain_ddp.config import checks
 from raytrain_ddp.errors import UserError
-
-
-STORAGE_ENV = "RAYTRAIN_DDP_STORAGE_PATH"  # run.storage_path when the config does not set it
+from raytrain_ddp.parallel import registry
 
 
 class ConfigError(UserError, ValueError):
@@ -272,8 +268,8 @@ class TrainConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    strategy: Literal["naive", "bucketed", "native", "zero1", "fsdp"] = Field(
-        "bucketed", description="naive/bucketed: our from-scratch wrappers; native: torch DDP; "
+    strategy: Literal[registry.NAMES] = Field(  # type: ignore[valid-type] - the registry's names
+        registry.DEFAULT, description="naive/bucketed: our from-scratch wrappers; native: torch DDP; "
         "zero1: ZeRO stage 1 from scratch (each worker keeps 1/N of the optimizer state); fsdp: "
         "torch FSDP2 (parameters, gradients and optimizer state sharded). docs/parallel.md."
     )
@@ -284,7 +280,7 @@ class ParallelConfig(_Section):
         "this model and network, the same on every worker (rank 0 prints the choice).",
     )
     first_bucket_mb: float = Field(
-        1.0, gt=0.0, description="bucketed/native: cap of the first bucket in MB (the output "
+        1.0, gt=0.0, description="bucketed/native/zero1: cap of the first bucket in MB (the output "
         "layers, whose gradients backward produces first), as torch DDP's 1 MB: a small "
         "first bucket starts communication early.",
     )
@@ -473,33 +469,8 @@ class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="after")
-    def _batch_sizes_divide(self) -> "Config":
-        valid = self.valid_worker_counts()
-        if not valid:
-            raise ValueError(_batch_error(self))
-        invalid = sorted(set(range(self.scaling.min_workers, self.scaling.max_workers + 1)) - set(valid))
-        if invalid:
-            # Ray's elastic policy may start any size in [min, max]; a size that cannot keep
-            # the global batch exact must be excluded before the run, not discovered mid-run.
-            raise ValueError(_elastic_error(self, valid, invalid))
-        chunk = self.data.chunk_rows
-        if chunk is not None and self.train.micro_batch_size % chunk:
-            raise ValueError(
-                f"data.chunk_rows={chunk} must divide train.micro_batch_size={self.train.micro_batch_size} "
-                "(each rank reads whole chunks)"
-            )
-        if self.parallel.compress and self.parallel.strategy == "naive":
-            raise ValueError("parallel.compress is supported by 'bucketed' and 'native', not 'naive'")
-        for key in ("bucket_cap_mb", "compress"):
-            if getattr(self.parallel, key) == "auto" and self.parallel.strategy != "bucketed":
-                raise ValueError(f"parallel.{key}=auto (timed tuning) is supported by parallel.strategy="
-                                 f"bucketed only, not {self.parallel.strategy!r}; set a value instead")
-        # fp16 with zero1 / fsdp: the scaler's overflow verdict is the same on every rank
-        # (zero1 agrees on non-finite shards, FSDP2's DTensor unscale all-reduces found_inf).
-        if self.train.precision == "fp16" and not self.scaling.use_gpu:
-            raise ValueError(
-                "train.precision='fp16' needs scaling.use_gpu=true (CPU autocast supports bf16 only)"
-            )
+    def _cross_field(self) -> "Config":
+        checks.cross_field(self)
         return self
 
     def valid_worker_counts(self) -> list[int]:
@@ -513,198 +484,15 @@ class Config(_Section):
         """Micro-steps per optimizer step for the actual worker count (re-derived on resize)."""
         per_step = num_workers * self.train.micro_batch_size
         if self.train.global_batch_size % per_step:
-            raise ConfigError(_batch_error(self, num_workers))
+            raise ConfigError(checks.batch_error(self, num_workers))
         return self.train.global_batch_size // per_step
 
     def chunk_rows(self) -> int:
         """data.chunk_rows, or its default for the micro batch (sharded sharding)."""
-        from raytrain_ddp.data.store import default_chunk_rows
-
-        return self.data.chunk_rows or default_chunk_rows(self.train.micro_batch_size)
+        return self.data.chunk_rows or checks.default_chunk_rows(self.train.micro_batch_size)
 
     def to_yaml(self) -> str:
         data = self.model_dump(mode="json")
         if isinstance(self.scaling.num_workers, tuple):
             data["scaling"]["num_workers"] = list(self.scaling.num_workers)
         return yaml.safe_dump(data, sort_keys=False)
-
-
-def _batch_error(cfg: Config, num_workers: Optional[int] = None) -> str:
-    g, b = cfg.train.global_batch_size, cfg.train.micro_batch_size
-    lo, hi = (num_workers, num_workers) if num_workers else (cfg.scaling.min_workers, cfg.scaling.max_workers)
-    span = math.lcm(*range(lo, min(hi, lo + _MAX_SUGGEST_SPAN) + 1))
-    micro_ok = [m for m in _divisors(g // span)] if g % span == 0 else []
-    global_ok = [span * b * k for k in range(1, 5)]
-    workers_ok = [w for w in range(1, 65) if g % (w * b) == 0]
-    where = (f"scaling.num_workers={num_workers}" if num_workers
-             else f"scaling.num_workers={_fmt_workers(cfg.scaling.num_workers)}")
-    micro_hint = (f"valid train.micro_batch_size for these workers: {micro_ok}; " if micro_ok
-                  else f"no train.micro_batch_size fits {where} with this global batch; ")
-    return (
-        f"train.global_batch_size={g} is not divisible by {where} x train.micro_batch_size={b}; "
-        f"global_batch_size must equal workers x micro_batch_size x accumulation steps. "
-        f"{micro_hint[0].upper()}{micro_hint[1:]}"
-        f"valid train.global_batch_size: {global_ok}...; "
-        + (f"worker counts that work with these batch sizes: {workers_ok}" if workers_ok
-           else "no worker count works with these batch sizes")
-    )
-
-
-def _elastic_error(cfg: Config, valid: list[int], invalid: list[int]) -> str:
-    g, b = cfg.train.global_batch_size, cfg.train.micro_batch_size
-    lo, hi = cfg.scaling.min_workers, cfg.scaling.max_workers
-    every = math.lcm(*range(lo, min(hi, lo + _MAX_SUGGEST_SPAN) + 1)) * b
-    runs = _contiguous_runs(valid)
-    return (
-        f"scaling.num_workers=[{lo}, {hi}]: worker counts {invalid} cannot keep "
-        f"train.global_batch_size={g} exact with train.micro_batch_size={b}; valid counts are {valid}. "
-        f"Use a range of valid counts (e.g. {', '.join(f'[{r[0]}, {r[-1]}]' for r in runs)}) or a "
-        f"train.global_batch_size that every count divides (a multiple of {every})"
-    )
-
-
-def _contiguous_runs(values: list[int]) -> list[list[int]]:
-    runs: list[list[int]] = []
-    for v in values:
-        if runs and runs[-1][-1] + 1 == v:
-            runs[-1].append(v)
-        else:
-            runs.append([v])
-    return runs
-
-
-_MAX_SUGGEST_SPAN = 16  # suggestions use lcm(min..max); beyond this span it explodes
-
-
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
-
-
-def _fmt_workers(value: Union[int, tuple[int, int]]) -> str:
-    return f"[{value[0]}, {value[1]}]" if isinstance(value, tuple) else str(value)
-
-
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """`a.b=c` -> (['a', 'b'], parsed c). Values are parsed as YAML scalars/lists."""
-    if "=" not in item:
-        raise ConfigError(f"override {item!r} must look like key.sub=value (e.g. train.lr=0.01)")
-    key, _, raw = item.partition("=")
-    key = key.strip()
-    if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {item!r} has an empty key; use key.sub=value")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as exc:
-        problem = getattr(exc, "problem", None) or exc
-        raise ConfigError(f"override {key}={raw!r}: value is not valid YAML ({problem})") from None
-    return key.split("."), value
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    for item in overrides:
-        path, value = parse_override(item)
-        node = data
-        for depth, part in enumerate(path[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                raise ConfigError(
-                    f"override {item!r}: {'.'.join(path[:depth + 1])} is a value, not a section"
-                )
-            node = child
-        node[path[-1]] = value
-    return data
-
-
-def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[list[str]] = None) -> Config:
-    """Read YAML (or start from defaults), apply overrides, validate; errors name the key."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {' '.join(str(exc).split())}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys, got {type(loaded).__name__}")
-        data = loaded
-    storage = os.environ.get(STORAGE_ENV)
-    if storage and isinstance(data.get("run", {}), dict) and "storage_path" not in data.get("run", {}):
-        data = {**data, "run": {**data.get("run", {}), "storage_path": storage}}  # file and overrides win
-    data = apply_overrides(data, list(overrides or []))
-    return validate_config(data, source=str(path) if path else "<overrides>")
-
-
-def validate_config(data: Any, source: str = "<config>") -> Config:
-    try:
-        return Config.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, source)) from None
-    except (TypeError, ValueError) as exc:  # pydantic wraps most, but be certain
-        raise ConfigError(f"{source}: {exc}") from None
-
-
-def format_validation_error(exc: ValidationError, source: str) -> str:
-    """One line (the CLI's promise), however many problems: `...: key: problem; key: problem`."""
-    problems = []
-    for err in exc.errors():
-        key = ".".join(str(p) for p in err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            allowed = _allowed_keys(err["loc"][:-1])
-            msg = f"unknown key; allowed here: {', '.join(allowed)}"
-        value = err.get("input")
-        shown = "" if err["type"] in ("extra_forbidden", "missing") or isinstance(value, dict) else f" (got {value!r})"
-        problems.append(f"{key}: {msg}{shown}" if key else msg)
-    return f"invalid configuration in {source}: " + "; ".join(problems)
-
-
-def _allowed_keys(loc: tuple) -> list[str]:
-    model: Any = Config
-    for part in loc:
-        field = getattr(model, "model_fields", {}).get(part)
-        if field is None:
-            return []
-        model = field.annotation
-    return list(getattr(model, "model_fields", {}).keys())
-
-
-def config_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
-    """Every leaf key, dotted; frozen by a test so the public surface grows on purpose."""
-    keys = []
-    for name, field in model.model_fields.items():
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            keys.extend(config_keys(ann, f"{prefix}{name}."))
-        else:
-            keys.append(f"{prefix}{name}")
-    return keys
-
-
-def reference_table(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(key, default, description) for every leaf: the README's config reference is generated
-    from this, so the documentation cannot drift from the schema."""
-    rows = []
-    for name, field in model.model_fields.items():
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            rows.extend(reference_table(ann, f"{prefix}{name}."))
-            continue
-        default = field.get_default(call_default_factory=True)
-        if isinstance(default, tuple):
-            default = list(default)
-        rows.append((f"{prefix}{name}", yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip(),
-                     (field.description or "").replace("\n", " ")))
-    return rows
-
-
-def reference_markdown() -> str:
-    lines = ["| key | default | meaning |", "| --- | --- | --- |"]
-    lines += [f"| `{key}` | `{default}` | {desc} |" for key, default, desc in reference_table()]
-    return "\n".join(lines)

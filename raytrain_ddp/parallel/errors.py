@@ -1,0 +1,34 @@
+"""The errors the wrappers raise, and `UserError`, the root of every error meant for the user.
+
+Owns: `UserError` (bad input from the user: the message is the whole story; the CLI
+prints it as one line) and the wrappers' errors. `UserError` is defined here, at the
+bottom of the layers, because the wrappers raise user errors and `parallel/` imports
+nothing of ours outside itself; `raytrain_ddp.errors` re-exports it for everyone else.
+Must not touch: torch or anything else: standard library only (the config imports it).
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """Bad input from the user: the message is the whole story."""
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective did not finish in time, or failed; the message names the operation.
+
+    Usually a peer rank died, hangs, or skipped a step (ranks must run the same number
+    of synced backward passes). Raised on the rank that was left waiting.
+    """
+
+
+class ModelMismatchError(UserError, RuntimeError):
+    """Ranks hold different models (structure, or weights with verify_init=True)."""
+
+
+class UnusedParameterError(UserError, RuntimeError):
+    """A trainable parameter got no gradient in a synced backward, without find_unused_parameters."""
+
+
+class RequiresGradChangeError(UserError, RuntimeError):
+    """`requires_grad` changed after wrapping in a way the strategy cannot follow (native only)."""
