@@ -71,7 +71,10 @@ from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import Config
 from raytrain_ddp.driver.console import ProgressPrinter, final_metrics, print_plan, print_summary
 from raytrain_ddp.driver import hold, ray_console
-from raytrain_ddp.driver.ray_compat import forget_earlier_fits, install_sigint_handler
+from raytrain_ddp.driver.ray_compat import (
+    CONTROLLER_POLL_ENV, abort_controller, forget_earlier_fits, install_sigint_handler, job_config,
+    local_instance_kwargs,
+)
 from raytrain_ddp.driver.placement import Unschedulable, wait_for_placement, worker_resources
 from raytrain_ddp.driver.preflight import preflight
 from raytrain_ddp.driver.resume import (
@@ -91,7 +94,7 @@ STOP_WAIT_S = 30.0  # after a Ctrl-C, how long the workers get to save their ste
 # NCCL's flight recorder: the last collectives of each rank, dumped when one times out
 # (torch >= 2.3 reads these; older ones ignore them). A user's own values win.
 NCCL_TRACE_ENV = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
-POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"  # propagated by Ray Train to its controller
+POLL_ENV = CONTROLLER_POLL_ENV  # propagated by Ray Train to its controller
 ENV_PREFIX = "RAYTRAIN_DDP_"
 _PREPARED: dict[str, hold.Hold] = {}  # run dir -> the hold `prepare_job` took in this process
 
@@ -150,10 +153,7 @@ def connect_user_code(cfg: Config, code: Any) -> bool:
 
 def _job_has_py_modules() -> bool:
     """Inside `ray job submit`, whether the job's own runtime_env already names py_modules."""
-    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
-
-    injected = json.loads(os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR) or "{}")
-    return bool((injected.get("runtime_env") or {}).get("py_modules"))
+    return bool(((job_config() or {}).get("runtime_env") or {}).get("py_modules"))
 
 
 def connect_ray(cfg: Config, runtime_env: Optional[dict[str, Any]] = None) -> bool:
@@ -176,7 +176,7 @@ def connect_ray(cfg: Config, runtime_env: Optional[dict[str, Any]] = None) -> bo
     # polls the state API it serves, and warns every few seconds without it.
     # address="local": a new instance even if an address file or another cluster is around.
     ray.init(address="local", num_cpus=max(cores, needed), include_dashboard=True, dashboard_host="127.0.0.1",
-             _node_ip_address="127.0.0.1", log_to_driver=True, logging_level=level, runtime_env=runtime_env)
+             **local_instance_kwargs("127.0.0.1"), log_to_driver=True, logging_level=level, runtime_env=runtime_env)
     ray_console.after_init()
     return True
 
@@ -433,7 +433,7 @@ class _Interrupt:
         self.presses = max(self.presses, 1)
         if self.controller is not None:
             try:
-                self.controller.abort.remote()  # the controller stops the workers, then exits
+                abort_controller(self.controller)  # the controller stops the workers, then exits
             except Exception:  # noqa: BLE001 - already gone
                 pass
 

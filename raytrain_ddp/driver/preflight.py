@@ -15,16 +15,15 @@ cluster (each node has its own disk), so the user names one.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 from typing import Optional
 
 from raytrain_ddp.config import Config
+from raytrain_ddp.driver.ray_compat import job_config
 from raytrain_ddp.errors import UserError
 
-JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for the entrypoint
 JOB_WORKING_DIR_MARK = "working_dir_files"  # .../runtime_resources/working_dir_files/_ray_pkg_<hash>
 
 
@@ -36,15 +35,13 @@ def ray_job_id() -> Optional[str]:
     """The submission id when this process is the entrypoint of a `ray job submit`, else None.
 
     Ray's job supervisor hands the entrypoint its job config (with the submission id in
-    its metadata) in $RAY_JOB_CONFIG_JSON_ENV_VAR; a working directory inside Ray's
-    unpacked `working_dir_files` says the same when that variable is gone.
+    its metadata) in an environment variable (`ray_compat.job_config`); a working directory
+    inside Ray's unpacked `working_dir_files` says the same when that variable is gone.
     """
-    raw = os.environ.get(JOB_CONFIG_ENV)
-    if raw:
-        try:
-            metadata = json.loads(raw).get("metadata") or {}
-        except (ValueError, AttributeError):
-            metadata = {}
+    config = job_config()
+    if config is not None:
+        metadata = config.get("metadata") or {}
+        metadata = metadata if isinstance(metadata, dict) else {}
         return str(metadata.get("job_submission_id") or metadata.get("job_name") or "unknown")
     if JOB_WORKING_DIR_MARK in Path.cwd().parts:
         return "unknown"

@@ -41,6 +41,7 @@ import threading
 import time
 from typing import Any, Optional
 
+from raytrain_ddp.driver.ray_compat import HEAD_NODE_RESOURCE
 from raytrain_ddp.rundir import ABORT_FILE, ATTEMPTS_FILE, METRICS_FILE, JsonlFile, Location
 
 logger = logging.getLogger(__name__)
@@ -152,9 +153,6 @@ class LocalMailbox:
             return events
 
 
-HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
-
-
 def open_mailbox() -> Any:
     """Start the mailbox actor on the head node (else the driver's); it dies with the driver.
 
@@ -166,7 +164,7 @@ def open_mailbox() -> Any:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    heads = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and HEAD_RESOURCE in n.get("Resources", {})]
+    heads = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and HEAD_NODE_RESOURCE in n.get("Resources", {})]
     where = heads[0] if heads else ray.get_runtime_context().get_node_id()
     actor = ray.remote(num_cpus=0, max_restarts=0)(Mailbox).options(
         # soft=False: a soft affinity was seen placing it on the other node when the head
