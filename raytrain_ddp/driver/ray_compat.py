@@ -107,16 +107,30 @@ def is_restart_state(state: Any) -> bool:
 
 def refresh_autoscaling_coordinator(requester: str, timeout_s: float = 5.0) -> bool:
     """Make Ray Data's autoscaling coordinator re-read the cluster's nodes now (Ray Train's
-    elastic sizing reads it; its own tick is 20 s). False, logged, if that failed."""
+    elastic sizing reads it; its own tick is 20 s). False, logged, if that failed.
+
+    Ray >= 2.58 (measured: 2.58.1, not 2.55.1) recomputes on request
+    (`get_reserved_resources(requester, recompute=True)`); older ones only in their
+    periodic `_tick`, which is then called once now.
+    """
     import ray
 
     try:
         coordinator = ray.get_actor(COORDINATOR[0], namespace=COORDINATOR[1])
-        ray.get(coordinator.get_reserved_resources.remote(requester, recompute=True), timeout=timeout_s)
+        if _coordinator_recomputes():
+            ray.get(coordinator.get_reserved_resources.remote(requester, recompute=True), timeout=timeout_s)
+        else:
+            ray.get(coordinator._tick.remote(), timeout=timeout_s)
         return True
     except Exception:  # noqa: BLE001 - Ray internals moved: the coordinator's own tick (20 s) remains
         logger.warning("raytrain-ddp: could not refresh Ray's autoscaling coordinator", exc_info=True)
         return False
+
+
+def _coordinator_recomputes() -> bool:
+    from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinator as module
+
+    return hasattr(module._AutoscalingCoordinatorActor, "get_reserved_resources")
 
 
 def autoscaler_node_groups() -> Optional[list[Any]]:

@@ -130,9 +130,12 @@ def test_refresh_autoscaling_coordinator():
     name, namespace = ray_compat.COORDINATOR
     assert f'name="{name}"' in source and f'namespace="{namespace}"' in source, \
         _gone("refresh_autoscaling_coordinator", f"the coordinator actor named {ray_compat.COORDINATOR}")
-    actor = _attr("refresh_autoscaling_coordinator", f"{module}:_AutoscalingCoordinatorActor.get_reserved_resources")
-    assert "recompute" in _params(actor), \
-        _gone("refresh_autoscaling_coordinator", "get_reserved_resources(requester_id, recompute=...)")
+    actor = _attr("refresh_autoscaling_coordinator", f"{module}:_AutoscalingCoordinatorActor")
+    if ray_compat._coordinator_recomputes():  # Ray >= 2.58
+        assert "recompute" in _params(actor.get_reserved_resources), \
+            _gone("refresh_autoscaling_coordinator", "get_reserved_resources(requester_id, recompute=...)")
+    else:  # the periodic refresh, called once
+        assert _params(actor._tick) == ["self"], _gone("refresh_autoscaling_coordinator", "_AutoscalingCoordinatorActor._tick()")
 
 
 def test_autoscaler_node_groups():
