@@ -303,9 +303,10 @@ def test_mlflow_sink_one_run_by_id_from_another_thread(tmp_path, monkeypatch):
 
 
 def _flat_keys(cfg):
-    from raytrain_ddp.driver.sinks import _flatten, config_tree
+    from raytrain_ddp.driver.resume import flatten
+    from raytrain_ddp.driver.sinks import config_tree
 
-    return _flatten(config_tree(cfg))
+    return flatten(config_tree(cfg))
 
 
 def test_wandb_sink_offline_run_read_back(tmp_path, monkeypatch):
