@@ -109,9 +109,9 @@ def refresh_autoscaling_coordinator(requester: str, timeout_s: float = 5.0) -> b
     """Make Ray Data's autoscaling coordinator re-read the cluster's nodes now (Ray Train's
     elastic sizing reads it; its own tick is 20 s). False, logged, if that failed.
 
-    Ray >= 2.58 (measured: 2.58.1, not 2.55.1) recomputes on request
-    (`get_reserved_resources(requester, recompute=True)`); older ones only in their
-    periodic `_tick`, which is then called once now.
+    Ray 2.60 recomputes on request (`get_reserved_resources(requester, recompute=True)`,
+    which runs the coordinator's periodic `_tick` at once); 2.55-2.59 lack `recompute`,
+    so their `_tick` is called directly.
     """
     import ray
 
@@ -128,9 +128,12 @@ def refresh_autoscaling_coordinator(requester: str, timeout_s: float = 5.0) -> b
 
 
 def _coordinator_recomputes() -> bool:
+    import inspect
+
     from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinator as module
 
-    return hasattr(module._AutoscalingCoordinatorActor, "get_reserved_resources")
+    method = getattr(module._AutoscalingCoordinatorActor, "get_reserved_resources", None)
+    return method is not None and "recompute" in inspect.signature(method).parameters
 
 
 def autoscaler_node_groups() -> Optional[list[Any]]:

@@ -131,11 +131,24 @@ def test_refresh_autoscaling_coordinator():
     assert f'name="{name}"' in source and f'namespace="{namespace}"' in source, \
         _gone("refresh_autoscaling_coordinator", f"the coordinator actor named {ray_compat.COORDINATOR}")
     actor = _attr("refresh_autoscaling_coordinator", f"{module}:_AutoscalingCoordinatorActor")
-    if ray_compat._coordinator_recomputes():  # Ray >= 2.58
+    if ray_compat._coordinator_recomputes():  # Ray 2.60
         assert "recompute" in _params(actor.get_reserved_resources), \
             _gone("refresh_autoscaling_coordinator", "get_reserved_resources(requester_id, recompute=...)")
-    else:  # the periodic refresh, called once
+    else:  # Ray 2.55-2.59: the periodic refresh, called once
         assert _params(actor._tick) == ["self"], _gone("refresh_autoscaling_coordinator", "_AutoscalingCoordinatorActor._tick()")
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(180)  # the session's Ray start included
+def test_refresh_autoscaling_coordinator_on_a_live_one(ray_cluster):
+    """The branch this Ray takes (recompute on 2.60, `_tick` on 2.55-2.59) runs on a real coordinator."""
+    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+        get_or_create_autoscaling_coordinator,
+    )
+
+    get_or_create_autoscaling_coordinator()
+    assert ray_compat.refresh_autoscaling_coordinator("raytrain-ddp:test", timeout_s=30.0), \
+        _gone("refresh_autoscaling_coordinator", "a working refresh of the live coordinator")
 
 
 def test_autoscaler_node_groups():
@@ -280,3 +293,18 @@ def test_no_private_ray_name_outside_ray_compat():
                       for line, what in private_ray_uses(path.read_text())]
     assert not offenders, ("private Ray names outside driver/ray_compat.py (add a named function there, "
                            "with a test in this file):\n" + "\n".join(offenders))
+
+
+def test_declared_ray_range_is_what_make_compat_runs():
+    """pyproject's Ray floor is the oldest Ray `make compat` runs, its cap above the newest,
+    and the installed Ray inside the range (README, "Supported Ray")."""
+    root = PACKAGE.parent
+    floor, cap = re.search(r'"ray\[[\w,]+\]>=([\d.]+),<([\d.]+)"', (root / "pyproject.toml").read_text()).groups()
+    versions = re.search(r"^COMPAT_RAY +\?= (.+)$", (root / "Makefile").read_text(), re.M).group(1).split()
+
+    def minor(v: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in v.split(".")[:2])
+
+    assert versions[0].startswith(floor + "."), (floor, versions)  # the floor is the oldest tested
+    assert all(minor(v) < minor(cap) for v in versions) and minor(versions[-1]) == minor(cap)[:1] + (minor(cap)[1] - 1,)
+    assert minor(floor) <= minor(ray.__version__) < minor(cap)
