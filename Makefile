@@ -35,7 +35,7 @@ test-fast: $(STAMP)
 #   make compat COMPAT_TORCH="2.8.0 2.15.0"   (widen pyproject's range first; CUDA wheels are GBs)
 #   make compat COMPAT_TORCH= COMPAT_RAY="2.58.1 2.59.0"   (only Ray versions)
 COMPAT_TORCH ?= 2.13.0 2.14.1
-COMPAT_RAY   ?= 2.55.1 2.60.0
+COMPAT_RAY   ?= 2.58.1 2.60.0
 COMPAT_RAY_TESTS ?= tests/unit/test_ray_compat.py tests/unit/test_fault_pieces.py tests/unit/test_node_loss.py \
   tests/e2e/test_train.py tests/e2e/test_interrupt.py tests/elastic/test_replica_recovery.py
 compat:

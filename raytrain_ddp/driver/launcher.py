@@ -71,7 +71,7 @@ from raytrain_ddp.driver import hold, ray_console
 from raytrain_ddp.driver.interrupt import Interrupt
 from raytrain_ddp.driver.ray_compat import (
     CONTROLLER_POLL_ENV, forget_earlier_fits, install_sigint_handler, job_config,
-    local_instance_kwargs,
+    local_instance_kwargs, preemption_grace,
 )
 from raytrain_ddp.driver.placement import Unschedulable, wait_for_placement, worker_resources
 from raytrain_ddp.driver.preflight import preflight
@@ -376,8 +376,7 @@ def build_trainer(cfg: Config, run_dir: Location, job: Job, prepared: Any) -> An
             failure_config=FailureConfig(
                 max_failures=cfg.run.max_failures,
                 max_preemption_failures=cfg.run.max_preemption_failures,
-                preemption_grace_s=cfg.run.preemption_grace_s,
-                relax_collectives_on_preemption=cfg.run.preemption_grace_s > 0,
+                **preemption_grace(cfg.run.preemption_grace_s),  # Ray 2.60 only (ray_compat.py)
             ),
             worker_runtime_env={"env_vars": env_vars} if env_vars else None,
             # A survivor's copy of the last step is not cut short by the restart (worker/replica.py);

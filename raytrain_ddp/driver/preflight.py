@@ -1,8 +1,9 @@
 """Checks of a run's surroundings, made before anything touches the run directory or Ray.
 
 Owns: refusing a relative `run.storage_path` inside a submitted Ray job
-(`check_storage_under_job`) and, for an embedded Ray, a machine that cannot hold the
-worker group (`placement.check_machine`). Must not touch: the config's own rules
+(`check_storage_under_job`), a setting the installed Ray cannot honour
+(`check_ray_supports`) and, for an embedded Ray, a machine that cannot hold the worker
+group (`placement.check_machine`). Must not touch: the config's own rules
 (`config.py`), data (`datasets.py`), resume decisions (`resume.py`).
 
 Why a relative storage path is refused under `ray job submit`: the job's entrypoint runs
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from raytrain_ddp.config import Config
-from raytrain_ddp.driver.ray_compat import job_config
+from raytrain_ddp.driver.ray_compat import PREEMPTION_GRACE_SINCE, job_config, preemption_grace_supported, ray_version
 from raytrain_ddp.errors import UserError
 
 JOB_WORKING_DIR_MARK = "working_dir_files"  # .../runtime_resources/working_dir_files/_ray_pkg_<hash>
@@ -62,11 +63,21 @@ def check_storage_under_job(cfg: Config) -> None:
     )
 
 
+def check_ray_supports(cfg: Config) -> None:
+    """A setting the installed Ray cannot honour is refused by its key, not ignored."""
+    if cfg.run.preemption_grace_s > 0 and not preemption_grace_supported():
+        need, have = ".".join(map(str, PREEMPTION_GRACE_SINCE)), ".".join(map(str, ray_version()))
+        raise UserError(f"run.preemption_grace_s={cfg.run.preemption_grace_s:g} needs Ray >= {need} "
+                        f"(FailureConfig.preemption_grace_s); this is Ray {have}: upgrade Ray, or set "
+                        "run.preemption_grace_s=0")
+
+
 def preflight(cfg: Config) -> None:
     """Everything that can be refused from the config and this process alone, in one place."""
     from raytrain_ddp.driver.placement import check_machine
 
     check_storage_under_job(cfg)
+    check_ray_supports(cfg)
     if not _joins_a_cluster(cfg):
         check_machine(cfg)
 

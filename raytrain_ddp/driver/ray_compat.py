@@ -44,6 +44,15 @@ TOKEN_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"  
 RAY_WORKER_OUTPUT_HANDLER = "ray_print_logs"  # the name of Ray's handler on its worker-output dispatcher
 CONTROLLER_RESTART_STATES = ("RestartingState", "ReschedulingState")  # Ray Train V2's controller states
 COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")  # Ray Data's actor: (name, namespace)
+PREEMPTION_GRACE_SINCE = (2, 60)  # FailureConfig(preemption_grace_s, relax_collectives_on_preemption)
+
+
+def ray_version() -> tuple[int, int]:
+    """The installed Ray's (major, minor), read from its metadata: no import of Ray."""
+    from importlib.metadata import version
+
+    major, minor = version("ray").split(".")[:2]
+    return int(major), int(minor)
 
 
 # ------------------------------------------------------------------ Ray Train: run directory
@@ -100,6 +109,20 @@ def worker_callback_base() -> type:
 def is_restart_state(state: Any) -> bool:
     """Whether a controller state (as handed to a controller callback) is about to size a new group."""
     return type(state).__name__ in CONTROLLER_RESTART_STATES
+
+
+def preemption_grace_supported() -> bool:
+    """Whether `FailureConfig` takes `preemption_grace_s` and `relax_collectives_on_preemption`:
+    Ray 2.60 does, 2.58 and 2.59 do not (`preflight` refuses `run.preemption_grace_s` > 0 there)."""
+    return ray_version() >= PREEMPTION_GRACE_SINCE
+
+
+def preemption_grace(grace_s: float) -> dict[str, Any]:
+    """`FailureConfig`'s preemption-grace arguments: nothing on a Ray without them (grace 0 is
+    then what Ray does anyway), else the grace and, with a grace, relaxed collectives."""
+    if not preemption_grace_supported():
+        return {}
+    return {"preemption_grace_s": grace_s, "relax_collectives_on_preemption": grace_s > 0}
 
 
 # ------------------------------------------------------------------ Ray Data, core, autoscaler

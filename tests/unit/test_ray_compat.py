@@ -115,6 +115,27 @@ def test_controller_poll_env():
     assert ray_compat.CONTROLLER_POLL_ENV == name
 
 
+def test_preemption_grace():
+    from ray.train import FailureConfig
+
+    has = {"preemption_grace_s", "relax_collectives_on_preemption"} <= set(_params(FailureConfig))
+    assert ray_compat.preemption_grace_supported() == has, \
+        f"ray_compat.preemption_grace_supported: says {not has}, but ray {ray.__version__}'s FailureConfig differs"
+    assert ray_compat.ray_version() == tuple(int(x) for x in ray.__version__.split(".")[:2])
+    if has:
+        assert ray_compat.preemption_grace(5.0) == {"preemption_grace_s": 5.0, "relax_collectives_on_preemption": True}
+        FailureConfig(**ray_compat.preemption_grace(0.0))
+    else:  # Ray 2.58, 2.59: nothing to pass, and a grace is refused before Ray starts, by its key
+        from raytrain_ddp.config import load_config
+        from raytrain_ddp.driver.preflight import check_ray_supports
+        from raytrain_ddp.errors import UserError
+
+        assert ray_compat.preemption_grace(5.0) == {}
+        check_ray_supports(load_config(None, []))
+        with pytest.raises(UserError, match=r"run.preemption_grace_s=5 needs Ray >= 2.60 .* run.preemption_grace_s=0"):
+            check_ray_supports(load_config(None, ["run.preemption_grace_s=5"]))
+
+
 # ------------------------------------------------------------------ Ray Data, core, autoscaler
 
 
