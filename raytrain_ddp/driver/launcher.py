@@ -62,7 +62,7 @@ import os
 import sys
 import time
 import uuid
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import Config
@@ -111,7 +111,7 @@ class _Start:
 
 
 def _start(cfg: Config, code: Any, datasets: Optional[dict[str, Any]], *, preflighted: bool = False,
-           before_hold: Any = None) -> _Start:
+           before_hold: Optional[Callable[[Location], None]] = None) -> _Start:
     """The preamble `run_training` and `prepare_job` share: the user's code resolved, the
     preflight (once: the CLI runs it before importing torch and Ray, and says so), the run
     directory held, the resume decision, the data checked. The hold is released if a step fails."""
