@@ -11,7 +11,7 @@ printed. A leaf: it imports no module of this package and Ray only inside functi
 the refusals before Ray starts (`preflight.py`) and the worker (`worker/replica.py`, the
 one module below the driver that needs a Ray Train hook) may import it.
 
-Tested with Ray 2.55 to 2.60 (README, "Supported Ray"); where those releases differ, the
+Tested with Ray 2.58 to 2.60 (README, "Supported Ray"); where those releases differ, the
 branch is here and says which release has what.
 
 Why Ray's checkpoint snapshot is removed before every fit (issue #25): Ray Train V2
@@ -133,7 +133,7 @@ def refresh_autoscaling_coordinator(requester: str, timeout_s: float = 5.0) -> b
     elastic sizing reads it; its own tick is 20 s). False, logged, if that failed.
 
     Ray 2.60 recomputes on request (`get_reserved_resources(requester, recompute=True)`,
-    which runs the coordinator's periodic `_tick` at once); 2.55-2.59 lack `recompute`,
+    which runs the coordinator's periodic `_tick` at once); 2.58 and 2.59 (and older) lack `recompute`,
     so their `_tick` is called directly.
     """
     import ray

@@ -155,14 +155,14 @@ def test_refresh_autoscaling_coordinator():
     if ray_compat._coordinator_recomputes():  # Ray 2.60
         assert "recompute" in _params(actor.get_reserved_resources), \
             _gone("refresh_autoscaling_coordinator", "get_reserved_resources(requester_id, recompute=...)")
-    else:  # Ray 2.55-2.59: the periodic refresh, called once
+    else:  # Ray 2.58, 2.59: the periodic refresh, called once
         assert _params(actor._tick) == ["self"], _gone("refresh_autoscaling_coordinator", "_AutoscalingCoordinatorActor._tick()")
 
 
 @pytest.mark.ray
 @pytest.mark.timeout(180)  # the session's Ray start included
 def test_refresh_autoscaling_coordinator_on_a_live_one(ray_cluster):
-    """The branch this Ray takes (recompute on 2.60, `_tick` on 2.55-2.59) runs on a real coordinator."""
+    """The branch this Ray takes (recompute on 2.60, `_tick` on 2.58, 2.59) runs on a real coordinator."""
     from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
         get_or_create_autoscaling_coordinator,
     )
