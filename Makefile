@@ -33,11 +33,12 @@ test-fast: $(STAMP)
 # newest this project allows), `test-fast` in each; then one venv per Ray version (floor,
 # ceiling; with the floor torch), the Ray tier's compatibility subset in each. Others:
 #   make compat COMPAT_TORCH="2.8.0 2.15.0"   (widen pyproject's range first; CUDA wheels are GBs)
-#   make compat COMPAT_TORCH= COMPAT_RAY="2.59.0"   (only Ray versions; torch 2.13.0)
+#   make compat COMPAT_TORCH= COMPAT_RAY="2.60.0"   (only Ray versions; torch 2.13.0)
 COMPAT_TORCH ?= 2.13.0 2.14.1
-COMPAT_RAY   ?= 2.58.1 2.60.0
+COMPAT_RAY   ?= 2.59.0 2.60.0
 COMPAT_RAY_TESTS ?= tests/unit/test_ray_compat.py tests/unit/test_fault_pieces.py tests/unit/test_node_loss.py \
-  tests/e2e/test_train.py tests/e2e/test_interrupt.py tests/elastic/test_replica_recovery.py
+  tests/e2e/test_train.py tests/e2e/test_interrupt.py tests/elastic/test_replica_recovery.py \
+  tests/reliability/test_network_exposure.py
 compat:
 	@set -e; for v in $(COMPAT_TORCH); do \
 	  venv=.venv-torch-$$v; echo "== torch $$v in $$venv"; \

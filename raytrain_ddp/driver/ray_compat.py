@@ -11,7 +11,7 @@ printed. A leaf: it imports no module of this package and Ray only inside functi
 the refusals before Ray starts (`preflight.py`) and the worker (`worker/replica.py`, the
 one module below the driver that needs a Ray Train hook) may import it.
 
-Tested with Ray 2.58 to 2.60 (README, "Supported Ray"); where those releases differ, the
+Tested with Ray 2.59 and 2.60 (README, "Supported Ray"); where those releases differ, the
 branch is here and says which release has what.
 
 Why Ray's checkpoint snapshot is removed before every fit (issue #25): Ray Train V2
@@ -113,7 +113,7 @@ def is_restart_state(state: Any) -> bool:
 
 def preemption_grace_supported() -> bool:
     """Whether `FailureConfig` takes `preemption_grace_s` and `relax_collectives_on_preemption`:
-    Ray 2.60 does, 2.58 and 2.59 do not (`preflight` refuses `run.preemption_grace_s` > 0 there)."""
+    Ray 2.60 does, 2.59 does not (`preflight` refuses `run.preemption_grace_s` > 0 there)."""
     return ray_version() >= PREEMPTION_GRACE_SINCE
 
 
@@ -133,8 +133,8 @@ def refresh_autoscaling_coordinator(requester: str, timeout_s: float = 5.0) -> b
     elastic sizing reads it; its own tick is 20 s). False, logged, if that failed.
 
     Ray 2.60 recomputes on request (`get_reserved_resources(requester, recompute=True)`,
-    which runs the coordinator's periodic `_tick` at once); 2.58 and 2.59 (and older) lack `recompute`,
-    so their `_tick` is called directly.
+    which runs the coordinator's periodic `_tick` at once); 2.59 (and older) lacks `recompute`,
+    so its `_tick` is called directly.
     """
     import ray
 

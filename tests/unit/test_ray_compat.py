@@ -125,7 +125,7 @@ def test_preemption_grace():
     if has:
         assert ray_compat.preemption_grace(5.0) == {"preemption_grace_s": 5.0, "relax_collectives_on_preemption": True}
         FailureConfig(**ray_compat.preemption_grace(0.0))
-    else:  # Ray 2.58, 2.59: nothing to pass, and a grace is refused before Ray starts, by its key
+    else:  # Ray 2.59: nothing to pass, and a grace is refused before Ray starts, by its key
         from raytrain_ddp.config import load_config
         from raytrain_ddp.driver.preflight import check_ray_supports
         from raytrain_ddp.errors import UserError
@@ -155,14 +155,14 @@ def test_refresh_autoscaling_coordinator():
     if ray_compat._coordinator_recomputes():  # Ray 2.60
         assert "recompute" in _params(actor.get_reserved_resources), \
             _gone("refresh_autoscaling_coordinator", "get_reserved_resources(requester_id, recompute=...)")
-    else:  # Ray 2.58, 2.59: the periodic refresh, called once
+    else:  # Ray 2.59: the periodic refresh, called once
         assert _params(actor._tick) == ["self"], _gone("refresh_autoscaling_coordinator", "_AutoscalingCoordinatorActor._tick()")
 
 
 @pytest.mark.ray
 @pytest.mark.timeout(180)  # the session's Ray start included
 def test_refresh_autoscaling_coordinator_on_a_live_one(ray_cluster):
-    """The branch this Ray takes (recompute on 2.60, `_tick` on 2.58, 2.59) runs on a real coordinator."""
+    """The branch this Ray takes (recompute on 2.60, `_tick` on 2.59) runs on a real coordinator."""
     from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
         get_or_create_autoscaling_coordinator,
     )
