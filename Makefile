@@ -30,9 +30,15 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not ray" tests
 
 # Not in CI's default path: one venv per torch version (the declared floor first, then the
-# newest this project allows), `test-fast` in each. Older or newer ones:
+# newest this project allows), `test-fast` in each; then one venv per Ray version (floor,
+# ceiling; with the floor torch), the Ray tier's compatibility subset in each. Others:
 #   make compat COMPAT_TORCH="2.8.0 2.15.0"   (widen pyproject's range first; CUDA wheels are GBs)
+#   make compat COMPAT_TORCH= COMPAT_RAY="2.60.0"   (only Ray versions; torch 2.13.0)
 COMPAT_TORCH ?= 2.13.0 2.14.1
+COMPAT_RAY   ?= 2.59.0 2.60.0
+COMPAT_RAY_TESTS ?= tests/unit/test_ray_compat.py tests/unit/test_fault_pieces.py tests/unit/test_node_loss.py \
+  tests/e2e/test_train.py tests/e2e/test_interrupt.py tests/elastic/test_replica_recovery.py \
+  tests/reliability/test_network_exposure.py
 compat:
 	@set -e; for v in $(COMPAT_TORCH); do \
 	  venv=.venv-torch-$$v; echo "== torch $$v in $$venv"; \
@@ -41,6 +47,15 @@ compat:
 	  $$venv/bin/python -m pip install -q -e ".[dev]" "torch==$$v"; \
 	  $$venv/bin/python -c "import torch; print('torch', torch.__version__)"; \
 	  $$venv/bin/python -m pytest -q -m "not ray" tests; \
+	done; \
+	torch=$(firstword $(COMPAT_TORCH) 2.13.0); \
+	for v in $(COMPAT_RAY); do \
+	  venv=.venv-ray-$$v; echo "== ray $$v (torch $$torch) in $$venv"; \
+	  [ -x $$venv/bin/python ] || $(PYTHON) -m venv $$venv; \
+	  $$venv/bin/python -m pip install -q "torch==$$torch"; \
+	  $$venv/bin/python -m pip install -q -e ".[dev]" "ray[default,train,data]==$$v" "torch==$$torch"; \
+	  $$venv/bin/python -c "import ray; print('ray', ray.__version__)"; \
+	  $$venv/bin/python -m pytest -q $(COMPAT_RAY_TESTS); \
 	done
 
 bench: $(STAMP)
@@ -50,4 +65,4 @@ bench-quick: $(STAMP)
 	$(VENV)/bin/raytrain-ddp bench --quick --out benchmarks/results-quick.json
 
 clean:
-	rm -rf $(VENV) .venv-torch-* runs build *.egg-info
+	rm -rf $(VENV) .venv-torch-* .venv-ray-* runs build *.egg-info

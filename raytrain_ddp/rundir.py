@@ -263,11 +263,6 @@ def dumps_record(record: dict[str, Any]) -> str:
     return json.dumps({k: _plain(v) for k, v in record.items()}, allow_nan=True)
 
 
-def append_jsonl(path: Where, record: dict[str, Any]) -> None:
-    """Append one record to a local file as a line, flushed at once."""
-    Location.parse(path).append_text(dumps_record(record) + "\n")
-
-
 class JsonlFile:
     """The driver's writer for one JSONL file of the run directory.
 

@@ -51,7 +51,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     path, overrides = _config_and_overrides(args)
     cfg, code = resolve(load_config(path, overrides), config_path=path)  # import paths: next to the YAML too
-    summary = run_training(cfg, code=code)
+    summary = run_training(cfg, code=code, preflighted=True)  # preflight ran above, on the same settings
     return {"ok": 0, "interrupted": 130}.get(summary.get("status", "ok"), 1)  # see EXIT_CODES
 
 

@@ -39,7 +39,7 @@ Decisions, and why:
 * One fit at a time per run directory: the fit holds it (`driver/hold.py`) from before
   the resume decision until after its embedded Ray is stopped; `prepare_job` holds it
   until the process exits, since the caller's own fit runs after it returns.
-* Ctrl-C during `fit` asks the workers to save the step they are at and stop (`_Interrupt`;
+* Ctrl-C during `fit` asks the workers to save the step they are at and stop (`driver/interrupt.py`;
   Ray's own handler would abort the controller and `sys.exit(0)` silently, throwing away
   every step since the last checkpoint), so the driver still writes `summary.json`
   (status `interrupted`) and says where the next run starts; `run_training`'s `finally`
@@ -59,20 +59,21 @@ import dataclasses
 import json
 import math
 import os
-import signal
 import sys
-import threading
 import time
 import uuid
-from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import Config
 from raytrain_ddp.data import steps as data_steps
 from raytrain_ddp.driver.console import ProgressPrinter, final_metrics, print_plan, print_summary
 from raytrain_ddp.driver import hold, ray_console
-from raytrain_ddp.driver.ray_compat import forget_earlier_fits, install_sigint_handler
+from raytrain_ddp.driver.interrupt import Interrupt
+from raytrain_ddp.ray_compat import (
+    CONTROLLER_POLL_ENV, forget_earlier_fits, install_sigint_handler, job_config,
+    local_instance_kwargs, preemption_grace,
+)
 from raytrain_ddp.driver.placement import Unschedulable, wait_for_placement, worker_resources
 from raytrain_ddp.driver.preflight import preflight
 from raytrain_ddp.driver.resume import (
@@ -88,50 +89,88 @@ from raytrain_ddp.rundir import (
 
 DATA_HEADROOM_CPUS = 2
 CONTROLLER_POLL_S = 0.25  # see the module docstring
-STOP_WAIT_S = 30.0  # after a Ctrl-C, how long the workers get to save their step and stop
 # NCCL's flight recorder: the last collectives of each rank, dumped when one times out
 # (torch >= 2.3 reads these; older ones ignore them). A user's own values win.
 NCCL_TRACE_ENV = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
-POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"  # propagated by Ray Train to its controller
+POLL_ENV = CONTROLLER_POLL_ENV  # propagated by Ray Train to its controller
 ENV_PREFIX = "RAYTRAIN_DDP_"
 _PREPARED: dict[str, hold.Hold] = {}  # run dir -> the hold `prepare_job` took in this process
 
 
-def run_training(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """Train `cfg` to the end; returns the summary (also written to summary.json).
+@dataclasses.dataclass
+class _Start:
+    """What a fit knows before Ray starts: the resolved config and code, its run directory
+    and id, the hold on that directory, where it resumes from, the checked data."""
 
-    `code`: the user's model, loss and preprocess (`user.resolve`; by default resolved
-    from the config's import paths); `datasets`: Ray Datasets given from Python.
-    """
+    cfg: Config
+    code: Any
+    run_dir: Location
+    fit_id: str
+    held: hold.Hold
+    resume_from: Any
+    checked: Any
+
+
+def _start(cfg: Config, code: Any, datasets: Optional[dict[str, Any]], *, preflighted: bool = False,
+           before_hold: Optional[Callable[[Location], None]] = None) -> _Start:
+    """The preamble `run_training` and `prepare_job` share: the user's code resolved, the
+    preflight (once: the CLI runs it before importing torch and Ray, and says so), the run
+    directory held, the resume decision, the data checked. The hold is released if a step fails."""
     from raytrain_ddp.driver.preflight import precheck
     from raytrain_ddp.user import resolve
 
     if code is None:
         cfg, code = resolve(cfg)  # an import path that does not import fails here
-    preflight(cfg)  # a relative storage path under a Ray job, a machine too small (driver/preflight.py)
+    if not preflighted:
+        preflight(cfg)  # a relative storage path under a Ray job, a machine too small (driver/preflight.py)
     run_dir, fit_id = run_dir_of(cfg), uuid.uuid4().hex
+    if before_hold is not None:
+        before_hold(run_dir)
     held = hold.take(cfg, fit_id)  # another live fit of this run directory: exit 2 here (driver/hold.py)
-    started_here = False
     try:
         resume_from = resolve_resume(cfg, run_dir)
-        check_something_to_train(cfg, resume_from)  # a finished run: exit 3 before Ray, config.yaml untouched
         # Bad parquet or user code fails here, before Ray or any worker starts (Ray Datasets
-        # given from Python are sampled through Ray, once connected).
+        # given from Python are sampled through Ray, once connected: `_checked`).
         checked = precheck(cfg, code) if datasets is None else None
+    except BaseException:
+        held.release()
+        raise
+    return _Start(cfg, code, run_dir, fit_id, held, resume_from, checked)
+
+
+def _checked(start: _Start, datasets: Optional[dict[str, Any]]) -> Any:
+    """The data checks, made once Ray is connected when the datasets were given from Python."""
+    from raytrain_ddp.driver.preflight import precheck
+
+    return start.checked or precheck(start.cfg, start.code, datasets)
+
+
+def run_training(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, Any]] = None,
+                 preflighted: bool = False) -> dict[str, Any]:
+    """Train `cfg` to the end; returns the summary (also written to summary.json).
+
+    `code`: the user's model, loss and preprocess (`user.resolve`; by default resolved
+    from the config's import paths); `datasets`: Ray Datasets given from Python;
+    `preflighted`: the caller ran `preflight(cfg)` already (the CLI does, before imports).
+    """
+    start = _start(cfg, code, datasets, preflighted=preflighted)
+    cfg, started_here = start.cfg, False
+    try:
+        check_something_to_train(cfg, start.resume_from)  # a finished run: exit 3 before Ray, config.yaml untouched
         check_loggers(cfg)
         if cfg.scaling.local:  # scaling.num_workers: 0 -- this process, no Ray (driver/local.py)
             from raytrain_ddp.driver.local import run_local
 
-            return run_local(cfg, run_dir, fit_id, resume_from, checked, code)
-        started_here = connect_user_code(cfg, code)
+            return run_local(cfg, start.run_dir, start.fit_id, start.resume_from, start.checked, start.code)
+        started_here = connect_user_code(cfg, start.code)
         warn_local_storage(cfg)
-        return _fit(cfg, run_dir, fit_id, resume_from, checked or precheck(cfg, code, datasets), code, datasets)
+        return _fit(start, _checked(start, datasets), datasets)
     finally:
         if started_here:
             import ray
 
             ray.shutdown()
-        held.release()  # after Ray: no worker of this fit writes any more
+        start.held.release()  # after Ray: no worker of this fit writes any more
 
 
 def connect_user_code(cfg: Config, code: Any) -> bool:
@@ -151,10 +190,7 @@ def connect_user_code(cfg: Config, code: Any) -> bool:
 
 def _job_has_py_modules() -> bool:
     """Inside `ray job submit`, whether the job's own runtime_env already names py_modules."""
-    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
-
-    injected = json.loads(os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR) or "{}")
-    return bool((injected.get("runtime_env") or {}).get("py_modules"))
+    return bool(((job_config() or {}).get("runtime_env") or {}).get("py_modules"))
 
 
 def connect_ray(cfg: Config, runtime_env: Optional[dict[str, Any]] = None) -> bool:
@@ -177,7 +213,7 @@ def connect_ray(cfg: Config, runtime_env: Optional[dict[str, Any]] = None) -> bo
     # polls the state API it serves, and warns every few seconds without it.
     # address="local": a new instance even if an address file or another cluster is around.
     ray.init(address="local", num_cpus=max(cores, needed), include_dashboard=True, dashboard_host="127.0.0.1",
-             _node_ip_address="127.0.0.1", log_to_driver=True, logging_level=level, runtime_env=runtime_env)
+             **local_instance_kwargs("127.0.0.1"), log_to_driver=True, logging_level=level, runtime_env=runtime_env)
     ray_console.after_init()
     return True
 
@@ -204,21 +240,16 @@ def prepare_job(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, A
     Give the trainer `RunConfig(name=cfg.name, storage_path=cfg.run.storage_path)`, so that
     checkpoints land where resume looks, and a worker count that `cfg` accepts.
     """
-    from raytrain_ddp.driver.preflight import precheck
-    from raytrain_ddp.user import resolve
+    def replace_earlier(run_dir: Location) -> None:
+        if (earlier := _PREPARED.pop(run_dir.uri, None)) is not None:
+            earlier.release()  # prepared again in this process (a notebook cell re-run): the new job replaces it
 
-    if code is None:
-        cfg, code = resolve(cfg)
-    run_dir, fit_id = run_dir_of(cfg), uuid.uuid4().hex
-    if (earlier := _PREPARED.pop(run_dir.uri, None)) is not None:
-        earlier.release()  # prepared again in this process (a notebook cell re-run): the new job replaces it
-    held = hold.take(cfg, fit_id)  # released when this process exits: your fit runs after we return
+    start = _start(cfg, code, datasets, before_hold=replace_earlier)  # held until this process exits
+    cfg, run_dir, held = start.cfg, start.run_dir, start.held
     try:
-        resume_from = resolve_resume(cfg, run_dir)
-        checked = precheck(cfg, code) if datasets is None else None
-        connect_user_code(cfg, code)
-        job, prepared, total_steps = _prepare(cfg, run_dir, fit_id, resume_from,
-                                              checked or precheck(cfg, code, datasets), code, datasets)
+        connect_user_code(cfg, start.code)
+        job, prepared, total_steps = _prepare(cfg, run_dir, start.fit_id, start.resume_from,
+                                              _checked(start, datasets), start.code, datasets)
     except BaseException:
         held.release()
         raise
@@ -226,10 +257,8 @@ def prepare_job(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, A
     atexit.register(held.release)  # registered before the recorder's stop, so it runs after it
     # Your fit runs outside our launcher: the records rank 0 sends are taken and written by
     # a recorder in the background until this process exits (printed and in metrics.jsonl).
-    job = dataclasses.replace(job, mailbox=open_mailbox())
-    os.environ.setdefault(POLL_ENV, str(CONTROLLER_POLL_S))  # read by TorchTrainer.fit
-    recorder = Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir, job.fit_id)],
-                        job.mailbox, write_metrics="jsonl" in cfg.run.loggers).__enter__()
+    job = _with_mailbox(job)
+    recorder = _recorder(cfg, run_dir, job, total_steps).__enter__()
     atexit.register(_finish_outside_fit, recorder, total_steps)  # before Ray's own exit handler (registered earlier)
     return {"train_loop_config": {"job": job}, "datasets": prepared.datasets, "dataset_config": prepared.data_config}
 
@@ -293,8 +322,34 @@ def nccl_env(use_gpu: bool, environ: Any) -> dict[str, str]:
     return {k: environ.get(k, v) for k, v in NCCL_TRACE_ENV.items()}
 
 
-def _fit(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, checked: Any, code: Any,
-         given: Optional[dict[str, Any]]) -> dict[str, Any]:
+def _fit(start: _Start, checked: Any, given: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """One fit on Ray: build the trainer, run it, report (summary.json, the printed summary)."""
+    cfg, run_dir = start.cfg, start.run_dir
+    job, prepared, total_steps = _prepare(cfg, run_dir, start.fit_id, start.resume_from, checked, start.code, given)
+    job = _with_mailbox(job)
+    trainer = build_trainer(cfg, run_dir, job, prepared)
+    started = time.time()
+    interrupt = Interrupt(job.mailbox)  # ours lets the driver finish (see the module docstring)
+    install_sigint_handler(trainer, interrupt.register)
+    recorder = _recorder(cfg, run_dir, job, total_steps)
+    status, error = run_fit(cfg, trainer, recorder, interrupt)
+    return report(cfg, run_dir, job, recorder, status, error, started)
+
+
+def _with_mailbox(job: Job) -> Job:
+    """The job with the driver's mailbox (records, stop requests), and the controller's poll set."""
+    os.environ.setdefault(POLL_ENV, str(CONTROLLER_POLL_S))  # read by TorchTrainer.fit
+    return dataclasses.replace(job, mailbox=open_mailbox())
+
+
+def _recorder(cfg: Config, run_dir: Location, job: Job, total_steps: int) -> Recorder:
+    """What takes rank 0's records: the progress lines, metrics.jsonl and the trackers."""
+    return Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir, job.fit_id)],
+                    job.mailbox, write_metrics="jsonl" in cfg.run.loggers)
+
+
+def build_trainer(cfg: Config, run_dir: Location, job: Job, prepared: Any) -> Any:
+    """Ray Train's `TorchTrainer` for `job`: our per-worker loop, sizes, storage, failures, callbacks."""
     import ray.data
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
     from ray.train.v2.api.config import LoggingConfig
@@ -304,12 +359,9 @@ def _fit(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, checked:
     from raytrain_ddp.driver.node_loss import NodeLossWatch
     from raytrain_ddp.worker.replica import GraceForSurvivors
 
-    job, prepared, total_steps = _prepare(cfg, run_dir, fit_id, resume_from, checked, code, given)
-    job = dataclasses.replace(job, mailbox=open_mailbox())
-    os.environ.setdefault(POLL_ENV, str(CONTROLLER_POLL_S))
     env_vars = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}
     env_vars.update(nccl_env(cfg.scaling.use_gpu, os.environ))
-    trainer = TorchTrainer(
+    return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"job": job},
         torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo",
@@ -326,8 +378,7 @@ def _fit(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, checked:
             failure_config=FailureConfig(
                 max_failures=cfg.run.max_failures,
                 max_preemption_failures=cfg.run.max_preemption_failures,
-                preemption_grace_s=cfg.run.preemption_grace_s,
-                relax_collectives_on_preemption=cfg.run.preemption_grace_s > 0,
+                **preemption_grace(cfg.run.preemption_grace_s),  # Ray 2.60 only (ray_compat.py)
             ),
             worker_runtime_env={"env_vars": env_vars} if env_vars else None,
             # A survivor's copy of the last step is not cut short by the restart (worker/replica.py);
@@ -338,12 +389,11 @@ def _fit(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, checked:
         datasets=prepared.datasets,
         dataset_config=prepared.data_config,
     )
-    started = time.time()
+
+
+def run_fit(cfg: Config, trainer: Any, recorder: Recorder, interrupt: Interrupt) -> tuple[str, Optional[str]]:
+    """Wait for placement, then `trainer.fit()` with the recorder running: (status, error)."""
     status, error = "ok", None
-    interrupt = _Interrupt(job.mailbox)  # ours lets the driver finish (see the module docstring)
-    install_sigint_handler(trainer, interrupt.register)
-    recorder = Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir, job.fit_id)],
-                        job.mailbox, write_metrics="jsonl" in cfg.run.loggers)
     try:
         with recorder:
             try:
@@ -365,7 +415,7 @@ def _fit(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, checked:
                 interrupt.restore()
     except KeyboardInterrupt:  # a second Ctrl-C while the last records were written
         status = "interrupted"
-    return report(cfg, run_dir, job, recorder, status, error, started)
+    return status, error
 
 
 def report(cfg: Config, run_dir: Location, job: Job, recorder: Recorder, status: str, error: Optional[str],
@@ -388,63 +438,6 @@ def _storage(run_dir: Location) -> dict[str, Any]:
     if parent.is_local:
         return {"storage_path": parent.path}
     return {"storage_path": parent.path, "storage_filesystem": parent.fs}
-
-
-class _Interrupt:
-    """Ctrl-C while `fit` runs: first a stop at the next step boundary, saved; then an abort.
-
-    The first Ctrl-C asks the workers, through the mailbox, to save the step they are at
-    and return (rank 0 polls about once a second: `worker/preemption.py`), so what was
-    trained is kept; if they have not ended within `STOP_WAIT_S`, or on a second Ctrl-C,
-    Ray Train's controller is aborted (what Ray's own handler does) and the run continues
-    from its newest checkpoint. A third stops waiting for the workers at all.
-    """
-
-    def __init__(self, mailbox: Any = None) -> None:
-        self.mailbox = mailbox
-        self.presses = 0
-        self.controller: Any = None
-        self._previous: Any = None
-        self._timer: Optional[threading.Timer] = None
-
-    @property
-    def fired(self) -> bool:
-        return self.presses > 0
-
-    def register(self, controller: Any) -> None:
-        self.controller = controller
-        self._previous = signal.signal(signal.SIGINT, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.presses += 1
-        if self.presses == 1 and self.mailbox is not None:
-            print("raytrain-ddp: interrupted: the workers save the step they are at and stop "
-                  "(Ctrl-C again to stop at once, from the newest checkpoint)", file=sys.stderr, flush=True)
-            self.mailbox.request_stop.remote()
-            self._timer = threading.Timer(STOP_WAIT_S, self.abort)
-            self._timer.daemon = True
-            self._timer.start()
-            return
-        if self.presses > 2:
-            raise KeyboardInterrupt  # stop waiting for the workers
-        print("raytrain-ddp: interrupted: stopping the workers (Ctrl-C again to stop waiting)",
-              file=sys.stderr, flush=True)
-        self.abort()
-
-    def abort(self) -> None:
-        self.presses = max(self.presses, 1)
-        if self.controller is not None:
-            try:
-                self.controller.abort.remote()  # the controller stops the workers, then exits
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-
-    def restore(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
 
 
 def build_summary(job: Job, *, status: str, error: Optional[str], elapsed_s: float,

@@ -23,8 +23,9 @@ counts only living nodes. A worker process that died on a living node costs one 
 connects (milliseconds) and no wait. How fast the GCS declares a node dead is Ray's
 health-check setting, which the cluster files set (docs/reliability.md#node-loss).
 
-Ray internals used, each guarded (a failure logs and leaves Ray's own behaviour): the
-coordinator's actor name and its `get_reserved_resources(requester, recompute=True)`.
+Ray internals used, each guarded (a failure logs and leaves Ray's own behaviour), all in
+`ray_compat.py`: the controller-callback base class and state names, the coordinator's
+actor name and its `get_reserved_resources(requester, recompute=True)`.
 """
 
 from __future__ import annotations
@@ -35,15 +36,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from ray.train.v2._internal.execution.callback import ControllerCallback
+from raytrain_ddp import ray_compat
 
 logger = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 1.0
 DECLARE_TIMEOUT_S = 30.0
 POLL_S = 0.2
-RESTART_STATES = ("RestartingState", "ReschedulingState")  # Ray Train V2's controller states
-COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")  # (name, namespace) in Ray 2.60
 REQUESTER = "raytrain-ddp:node-loss"
 
 
@@ -90,14 +89,14 @@ def wait_until_declared(lost: list[dict[str, Any]], list_nodes: Callable[[], lis
     return declared, set(pending)
 
 
-class NodeLossWatch(ControllerCallback):
+class NodeLossWatch(ray_compat.controller_callback_base()):  # type: ignore[misc]
     """Before Ray Train sizes a restarted group, wait for lost nodes to be declared dead."""
 
     def __init__(self, timeout_s: float = DECLARE_TIMEOUT_S) -> None:
         self.timeout_s = timeout_s
 
     def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
-        if type(current_state).__name__ not in RESTART_STATES:
+        if not ray_compat.is_restart_state(current_state):
             return
         try:
             self._settle()
@@ -124,12 +123,4 @@ class NodeLossWatch(ControllerCallback):
 
 def refresh_coordinator(timeout_s: float = 5.0) -> bool:
     """Make Ray Data's autoscaling coordinator re-read the cluster's nodes now (see the docstring)."""
-    import ray
-
-    try:
-        coordinator = ray.get_actor(COORDINATOR[0], namespace=COORDINATOR[1])
-        ray.get(coordinator.get_reserved_resources.remote(REQUESTER, recompute=True), timeout=timeout_s)
-        return True
-    except Exception:  # noqa: BLE001 - Ray internals moved: the coordinator's own tick (20 s) remains
-        logger.warning("raytrain-ddp: could not refresh Ray's autoscaling coordinator", exc_info=True)
-        return False
+    return ray_compat.refresh_autoscaling_coordinator(REQUESTER, timeout_s)

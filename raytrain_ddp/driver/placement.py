@@ -159,16 +159,13 @@ def node_types() -> Optional[list[dict[str, Any]]]:
     Read from the cluster config an autoscaler stores in the GCS (what Ray Train's own
     "insufficient cluster resources" check reads); a fixed cluster has none.
     """
-    try:
-        from ray._private.state import state
+    from raytrain_ddp.ray_compat import autoscaler_node_groups
 
-        config = state.get_cluster_config()
-    except Exception:  # noqa: BLE001 - an internal API: no answer means "not known"
-        return None
-    if config is None or not config.node_group_configs:
+    groups = autoscaler_node_groups()
+    if groups is None:
         return None
     return [{"name": g.name, "resources": dict(g.resources), "max_count": g.max_count}
-            for g in config.node_group_configs if g.max_count != 0]
+            for g in groups if g.max_count != 0]
 
 
 def _alive_nodes() -> list[dict[str, float]]:

@@ -1,10 +1,11 @@
 """Checks of a run's surroundings, made before anything touches the run directory or Ray.
 
 Owns: refusing a relative `run.storage_path` inside a submitted Ray job
-(`check_storage_under_job`), for an embedded Ray a machine that cannot hold the worker
+(`check_storage_under_job`), a setting the installed Ray cannot honour
+(`check_ray_supports`), for an embedded Ray a machine that cannot hold the worker
 group (`placement.check_machine`), and the data's precheck (`precheck`: the data room's
 own checks, then the user's pipeline on a few rows). Must not touch: the config's own
-rules (`config.py`), reading or checking the data itself (`raytrain_ddp/data/`), resume
+rules (`config/`), reading or checking the data itself (`raytrain_ddp/data/`), resume
 decisions (`resume.py`).
 
 Why a relative storage path is refused under `ray job submit`: the job's entrypoint runs
@@ -17,19 +18,18 @@ cluster (each node has its own disk), so the user names one.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from raytrain_ddp.config import Config
+from raytrain_ddp.ray_compat import PREEMPTION_GRACE_SINCE, job_config, preemption_grace_supported, ray_version
 from raytrain_ddp.errors import UserError
 
 if TYPE_CHECKING:
     from raytrain_ddp.data.sources import Prechecked
 
-JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for the entrypoint
 JOB_WORKING_DIR_MARK = "working_dir_files"  # .../runtime_resources/working_dir_files/_ray_pkg_<hash>
 
 
@@ -41,15 +41,13 @@ def ray_job_id() -> Optional[str]:
     """The submission id when this process is the entrypoint of a `ray job submit`, else None.
 
     Ray's job supervisor hands the entrypoint its job config (with the submission id in
-    its metadata) in $RAY_JOB_CONFIG_JSON_ENV_VAR; a working directory inside Ray's
-    unpacked `working_dir_files` says the same when that variable is gone.
+    its metadata) in an environment variable (`ray_compat.job_config`); a working directory
+    inside Ray's unpacked `working_dir_files` says the same when that variable is gone.
     """
-    raw = os.environ.get(JOB_CONFIG_ENV)
-    if raw:
-        try:
-            metadata = json.loads(raw).get("metadata") or {}
-        except (ValueError, AttributeError):
-            metadata = {}
+    config = job_config()
+    if config is not None:
+        metadata = config.get("metadata") or {}
+        metadata = metadata if isinstance(metadata, dict) else {}
         return str(metadata.get("job_submission_id") or metadata.get("job_name") or "unknown")
     if JOB_WORKING_DIR_MARK in Path.cwd().parts:
         return "unknown"
@@ -70,11 +68,21 @@ def check_storage_under_job(cfg: Config) -> None:
     )
 
 
+def check_ray_supports(cfg: Config) -> None:
+    """A setting the installed Ray cannot honour is refused by its key, not ignored."""
+    if cfg.run.preemption_grace_s > 0 and not preemption_grace_supported():
+        need, have = ".".join(map(str, PREEMPTION_GRACE_SINCE)), ".".join(map(str, ray_version()))
+        raise UserError(f"run.preemption_grace_s={cfg.run.preemption_grace_s:g} needs Ray >= {need} "
+                        f"(FailureConfig.preemption_grace_s); this is Ray {have}: upgrade Ray, or set "
+                        "run.preemption_grace_s=0")
+
+
 def preflight(cfg: Config) -> None:
     """Everything that can be refused from the config and this process alone, in one place."""
     from raytrain_ddp.driver.placement import check_machine
 
     check_storage_under_job(cfg)
+    check_ray_supports(cfg)
     if not _joins_a_cluster(cfg):
         check_machine(cfg)
 

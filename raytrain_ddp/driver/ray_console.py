@@ -21,8 +21,8 @@ By default the console shows the plan, progress, the summary and real warnings:
 
 `--verbose` (`RAYTRAIN_DDP_VERBOSE=1`) keeps Ray's own handler and INFO lines.
 
-The filter sits on Ray's worker-output dispatcher (`ray._private.ray_logging`), an
-internal interface: if it is not there, Ray's own handler stays (nothing is lost).
+The filter sits on Ray's worker-output dispatcher, an internal interface reached through
+`ray_compat.py`: if it is not there, Ray's own handler stays (nothing is lost).
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ import os
 import sys
 import threading
 from typing import Any
+
+from raytrain_ddp import ray_compat
 
 VERBOSE_ENV = "RAYTRAIN_DDP_VERBOSE"
 OUR_LINES = ("[rank ", "raytrain-ddp")
@@ -53,7 +55,7 @@ def before_init() -> str:
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     if verbose():
         return "INFO"
-    logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    logger = ray_compat.token_notice_logger()
     if not any(isinstance(f, _DropTokenNotice) for f in logger.filters):
         logger.addFilter(_DropTokenNotice())
     return "WARNING"
@@ -90,12 +92,4 @@ def after_init() -> None:
     for name in ("ray", "ray.data", "ray.train"):
         if logging.getLogger(name).getEffectiveLevel() < logging.WARNING:
             logging.getLogger(name).setLevel(logging.WARNING)
-    try:
-        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
-    except ImportError:  # pragma: no cover - Ray moved it: keep Ray's handler
-        return
-    if not hasattr(dispatcher, "remove_handler"):  # pragma: no cover
-        return
-    dispatcher.remove_handler("ray_print_logs")
-    dispatcher.remove_handler("raytrain_ddp")
-    dispatcher.add_handler("raytrain_ddp", WorkerLines())
+    ray_compat.replace_worker_output_handler("raytrain_ddp", WorkerLines())

@@ -101,7 +101,7 @@ def check_resume_config(cfg: Config, state: dict[str, Any], path: Any) -> list[s
     if not isinstance(recorded, str):
         return []
     progress = state.get("progress", {})
-    old, new = _flat(yaml.safe_load(recorded)), _flat(yaml.safe_load(cfg.to_yaml()))
+    old, new = flatten(yaml.safe_load(recorded)), flatten(yaml.safe_load(cfg.to_yaml()))
     changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
     mid_epoch = int(progress.get("steps_into_epoch", 0)) > 0
 
@@ -128,12 +128,13 @@ def check_resume_config(cfg: Config, state: dict[str, Any], path: Any) -> list[s
     return warned
 
 
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config tree as {"train.lr": 0.1, ...} (dotted keys, as overrides spell them)."""
     if not isinstance(tree, dict):
         return {prefix.rstrip("."): tree}
     out: dict[str, Any] = {}
     for key, value in tree.items():
-        out.update(_flat(value, f"{prefix}{key}."))
+        out.update(flatten(value, f"{prefix}{key}."))
     return out
 
 
@@ -202,8 +203,8 @@ def record_config(cfg: Config, run_dir: Any, resume_from: Any, fit_id: str) -> N
     text = cfg.to_yaml()
     config_file, history = run_dir / CONFIG_FILE, run_dir / CONFIG_HISTORY_FILE
     previous = config_file.read_text() if config_file.exists() else None
-    old = _flat(yaml.safe_load(previous)) if previous else {}
-    new = _flat(yaml.safe_load(text))
+    old = flatten(yaml.safe_load(previous)) if previous else {}
+    new = flatten(yaml.safe_load(text))
     changed = {k: [old.get(k), new.get(k)] for k in sorted(old.keys() | new.keys())
                if previous and old.get(k) != new.get(k)}
     step = int(ckpt.read_manifest(resume_from).get("step", 0)) if resume_from else 0

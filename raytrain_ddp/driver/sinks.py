@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from raytrain_ddp.driver.resume import flatten
 from raytrain_ddp.errors import UserError
 from raytrain_ddp.rundir import TENSORBOARD_DIR, Location
 
@@ -154,7 +155,7 @@ class MlflowSink:
         tags = {"raytrain_ddp.run_dir": run_dir.uri, **({"raytrain_ddp.fit_id": fit_id} if fit_id else {})}
         self.run = self.client.create_run(experiment_id, run_name=cfg.name, tags=tags)
         self.run_id = self.run.info.run_id
-        params = [Param(k, str(v)[:500]) for k, v in _flatten(config_tree(cfg)).items()]
+        params = [Param(k, str(v)[:500]) for k, v in flatten(config_tree(cfg)).items()]
         for i in range(0, len(params), MLFLOW_BATCH):
             self.client.log_batch(self.run_id, params=params[i:i + MLFLOW_BATCH])
 
@@ -199,12 +200,3 @@ class WandbSink:
 
     def close(self, status: str) -> None:
         self.run.finish(exit_code=self.EXIT_CODES.get(status, 1))
-
-
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(tree, dict):
-        return {prefix.rstrip("."): tree}
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        out.update(_flatten(value, f"{prefix}{key}."))
-    return out

@@ -42,6 +42,7 @@ import threading
 import time
 from typing import Any, Optional
 
+from raytrain_ddp.ray_compat import HEAD_NODE_RESOURCE
 from raytrain_ddp.rundir import ABORT_FILE, ATTEMPTS_FILE, METRICS_FILE, JsonlFile, Location
 
 logger = logging.getLogger(__name__)
@@ -51,15 +52,38 @@ FLUSH_TIMEOUT_S = 10.0  # rank 0's final flush waits at most this long for its p
 GAP_TIMEOUT_S = 5.0  # an event missing this long is taken as lost: what waited behind it goes on
 
 
-class Mailbox:
-    """The actor's class: a buffer of events, and the attempt counter of one fit."""
+class _Events:
+    """What both mailboxes hold: the queued events, the attempt counter of one fit, the
+    puts queued per attempt, the driver's stop request. Each mailbox adds how a taker waits."""
 
     def __init__(self) -> None:
         self._events: list[dict[str, Any]] = []
         self._attempts = 0
         self._received: dict[int, int] = {}  # attempt -> puts queued so far
-        self._arrived: Optional[asyncio.Event] = None
         self._stop = False
+
+    def _queue_attempt(self, record: dict[str, Any]) -> int:
+        self._attempts += 1
+        self._events.append({"kind": "attempt", "attempt": self._attempts, "seq": 0,
+                             "record": {**record, "attempt": self._attempts}})
+        return self._attempts
+
+    def _queue(self, event: dict[str, Any]) -> None:
+        self._events.append(event)
+        attempt = event.get("attempt", 0)
+        self._received[attempt] = self._received.get(attempt, 0) + 1
+
+    def _drain(self) -> list[dict[str, Any]]:
+        events, self._events = self._events, []
+        return events
+
+
+class Mailbox(_Events):
+    """The actor's class: a buffer of events, and the attempt counter of one fit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._arrived: Optional[asyncio.Event] = None
 
     def _signal(self) -> asyncio.Event:
         if self._arrived is None:  # created inside the actor's event loop
@@ -68,16 +92,12 @@ class Mailbox:
 
     async def attempt(self, record: dict[str, Any]) -> int:
         """Number this worker-group start (1, 2, ...) and queue its attempts.jsonl line."""
-        self._attempts += 1
-        self._events.append({"kind": "attempt", "attempt": self._attempts, "seq": 0,
-                             "record": {**record, "attempt": self._attempts}})
+        attempt = self._queue_attempt(record)
         self._signal().set()
-        return self._attempts
+        return attempt
 
     async def put(self, event: dict[str, Any]) -> None:
-        self._events.append(event)
-        attempt = event.get("attempt", 0)
-        self._received[attempt] = self._received.get(attempt, 0) + 1
+        self._queue(event)
         self._signal().set()
 
     async def flush(self, attempt: int = 0, sent: int = 0, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
@@ -108,32 +128,28 @@ class Mailbox:
                 await asyncio.wait_for(self._signal().wait(), timeout_s)
             except asyncio.TimeoutError:
                 pass
-        events, self._events = self._events, []
+        events = self._drain()
         self._signal().clear()
         return events
 
 
-class LocalMailbox:
+class LocalMailbox(_Events):
     """The mailbox of local mode (`scaling.num_workers: 0`): the same calls, in this process,
     from the loop's thread (rank 0's `Outbox`) to the recorder's; no actor, no Ray."""
 
     def __init__(self) -> None:
-        self._events: list[dict[str, Any]] = []
-        self._attempts = 0
-        self._stop = False
+        super().__init__()
         self._arrived = threading.Condition()
 
     def attempt(self, record: dict[str, Any]) -> int:
         with self._arrived:
-            self._attempts += 1
-            self._events.append({"kind": "attempt", "attempt": self._attempts, "seq": 0,
-                                 "record": {**record, "attempt": self._attempts}})
+            attempt = self._queue_attempt(record)
             self._arrived.notify_all()
-            return self._attempts
+            return attempt
 
     def put(self, event: dict[str, Any]) -> None:
         with self._arrived:
-            self._events.append(event)
+            self._queue(event)
             self._arrived.notify_all()
 
     def flush(self, attempt: int = 0, sent: int = 0, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
@@ -149,11 +165,7 @@ class LocalMailbox:
         with self._arrived:
             if not self._events:
                 self._arrived.wait(timeout_s)
-            events, self._events = self._events, []
-            return events
-
-
-HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
+            return self._drain()
 
 
 def open_mailbox() -> Any:
@@ -167,7 +179,7 @@ def open_mailbox() -> Any:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    heads = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and HEAD_RESOURCE in n.get("Resources", {})]
+    heads = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and HEAD_NODE_RESOURCE in n.get("Resources", {})]
     where = heads[0] if heads else ray.get_runtime_context().get_node_id()
     actor = ray.remote(num_cpus=0, max_restarts=0)(Mailbox).options(
         # soft=False: a soft affinity was seen placing it on the other node when the head

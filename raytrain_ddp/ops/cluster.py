@@ -237,7 +237,10 @@ def ray_schema_problems(name: str, cfg: dict[str, Any]) -> list[Problem]:
     """What `ray up` itself would reject: Ray fills in its provider defaults, then checks
     the result against ray-schema.json and its own cross-field rules."""
     import jsonschema
-    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    from raytrain_ddp.ray_compat import autoscaler_config_checks
+
+    prepare_config, validate_config = autoscaler_config_checks()
 
     quiet = [logging.getLogger(n) for n in ("ray", "ray.autoscaler")]
     levels = [lg.level for lg in quiet]

@@ -32,7 +32,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator
 
 from raytrain_ddp.job import Job
 from raytrain_ddp.worker.context import Rank
@@ -274,9 +274,3 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         rows.append(f"| GPU busy (any kernel) | {summary['gpu_busy']:.2f} | {100 * summary['gpu_busy'] / step:.0f}% |")
     rows.append(f"| **step (wall)** | **{summary['step']:.2f}** | {summary['steps']} steps recorded |")
     return "\n".join(rows)
-
-
-def load_trace_summary(run_dir: os.PathLike | str) -> Optional[dict[str, Any]]:
-    """The summary of the newest trace under `<run_dir>/profile/`, or None when there is none."""
-    traces = sorted(Path(run_dir, PROFILE_DIR).glob("*.pt.trace.json"), key=lambda p: p.stat().st_mtime)
-    return summarize_trace(traces[-1]) if traces else None

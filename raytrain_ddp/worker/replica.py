@@ -54,9 +54,8 @@ import traceback
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
-from ray.train.v2._internal.execution.callback import WorkerCallback
-
 from raytrain_ddp import checkpoint as ckpt
+from raytrain_ddp import ray_compat  # a leaf: Ray Train's private hook, named in one room
 from raytrain_ddp.errors import UserError
 from raytrain_ddp.parallel import registry
 from raytrain_ddp.rundir import CHECKPOINT_PREFIX, Location
@@ -110,7 +109,7 @@ class CopyWindow:
 WINDOW = CopyWindow()
 
 
-class GraceForSurvivors(WorkerCallback):
+class GraceForSurvivors(ray_compat.worker_callback_base()):  # type: ignore[misc]
     """Ray Train worker callback: a worker being stopped first leaves its copy of the last step.
 
     Passed through `RunConfig(callbacks=...)`, which hands non-user callbacks to the

@@ -95,7 +95,6 @@ class TrainState:
     scaler: torch.amp.GradScaler
     batch: BatchFormat  # how a batch reaches the model and the loss (`raytrain_ddp.batch`)
     autocast: Callable[[], ContextManager]
-    params: list = field(default_factory=list)
     progress: Progress = field(default_factory=Progress)
     rng: Any = None
     run: dict = field(default_factory=dict)  # world size, config and fit id, for the driver
@@ -187,7 +186,6 @@ def build_state(job: Job, rank: Rank, total_steps: int) -> TrainState:
         find_unused_parameters=cfg.parallel.find_unused_parameters,
         shm=cfg.parallel.shm,
     )
-    params = [p for p in wrapper.module.parameters() if p.requires_grad]
     optimizer = wrapper.make_optimizer(lambda trainable: build_optimizer(trainable, cfg.train)
                                        if code.optimizer is None else code.build_optimizer(cfg, wrapper.module))
     schedule = build_schedule(optimizer, cfg, total_steps, code)
@@ -201,7 +199,7 @@ def build_state(job: Job, rank: Rank, total_steps: int) -> TrainState:
 
     progress = Progress()
     survivors_copy = cfg.run.recovery == "replica" and cfg.parallel.strategy in REPLICATED
-    return TrainState(wrapper, optimizer, schedule, scaler, code.batch_format(cfg), autocast, params,
+    return TrainState(wrapper, optimizer, schedule, scaler, code.batch_format(cfg), autocast,
                       progress=progress, rng=RngStreams(rank, progress),
                       run={"world_size": rank.world_size, "config": cfg.to_yaml(), "fit_id": job.fit_id,
                            "spec": job.spec.state_dict()},

@@ -136,6 +136,7 @@ def _copy_repo(dest: Path) -> Path:
         skip = {n for n in names if n in {"__pycache__"} or n.endswith(".egg-info")}
         if Path(directory) == ROOT:
             skip |= SKIP_TOP & set(names)
+            skip |= {n for n in names if n.startswith((".venv-torch-", ".venv-ray-"))}  # `make compat`'s venvs
         return skip
 
     repo = dest / "repo"

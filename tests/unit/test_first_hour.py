@@ -22,6 +22,7 @@ import torch
 
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import load_config
+from raytrain_ddp import ray_compat
 from raytrain_ddp.driver import preflight, ray_console
 from raytrain_ddp.driver.cli import main
 from raytrain_ddp.driver.resume import (
@@ -88,7 +89,7 @@ def test_too_many_cpus_for_this_machine_names_the_keys(tmp_path, capsys, no_ray)
 
 def test_relative_storage_path_is_refused_inside_a_ray_job(tmp_path, monkeypatch, capsys):
     job_config = {"runtime_env": {"working_dir": "gcs://_ray_pkg_x.zip"}, "metadata": {"job_submission_id": "raysubmit_1"}}
-    monkeypatch.setenv(preflight.JOB_CONFIG_ENV, json.dumps(job_config))
+    monkeypatch.setenv(ray_compat.JOB_CONFIG_ENV, json.dumps(job_config))
     monkeypatch.chdir(tmp_path)
     assert preflight.ray_job_id() == "raysubmit_1"
     assert main(["train", str(TINY), "run.storage_path=./runs"]) == 2
@@ -99,7 +100,7 @@ def test_relative_storage_path_is_refused_inside_a_ray_job(tmp_path, monkeypatch
     preflight.check_storage_under_job(_cfg(Path("ignored"), "run.storage_path=s3://bucket/runs"))
 
     # Without the variable, Ray's unpacked working directory gives it away.
-    monkeypatch.delenv(preflight.JOB_CONFIG_ENV)
+    monkeypatch.delenv(ray_compat.JOB_CONFIG_ENV)
     assert preflight.ray_job_id() is None
     unpacked = tmp_path / "session" / "runtime_resources" / "working_dir_files" / "_ray_pkg_abc"
     unpacked.mkdir(parents=True)
@@ -232,7 +233,7 @@ def test_ray_token_notice_dropped_but_its_warning_kept_and_verbose_keeps_all(mon
     monkeypatch.delenv(ray_console.VERBOSE_ENV, raising=False)
     monkeypatch.setenv("RAY_COLOR_PREFIX", "0")  # what before_init sets when piped; restored after the test
     assert ray_console.before_init() == "WARNING"
-    logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    logger = ray_compat.token_notice_logger()
 
     def passes(message: str) -> bool:
         record = logger.makeRecord(logger.name, logging.WARNING, __file__, 1, message, (), None)

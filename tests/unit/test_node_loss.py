@@ -75,10 +75,3 @@ def test_only_a_restart_triggers_the_check():
     watch._settle = lambda: 1 / 0  # type: ignore[method-assign]
     watch.after_controller_state_update(RunningState(), RestartingState())  # never fails the controller
 
-
-def test_the_states_it_watches_are_ray_trains_own():
-    from ray.train.v2._internal.execution.controller import state
-
-    from raytrain_ddp.driver.node_loss import RESTART_STATES
-
-    assert all(isinstance(getattr(state, name), type) for name in RESTART_STATES)

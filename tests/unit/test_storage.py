@@ -303,9 +303,10 @@ def test_mlflow_sink_one_run_by_id_from_another_thread(tmp_path, monkeypatch):
 
 
 def _flat_keys(cfg):
-    from raytrain_ddp.driver.sinks import _flatten, config_tree
+    from raytrain_ddp.driver.resume import flatten
+    from raytrain_ddp.driver.sinks import config_tree
 
-    return _flatten(config_tree(cfg))
+    return flatten(config_tree(cfg))
 
 
 def test_wandb_sink_offline_run_read_back(tmp_path, monkeypatch):
@@ -359,7 +360,7 @@ def test_a_fit_in_a_bucket_hands_ray_an_empty_history_and_publishes_a_dead_uploa
     lists), and a staging copy whose asynchronous upload died is uploaded by the next rank 0."""
     import tempfile
 
-    from raytrain_ddp.driver.ray_compat import checkpoint_snapshot_name, forget_earlier_fits
+    from raytrain_ddp.ray_compat import checkpoint_snapshot_name, forget_earlier_fits
     from raytrain_ddp.worker.checkpointer import STAGING_NAME_SEP, STAGING_PREFIX, publish_orphaned_uploads
 
     run_dir = Location.parse(f"s3://{BUCKET}/runs/sequence")

@@ -51,6 +51,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from raytrain_ddp.ray_compat import WORKER_NICENESS_ENV
 from raytrain_ddp.ops.bench.common import Sizes, stats
 
 QUICKSTART = Path(__file__).resolve().parents[3] / "examples" / "configs" / "quickstart.yaml"
@@ -200,7 +201,7 @@ def kill_section(kills: int, log=print) -> dict[str, Any]:
     """`kills` runs per recovery mode (replica, checkpoint), interleaved; each starts its own Ray."""
     # The launcher's embedded start as `raytrain-ddp train` makes it: never a cluster by
     # chance, and Ray's own worker niceness, not the 0 the suite sets for its A/B sections.
-    saved = {k: os.environ.pop(k) for k in ("RAY_ADDRESS", "RAY_worker_niceness") if k in os.environ}
+    saved = {k: os.environ.pop(k) for k in ("RAY_ADDRESS", WORKER_NICENESS_ENV) if k in os.environ}
     modes: dict[str, list[dict[str, Any]]] = {"replica": [], "checkpoint": []}
     try:
         with tempfile.TemporaryDirectory(prefix="raytrain-bench-recovery-") as tmp:

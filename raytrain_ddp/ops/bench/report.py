@@ -183,96 +183,108 @@ def _recovery_tables(rec: dict[str, Any]) -> list[str]:
     return out
 
 
+def _strategy_tables(strat: dict[str, Any]) -> list[str]:
+    out = [f"\n**Step time per strategy** (ms, median [p25-p75]; {strat['note']})\n"]
+    models = [m for m in ("mlp", "gpt") if m in strat]
+    labels = list(strat[models[0]]["step_ms"])
+    rows = []
+    for label in labels:
+        row = [label]
+        for m in models:
+            s = strat[m]["spread_ms"][label]
+            row.append(f"{s['median']:.2f} [{s['p25']:.2f}-{s['p75']:.2f}]")
+        rows.append(row)
+    for key in strat[models[0]]["ratios"]:
+        rows.append([f"ratio {key}"] + [_f(strat[m]["ratios"].get(key, float("nan")), 3) for m in models])
+    for key in strat[models[0]].get("paired_over_torch_ddp", {}):
+        rows.append([f"paired {key} / torch_ddp"]
+                    + [_f(strat[m].get("paired_over_torch_ddp", {}).get(key, float("nan")), 3) for m in models])
+    header = ["variant"] + [f"{m} ({strat[m]['params'] / 1e6:.2f} M params, batch {strat[m]['per_rank_batch']})"
+                            for m in models]
+    out.append(_table(header, rows))
+    return out + _parity_lines(strat, models) + _comm_tables(strat, models)
+
+
+def _accumulation_tables(acc: dict[str, Any]) -> list[str]:
+    rows = [[r["strategy"], r["k"], _f(r["allreduce_calls_per_step"], 1), f"{r['allreduce_bytes_per_step'] / 2**20:.2f}",
+             f"{r['min_bytes_per_step'] / 2**20:.2f}", _f(r["bytes_over_min"], 3), r["nonfinal_calls"],
+             _f(r["ms_per_sample"], 3), _f(r["time_per_sample_vs_k1"], 2)] for r in acc["rows"]]
+    return [f"\n**Gradient accumulation** (MLP, {acc['world_size']} ranks, micro-batch {acc['micro_batch']}; "
+            "per optimizer step)\n",
+            _table(["strategy", "k", "all-reduce calls", "MB sent", "MB minimum", "sent / min",
+                    "calls on non-final micro-steps", "ms / sample", "vs k=1"], rows)]
+
+
+def _ray_tables(ray: dict[str, Any]) -> list[str]:
+    ps, rs = ray["plain_spread_ms"], ray["ray_spread_ms"]
+    return [f"\n**Ray Train overhead** ({ray['world_size']} workers, {ray['model']} + {ray['strategy']}, "
+            f"batch {ray['per_rank_batch']}/rank, {ray['rounds']} round(s) x {ray['steps_per_run']} steps)\n",
+            _table(["launcher", "step ms (median [p25-p75])", "start-up to first step (s)"], [
+                ["plain torch.distributed", f"{ps['median']:.2f} [{ps['p25']:.2f}-{ps['p75']:.2f}]",
+                 _f(ray["plain_startup_s"])],
+                ["Ray Train TorchTrainer", f"{rs['median']:.2f} [{rs['p25']:.2f}-{rs['p75']:.2f}]",
+                 _f(ray["ray_startup_s"])],
+                ["ratio Ray / plain", _f(ray["ray_over_plain"], 3), f"ray.init: {_f(ray['ray_init_s'])} s"],
+            ])]
+
+
+def _checkpoint_tables(ck: dict[str, Any]) -> list[str]:
+    rows = [(f"{name} (controller poll {ck['poll_s']:g} s)", st) for name, st in ck["states"].items()]
+    default = ck.get("ray_default_poll")
+    if default:
+        rows.append((f"quickstart (Ray's default poll {default['poll_s']:g} s)", default["quickstart"]))
+    return [f"\n**Checkpoint: time the step loop is blocked** ({ck['world_size']} workers, "
+            f"{ck['per_mode']} checkpoint(s) per mode and state; seconds, median [min-max])\n",
+            _table(["state", "MB", "training between (s)", "sync upload", "async upload", "async / sync"], [
+                [label, _f(st["state_mb"], 1), _f(st["gap_s"], 2),
+                 f"{st['sync']['median']:.3f} [{st['sync']['min']:.3f}-{st['sync']['max']:.3f}]",
+                 f"{st['async']['median']:.3f} [{st['async']['min']:.3f}-{st['async']['max']:.3f}]",
+                 _f(st["async_over_sync"], 3)] for label, st in rows])]
+
+
+def _ingest_tables(ing: dict[str, Any]) -> list[str]:
+    out = [f"\n**Ingest** ({ing['rows']:,} rows x {ing['features']} float32, batch {ing['batch']})\n"]
+    best = ing["samples_per_s"]["in_memory"]
+    rows = [[name, f"{v['samples_per_s']:,.0f}", _f(v["samples_per_s"] / best, 3), _f(v["first_batch_s"], 3)]
+            for name, v in ing["readers"].items()]
+    out.append(_table(["reader", "samples/s", "vs in-memory", "first batch (s)"], rows))
+    if ing.get("training"):
+        rows = [[s, t["workers"], t["steps"], _f(t["data_wait_fraction"], 3), f"{t['samples_per_s']:,.0f}"]
+                for s, t in ing["training"].items()]
+        out.append("\n" + _table(["training run: data.sharding", "workers", "steps", "data wait fraction",
+                                  "samples/s"], rows))
+    if ing.get("image_training"):
+        rows = [[s, _f(t["data_wait_fraction"], 3), _f(t["data_wait_fraction_all"][0], 3),
+                 _f(t["first_step_logged_s"], 1), f"{t['samples_per_s']:,.0f}"]
+                for s, t in ing["image_training"].items() if "error" not in t]
+        out.append("\n" + _table(["PNG-decode run: data.sharding", "data wait (steady)", "first interval's wait",
+                                  "start -> first step logged (s)", "samples/s"], rows))
+    return out
+
+
+def _gpt_tables(gpt: dict[str, Any]) -> list[str]:
+    rows = [[k, f"{v['tokens_per_s']:,.0f}", _f(v["step_ms"]), _f(v.get("mfu", float("nan")), 3)]
+            for k, v in gpt["variants"].items()]
+    return [f"\n**Tiny GPT on {gpt['device_name']}** ({gpt['precision']}, {gpt['params'] / 1e6:.1f} M params, "
+            f"seq {gpt['seq_len']}, batch {gpt['batch']})\n",
+            _table(["variant", "tokens/s", "step ms", "MFU"], rows)]
+
+
+# The report's sections, in order: the results' key and its tables.
+_SECTIONS = (("strategies", _strategy_tables), ("accumulation", _accumulation_tables), ("memory", _memory_tables),
+             ("ray_overhead", _ray_tables), ("checkpoint", _checkpoint_tables), ("ingest", _ingest_tables),
+             ("recovery", _recovery_tables), ("gpt", _gpt_tables))
+
+
 def markdown(results: dict[str, Any]) -> str:
     results = {k: v for k, v in results.items() if not (isinstance(v, dict) and "error" in v)}
-    out = []
     meta = results.get("meta", {})
-    out.append(f"### raytrain-ddp bench ({meta.get('preset')}, device {meta.get('device')}, "
-               f"{meta.get('cpu_count')} cores, torch {meta.get('torch')}, ray {meta.get('ray')}, "
-               f"{_f(meta.get('duration_s', float('nan')), 0)} s)")
-    strat = results.get("strategies")
-    if strat:
-        out.append(f"\n**Step time per strategy** (ms, median [p25-p75]; {strat['note']})\n")
-        models = [m for m in ("mlp", "gpt") if m in strat]
-        labels = list(strat[models[0]]["step_ms"])
-        rows = []
-        for label in labels:
-            row = [label]
-            for m in models:
-                s = strat[m]["spread_ms"][label]
-                row.append(f"{s['median']:.2f} [{s['p25']:.2f}-{s['p75']:.2f}]")
-            rows.append(row)
-        for key in strat[models[0]]["ratios"]:
-            rows.append([f"ratio {key}"] + [_f(strat[m]["ratios"].get(key, float("nan")), 3) for m in models])
-        for key in strat[models[0]].get("paired_over_torch_ddp", {}):
-            rows.append([f"paired {key} / torch_ddp"]
-                        + [_f(strat[m].get("paired_over_torch_ddp", {}).get(key, float("nan")), 3) for m in models])
-        header = ["variant"] + [f"{m} ({strat[m]['params'] / 1e6:.2f} M params, batch {strat[m]['per_rank_batch']})"
-                                for m in models]
-        out.append(_table(header, rows))
-        out += _parity_lines(strat, models)
-        out += _comm_tables(strat, models)
-    acc = results.get("accumulation")
-    if acc:
-        out.append(f"\n**Gradient accumulation** (MLP, {acc['world_size']} ranks, micro-batch {acc['micro_batch']}; "
-                   "per optimizer step)\n")
-        rows = [[r["strategy"], r["k"], _f(r["allreduce_calls_per_step"], 1), f"{r['allreduce_bytes_per_step'] / 2**20:.2f}",
-                 f"{r['min_bytes_per_step'] / 2**20:.2f}", _f(r["bytes_over_min"], 3), r["nonfinal_calls"],
-                 _f(r["ms_per_sample"], 3), _f(r["time_per_sample_vs_k1"], 2)] for r in acc["rows"]]
-        out.append(_table(["strategy", "k", "all-reduce calls", "MB sent", "MB minimum", "sent / min",
-                           "calls on non-final micro-steps", "ms / sample", "vs k=1"], rows))
-    if results.get("memory"):
-        out += _memory_tables(results["memory"])
-    ray = results.get("ray_overhead")
-    if ray:
-        out.append(f"\n**Ray Train overhead** ({ray['world_size']} workers, {ray['model']} + {ray['strategy']}, "
-                   f"batch {ray['per_rank_batch']}/rank, {ray['rounds']} round(s) x {ray['steps_per_run']} steps)\n")
-        ps, rs = ray["plain_spread_ms"], ray["ray_spread_ms"]
-        out.append(_table(["launcher", "step ms (median [p25-p75])", "start-up to first step (s)"], [
-            ["plain torch.distributed", f"{ps['median']:.2f} [{ps['p25']:.2f}-{ps['p75']:.2f}]", _f(ray["plain_startup_s"])],
-            ["Ray Train TorchTrainer", f"{rs['median']:.2f} [{rs['p25']:.2f}-{rs['p75']:.2f}]", _f(ray["ray_startup_s"])],
-            ["ratio Ray / plain", _f(ray["ray_over_plain"], 3), f"ray.init: {_f(ray['ray_init_s'])} s"],
-        ]))
-    ck = results.get("checkpoint")
-    if ck:
-        out.append(f"\n**Checkpoint: time the step loop is blocked** ({ck['world_size']} workers, "
-                   f"{ck['per_mode']} checkpoint(s) per mode and state; seconds, median [min-max])\n")
-        rows = [(f"{name} (controller poll {ck['poll_s']:g} s)", st) for name, st in ck["states"].items()]
-        default = ck.get("ray_default_poll")
-        if default:
-            rows.append((f"quickstart (Ray's default poll {default['poll_s']:g} s)", default["quickstart"]))
-        out.append(_table(["state", "MB", "training between (s)", "sync upload", "async upload", "async / sync"], [
-            [label, _f(st["state_mb"], 1), _f(st["gap_s"], 2),
-             f"{st['sync']['median']:.3f} [{st['sync']['min']:.3f}-{st['sync']['max']:.3f}]",
-             f"{st['async']['median']:.3f} [{st['async']['min']:.3f}-{st['async']['max']:.3f}]",
-             _f(st["async_over_sync"], 3)] for label, st in rows]))
-    ing = results.get("ingest")
-    if ing:
-        out.append(f"\n**Ingest** ({ing['rows']:,} rows x {ing['features']} float32, batch {ing['batch']})\n")
-        best = ing["samples_per_s"]["in_memory"]
-        rows = [[name, f"{v['samples_per_s']:,.0f}", _f(v["samples_per_s"] / best, 3), _f(v["first_batch_s"], 3)]
-                for name, v in ing["readers"].items()]
-        out.append(_table(["reader", "samples/s", "vs in-memory", "first batch (s)"], rows))
-        if ing.get("training"):
-            rows = [[s, t["workers"], t["steps"], _f(t["data_wait_fraction"], 3), f"{t['samples_per_s']:,.0f}"]
-                    for s, t in ing["training"].items()]
-            out.append("\n" + _table(["training run: data.sharding", "workers", "steps", "data wait fraction",
-                                      "samples/s"], rows))
-        if ing.get("image_training"):
-            rows = [[s, _f(t["data_wait_fraction"], 3), _f(t["data_wait_fraction_all"][0], 3),
-                     _f(t["first_step_logged_s"], 1), f"{t['samples_per_s']:,.0f}"]
-                    for s, t in ing["image_training"].items() if "error" not in t]
-            out.append("\n" + _table(["PNG-decode run: data.sharding", "data wait (steady)", "first interval's wait",
-                                      "start -> first step logged (s)", "samples/s"], rows))
-    if results.get("recovery"):
-        out += _recovery_tables(results["recovery"])
-    gpt = results.get("gpt")
-    if gpt:
-        out.append(f"\n**Tiny GPT on {gpt['device_name']}** ({gpt['precision']}, {gpt['params'] / 1e6:.1f} M params, "
-                   f"seq {gpt['seq_len']}, batch {gpt['batch']})\n")
-        rows = [[k, f"{v['tokens_per_s']:,.0f}", _f(v["step_ms"]), _f(v.get("mfu", float("nan")), 3)]
-                for k, v in gpt["variants"].items()]
-        out.append(_table(["variant", "tokens/s", "step ms", "MFU"], rows))
+    out = [f"### raytrain-ddp bench ({meta.get('preset')}, device {meta.get('device')}, "
+           f"{meta.get('cpu_count')} cores, torch {meta.get('torch')}, ray {meta.get('ray')}, "
+           f"{_f(meta.get('duration_s', float('nan')), 0)} s)"]
+    for key, tables in _SECTIONS:
+        if results.get(key):
+            out += tables(results[key])
     ver = verdicts(results)
     if ver:
         out.append("\n**Targets**\n")
@@ -281,66 +293,82 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _panel_strategies(ax: Any, sec: dict[str, Any]) -> None:
+    models = [m for m in ("mlp", "gpt") if m in sec]
+    labels = list(sec[models[0]]["step_ms"])
+    width = 0.8 / len(models)
+    for i, m in enumerate(models):
+        single = sec[m]["step_ms"]["single"]
+        vals = [sec[m]["step_ms"][lab] / single for lab in labels]
+        ax.bar([j + i * width for j in range(len(labels))], vals, width, label=m)
+    ax.set_xticks([j + width * (len(models) - 1) / 2 for j in range(len(labels))])
+    ax.set_xticklabels(labels, rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel("step time / single process")
+    ax.set_title("strategies")
+    ax.legend(fontsize=8)
+
+
+def _panel_accumulation(ax: Any, sec: dict[str, Any]) -> None:
+    for strategy in sec["strategies"]:
+        rows = [r for r in sec["rows"] if r["strategy"] == strategy]
+        ax.plot([r["k"] for r in rows], [r["ms_per_sample"] for r in rows], marker="o", label=strategy)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("accumulation steps k")
+    ax.set_ylabel("ms per sample")
+    ax.set_title("accumulation (bytes/min = 1.00)")
+    ax.legend(fontsize=8)
+
+
+def _panel_ray_overhead(ax: Any, sec: dict[str, Any]) -> None:
+    ax.bar(["plain", "Ray Train"], [sec["plain_step_ms"], sec["ray_step_ms"]], color=["C0", "C1"])
+    ax.set_ylabel("steady-state step ms")
+    ax.set_title(f"Ray overhead: x{sec['ray_over_plain']:.3f}")
+
+
+def _panel_checkpoint(ax: Any, sec: dict[str, Any]) -> None:
+    names = list(sec["states"])
+    for i, mode in enumerate(("sync", "async")):
+        ax.bar([j + 0.4 * i for j in range(len(names))], [sec["states"][n][mode]["median"] for n in names],
+               0.4, label=mode)
+    ax.set_xticks([j + 0.2 for j in range(len(names))])
+    ax.set_xticklabels([f"{n} ({sec['states'][n]['state_mb']:.0f} MB)" for n in names], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("s blocked per checkpoint")
+    ax.set_title("checkpoint upload")
+    ax.legend(fontsize=8)
+
+
+def _panel_ingest(ax: Any, sec: dict[str, Any]) -> None:
+    names = list(sec["samples_per_s"])
+    ax.bar(names, [sec["samples_per_s"][n] for n in names], color="C2")
+    ax.set_yscale("log")
+    ax.set_ylabel("samples/s")
+    ax.tick_params(axis="x", rotation=30, labelsize=8)
+    ax.set_title(f"ingest; wait in training {100 * sec.get('data_wait_fraction', float('nan')):.1f}%")
+
+
+def _panel_gpt(ax: Any, sec: dict[str, Any]) -> None:
+    names = list(sec["variants"])
+    ax.bar(names, [sec["variants"][n]["tokens_per_s"] for n in names], color="C3")
+    ax.set_ylabel("tokens/s")
+    ax.set_title("tiny GPT")
+
+
+# The figure's panels, left to right: the results' key and how it is drawn.
+_PANELS = {"strategies": _panel_strategies, "accumulation": _panel_accumulation, "ray_overhead": _panel_ray_overhead,
+           "checkpoint": _panel_checkpoint, "ingest": _panel_ingest, "gpt": _panel_gpt}
+
+
 def plot(results: dict[str, Any], path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [k for k in ("strategies", "accumulation", "ray_overhead", "checkpoint", "ingest", "gpt")
-              if results.get(k) and "error" not in results[k]]
+    panels = [k for k in _PANELS if results.get(k) and "error" not in results[k]]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False)
     for ax, key in zip(axes[0], panels):
-        sec = results[key]
-        if key == "strategies":
-            models = [m for m in ("mlp", "gpt") if m in sec]
-            labels = list(sec[models[0]]["step_ms"])
-            width = 0.8 / len(models)
-            for i, m in enumerate(models):
-                single = sec[m]["step_ms"]["single"]
-                vals = [sec[m]["step_ms"][lab] / single for lab in labels]
-                ax.bar([j + i * width for j in range(len(labels))], vals, width, label=m)
-            ax.set_xticks([j + width * (len(models) - 1) / 2 for j in range(len(labels))])
-            ax.set_xticklabels(labels, rotation=45, ha="right", fontsize=8)
-            ax.set_ylabel("step time / single process")
-            ax.set_title("strategies")
-            ax.legend(fontsize=8)
-        elif key == "accumulation":
-            for strategy in sec["strategies"]:
-                rows = [r for r in sec["rows"] if r["strategy"] == strategy]
-                ax.plot([r["k"] for r in rows], [r["ms_per_sample"] for r in rows], marker="o", label=strategy)
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("accumulation steps k")
-            ax.set_ylabel("ms per sample")
-            ax.set_title("accumulation (bytes/min = 1.00)")
-            ax.legend(fontsize=8)
-        elif key == "ray_overhead":
-            ax.bar(["plain", "Ray Train"], [sec["plain_step_ms"], sec["ray_step_ms"]], color=["C0", "C1"])
-            ax.set_ylabel("steady-state step ms")
-            ax.set_title(f"Ray overhead: x{sec['ray_over_plain']:.3f}")
-        elif key == "checkpoint":
-            names = list(sec["states"])
-            for i, mode in enumerate(("sync", "async")):
-                ax.bar([j + 0.4 * i for j in range(len(names))], [sec["states"][n][mode]["median"] for n in names],
-                       0.4, label=mode)
-            ax.set_xticks([j + 0.2 for j in range(len(names))])
-            ax.set_xticklabels([f"{n} ({sec['states'][n]['state_mb']:.0f} MB)" for n in names], fontsize=8)
-            ax.set_yscale("log")
-            ax.set_ylabel("s blocked per checkpoint")
-            ax.set_title("checkpoint upload")
-            ax.legend(fontsize=8)
-        elif key == "ingest":
-            names = list(sec["samples_per_s"])
-            ax.bar(names, [sec["samples_per_s"][n] for n in names], color="C2")
-            ax.set_yscale("log")
-            ax.set_ylabel("samples/s")
-            ax.tick_params(axis="x", rotation=30, labelsize=8)
-            ax.set_title(f"ingest; wait in training {100 * sec.get('data_wait_fraction', float('nan')):.1f}%")
-        elif key == "gpt":
-            names = list(sec["variants"])
-            ax.bar(names, [sec["variants"][n]["tokens_per_s"] for n in names], color="C3")
-            ax.set_ylabel("tokens/s")
-            ax.set_title("tiny GPT")
+        _PANELS[key](ax, results[key])
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

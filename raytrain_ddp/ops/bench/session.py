@@ -17,6 +17,8 @@ import sys
 import time
 from typing import Any, Optional
 
+from raytrain_ddp.ray_compat import WORKER_NICENESS_ENV, local_instance_kwargs
+
 __all__ = ["log", "meta", "start_ray"]
 
 
@@ -34,7 +36,7 @@ def meta(preset: str, device: str) -> dict[str, Any]:
         "python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "load_avg_at_start": list(load),
         "threads_note": "CPU: 2 gloo ranks x torch.set_num_threads(1) on this machine's cores",
-        "ray_worker_niceness": os.environ.get("RAY_worker_niceness", "0 (set by the bench)"),
+        "ray_worker_niceness": os.environ.get(WORKER_NICENESS_ENV, "0 (set by the bench)"),
     }
 
 
@@ -48,12 +50,12 @@ def start_ray(num_cpus: int, num_gpus: Optional[int] = None) -> float:
     """
     import ray
 
-    os.environ.setdefault("RAY_worker_niceness", "0")
+    os.environ.setdefault(WORKER_NICENESS_ENV, "0")
     started = time.perf_counter()
     kwargs: dict[str, Any] = {}
     if num_gpus is not None:
         kwargs["num_gpus"] = num_gpus
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **local_instance_kwargs("127.0.0.1"),
              log_to_driver=False, configure_logging=True, logging_level="WARNING", **kwargs)
     import ray.data
 

@@ -1,0 +1,222 @@
+"""Every private Ray API this package uses, in one room (issue #29).
+
+Owns: each use of a name Ray does not promise to keep -- imports from `ray._private`,
+`ray.train.v2._internal`, `ray.data._internal`, `ray.autoscaler._private`, underscore
+attributes and arguments of Ray objects, internal actor / resource / handler / logger /
+environment-variable names, and the one monkeypatch. Other modules call the functions
+below and never spell a private name themselves (`tests/unit/test_ray_compat.py` greps
+the package for it); each function has a test there that fails by its name when a Ray
+release moves what it relies on. Must not touch: training, the worker loop, what is
+printed. A leaf: it imports no module of this package and Ray only inside functions, so
+the refusals before Ray starts (`preflight.py`) and the worker (`worker/replica.py`, the
+one module below the driver that needs a Ray Train hook) may import it.
+
+Tested with Ray 2.59 and 2.60 (README, "Supported Ray"); where those releases differ, the
+branch is here and says which release has what.
+
+Why Ray's checkpoint snapshot is removed before every fit (issue #25): Ray Train V2
+keeps `checkpoint_manager_snapshot.json` in the run directory and, when the same
+name/storage path is fitted again, restores its list of checkpoints, refusing to start
+("You are running in a corrupted run directory") when one of them is gone. Ours go on
+purpose: `run.num_to_keep` is applied over all fits (`resume.prune_checkpoints`), a
+survivor's copy supersedes a checkpoint, a fit dies between Ray's deletion and its
+snapshot write. Which checkpoint a fit starts from is our decision anyway
+(`resume.resolve_resume`, made before Ray starts; workers ignore Ray's offers from
+earlier fits), so each fit hands Ray an empty history: Ray then only ever lists what this
+fit wrote, and its file never contradicts ours.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any, Callable, Optional
+
+logger = logging.getLogger(__name__)
+
+# Environment variables Ray sets or reads that are not documented settings.
+JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # the job supervisor's config for a `ray job submit` entrypoint
+CONTROLLER_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"  # Ray Train V2's controller poll, passed to it
+WORKER_NICENESS_ENV = "RAY_worker_niceness"  # the niceness Ray starts worker processes at (15)
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # the marker resource only the head node has
+TOKEN_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"  # "token auth is on/off"
+RAY_WORKER_OUTPUT_HANDLER = "ray_print_logs"  # the name of Ray's handler on its worker-output dispatcher
+CONTROLLER_RESTART_STATES = ("RestartingState", "ReschedulingState")  # Ray Train V2's controller states
+COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")  # Ray Data's actor: (name, namespace)
+PREEMPTION_GRACE_SINCE = (2, 60)  # FailureConfig(preemption_grace_s, relax_collectives_on_preemption)
+
+
+def ray_version() -> tuple[int, int]:
+    """The installed Ray's (major, minor), read from its metadata: no import of Ray."""
+    from importlib.metadata import version
+
+    major, minor = version("ray").split(".")[:2]
+    return int(major), int(minor)
+
+
+# ------------------------------------------------------------------ Ray Train: run directory
+
+
+def checkpoint_snapshot_name() -> str:
+    """The file name of Ray Train's checkpoint-manager snapshot inside a run directory."""
+    from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
+
+    return CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
+
+
+def forget_earlier_fits(run_dir: Any) -> bool:
+    """Remove Ray Train's checkpoint snapshot from `run_dir` (a `rundir.Location`); True if one was there."""
+    snapshot = run_dir / checkpoint_snapshot_name()
+    if not snapshot.exists():
+        return False
+    snapshot.delete()
+    return True
+
+
+# ------------------------------------------------------------------ Ray Train: the controller
+
+
+def install_sigint_handler(trainer: Any, register: Callable[[Any], None]) -> None:
+    """`TorchTrainer.fit` calls `_register_sigint_handler(controller)` on the main thread to
+    install a SIGINT handler that aborts and then `sys.exit(0)`s; `register` replaces it
+    and receives the controller's actor handle (for `abort_controller`)."""
+    trainer._register_sigint_handler = register
+
+
+def abort_controller(controller: Any) -> None:
+    """Ask Ray Train's controller actor to stop the workers and end the fit (what Ray's own
+    Ctrl-C handler does); returns without waiting."""
+    controller.abort.remote()
+
+
+def controller_callback_base() -> type:
+    """The base class of a Ray Train controller callback (`RunConfig(callbacks=...)`): its
+    `after_controller_state_update(previous_state, current_state)` runs in the controller."""
+    from ray.train.v2._internal.execution.callback import ControllerCallback
+
+    return ControllerCallback
+
+
+def worker_callback_base() -> type:
+    """The base class of a Ray Train worker callback: its `before_worker_shutdown()` runs in
+    each worker when the controller stops the group (up to 5 s before the kill)."""
+    from ray.train.v2._internal.execution.callback import WorkerCallback
+
+    return WorkerCallback
+
+
+def is_restart_state(state: Any) -> bool:
+    """Whether a controller state (as handed to a controller callback) is about to size a new group."""
+    return type(state).__name__ in CONTROLLER_RESTART_STATES
+
+
+def preemption_grace_supported() -> bool:
+    """Whether `FailureConfig` takes `preemption_grace_s` and `relax_collectives_on_preemption`:
+    Ray 2.60 does, 2.59 does not (`preflight` refuses `run.preemption_grace_s` > 0 there)."""
+    return ray_version() >= PREEMPTION_GRACE_SINCE
+
+
+def preemption_grace(grace_s: float) -> dict[str, Any]:
+    """`FailureConfig`'s preemption-grace arguments: nothing on a Ray without them (grace 0 is
+    then what Ray does anyway), else the grace and, with a grace, relaxed collectives."""
+    if not preemption_grace_supported():
+        return {}
+    return {"preemption_grace_s": grace_s, "relax_collectives_on_preemption": grace_s > 0}
+
+
+# ------------------------------------------------------------------ Ray Data, core, autoscaler
+
+
+def refresh_autoscaling_coordinator(requester: str, timeout_s: float = 5.0) -> bool:
+    """Make Ray Data's autoscaling coordinator re-read the cluster's nodes now (Ray Train's
+    elastic sizing reads it; its own tick is 20 s). False, logged, if that failed.
+
+    Ray 2.60 recomputes on request (`get_reserved_resources(requester, recompute=True)`,
+    which runs the coordinator's periodic `_tick` at once); 2.59 (and older) lacks `recompute`,
+    so its `_tick` is called directly.
+    """
+    import ray
+
+    try:
+        coordinator = ray.get_actor(COORDINATOR[0], namespace=COORDINATOR[1])
+        if _coordinator_recomputes():
+            ray.get(coordinator.get_reserved_resources.remote(requester, recompute=True), timeout=timeout_s)
+        else:
+            ray.get(coordinator._tick.remote(), timeout=timeout_s)
+        return True
+    except Exception:  # noqa: BLE001 - Ray internals moved: the coordinator's own tick (20 s) remains
+        logger.warning("raytrain-ddp: could not refresh Ray's autoscaling coordinator", exc_info=True)
+        return False
+
+
+def _coordinator_recomputes() -> bool:
+    import inspect
+
+    from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinator as module
+
+    method = getattr(module._AutoscalingCoordinatorActor, "get_reserved_resources", None)
+    return method is not None and "recompute" in inspect.signature(method).parameters
+
+
+def autoscaler_node_groups() -> Optional[list[Any]]:
+    """The node groups of the cluster config an autoscaler stores in the GCS (each with
+    `name`, `resources`, `max_count`); None when there is none or Ray cannot say."""
+    try:
+        from ray._private.state import state
+
+        config = state.get_cluster_config()
+    except Exception:  # noqa: BLE001 - an internal API: no answer means "not known"
+        return None
+    if config is None or not config.node_group_configs:
+        return None
+    return list(config.node_group_configs)
+
+
+def autoscaler_config_checks() -> tuple[Callable[[dict], dict], Callable[[dict], None]]:
+    """`ray up`'s own (prepare_config, validate_config): provider defaults, then cross-field rules."""
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    return prepare_config, validate_config
+
+
+def local_instance_kwargs(ip: str) -> dict[str, Any]:
+    """`ray.init` arguments that pin an embedded instance's node address to `ip` (private argument)."""
+    return {"_node_ip_address": ip}
+
+
+def job_config(environ: Any = None) -> Optional[dict[str, Any]]:
+    """The job config Ray's job supervisor hands a `ray job submit` entrypoint (runtime_env,
+    metadata), None outside a job; {} when it does not parse."""
+    raw = (os.environ if environ is None else environ).get(JOB_CONFIG_ENV)
+    if not raw:
+        return None
+    try:
+        parsed = json.loads(raw)
+    except ValueError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+# ------------------------------------------------------------------ the driver's console
+
+
+def token_notice_logger() -> logging.Logger:
+    """The logger of Ray's "token authentication is enabled / disabled" warnings."""
+    return logging.getLogger(TOKEN_NOTICE_LOGGER)
+
+
+def replace_worker_output_handler(name: str, handler: Callable[[dict[str, Any]], None]) -> bool:
+    """Swap Ray's handler of the worker output streamed to the driver (`log_to_driver`) for
+    `handler` (called with {"lines": [...], "is_err": bool, ...}); False, Ray's handler kept,
+    if Ray's dispatcher moved."""
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:  # pragma: no cover - Ray moved it: keep Ray's handler
+        return False
+    if not hasattr(dispatcher, "remove_handler"):  # pragma: no cover
+        return False
+    dispatcher.remove_handler(RAY_WORKER_OUTPUT_HANDLER)
+    dispatcher.remove_handler(name)
+    dispatcher.add_handler(name, handler)
+    return True

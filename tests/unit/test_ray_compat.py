@@ -1,0 +1,331 @@
+"""Every private Ray name `ray_compat.py` relies on is still where it looks, and no
+other module of the package spells one (issue #29).
+
+Each test checks one function of ray_compat against the installed Ray, without a cluster,
+and fails by name: "ray_compat.X: <what> is gone in ray <version>". When a Ray release
+moves something, the failing test names the function to change; `make compat` runs these
+on every Ray version the project supports.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+from raytrain_ddp import ray_compat
+
+pytestmark = pytest.mark.timeout(60)
+
+PACKAGE = Path(ray_compat.__file__).resolve().parent
+
+
+def _gone(function: str, what: str) -> str:
+    return f"ray_compat.{function}: {what} is gone in ray {ray.__version__}"
+
+
+def _attr(function: str, dotted: str) -> Any:
+    """Import `module.path:attr.attr`, failing by the name of the ray_compat function that uses it."""
+    module_name, _, attrs = dotted.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError:
+        pytest.fail(_gone(function, module_name))
+    for part in attrs.split(".") if attrs else []:
+        if not hasattr(obj, part):
+            pytest.fail(_gone(function, f"{module_name}:{attrs}"))
+        obj = getattr(obj, part)
+    return obj
+
+
+def _params(obj: Any) -> list[str]:
+    return list(inspect.signature(obj).parameters)
+
+
+# ------------------------------------------------------------------ Ray Train
+
+
+def test_checkpoint_snapshot_name():
+    name = _attr("checkpoint_snapshot_name", "ray.train.v2._internal.constants:CHECKPOINT_MANAGER_SNAPSHOT_FILENAME")
+    assert ray_compat.checkpoint_snapshot_name() == name == "checkpoint_manager_snapshot.json"
+
+
+def test_install_sigint_handler():
+    trainer_cls = _attr("install_sigint_handler", "ray.train.v2.api.data_parallel_trainer:DataParallelTrainer")
+    from ray.train.torch import TorchTrainer
+
+    if not callable(getattr(TorchTrainer, "_register_sigint_handler", None)):
+        pytest.fail(_gone("install_sigint_handler", "TorchTrainer._register_sigint_handler"))
+    assert "self._register_sigint_handler(" in inspect.getsource(trainer_cls), \
+        _gone("install_sigint_handler", "DataParallelTrainer's call of self._register_sigint_handler(controller)")
+    trainer, seen = TorchTrainer.__new__(TorchTrainer), []
+    ray_compat.install_sigint_handler(trainer, seen.append)
+    trainer._register_sigint_handler("controller")
+    assert seen == ["controller"]
+
+
+def test_abort_controller():
+    controller = _attr("abort_controller", "ray.train.v2._internal.execution.controller.controller:TrainController")
+    assert callable(getattr(controller, "abort", None)), _gone("abort_controller", "TrainController.abort")
+
+    class Handle:
+        class abort:  # noqa: N801 - an actor method's shape
+            calls: list[int] = []
+
+            @classmethod
+            def remote(cls) -> None:
+                cls.calls.append(1)
+
+    ray_compat.abort_controller(Handle())
+    assert Handle.abort.calls == [1]
+
+
+def test_controller_callback_base():
+    base = _attr("controller_callback_base", "ray.train.v2._internal.execution.callback:ControllerCallback")
+    assert ray_compat.controller_callback_base() is base
+    hook = getattr(base, "after_controller_state_update", None)
+    assert hook is not None and _params(hook)[1:] == ["previous_state", "current_state"], \
+        _gone("controller_callback_base", "ControllerCallback.after_controller_state_update(previous_state, current_state)")
+
+
+def test_worker_callback_base():
+    base = _attr("worker_callback_base", "ray.train.v2._internal.execution.callback:WorkerCallback")
+    assert ray_compat.worker_callback_base() is base
+    assert callable(getattr(base, "before_worker_shutdown", None)), \
+        _gone("worker_callback_base", "WorkerCallback.before_worker_shutdown")
+
+
+def test_is_restart_state():
+    for name in ray_compat.CONTROLLER_RESTART_STATES:
+        cls = _attr("is_restart_state", f"ray.train.v2._internal.execution.controller.state:{name}")
+        assert ray_compat.is_restart_state(object.__new__(cls))
+    running = _attr("is_restart_state", "ray.train.v2._internal.execution.controller.state:RunningState")
+    assert not ray_compat.is_restart_state(object.__new__(running))
+
+
+def test_controller_poll_env():
+    name = _attr("CONTROLLER_POLL_ENV", "ray.train.v2._internal.constants:HEALTH_CHECK_INTERVAL_S_ENV_VAR")
+    assert ray_compat.CONTROLLER_POLL_ENV == name
+
+
+def test_preemption_grace():
+    from ray.train import FailureConfig
+
+    has = {"preemption_grace_s", "relax_collectives_on_preemption"} <= set(_params(FailureConfig))
+    assert ray_compat.preemption_grace_supported() == has, \
+        f"ray_compat.preemption_grace_supported: says {not has}, but ray {ray.__version__}'s FailureConfig differs"
+    assert ray_compat.ray_version() == tuple(int(x) for x in ray.__version__.split(".")[:2])
+    if has:
+        assert ray_compat.preemption_grace(5.0) == {"preemption_grace_s": 5.0, "relax_collectives_on_preemption": True}
+        FailureConfig(**ray_compat.preemption_grace(0.0))
+    else:  # Ray 2.59: nothing to pass, and a grace is refused before Ray starts, by its key
+        from raytrain_ddp.config import load_config
+        from raytrain_ddp.driver.preflight import check_ray_supports
+        from raytrain_ddp.errors import UserError
+
+        assert ray_compat.preemption_grace(5.0) == {}
+        check_ray_supports(load_config(None, []))
+        with pytest.raises(UserError, match=r"run.preemption_grace_s=5 needs Ray >= 2.60 .* run.preemption_grace_s=0"):
+            check_ray_supports(load_config(None, ["run.preemption_grace_s=5"]))
+
+
+# ------------------------------------------------------------------ Ray Data, core, autoscaler
+
+
+def test_worker_niceness_env():
+    name = _attr("WORKER_NICENESS_ENV", "ray._private.ray_constants:RAY_WORKER_NICENESS")
+    assert ray_compat.WORKER_NICENESS_ENV == name
+
+
+def test_refresh_autoscaling_coordinator():
+    module = "ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator"
+    create = _attr("refresh_autoscaling_coordinator", f"{module}:get_or_create_autoscaling_coordinator")
+    source = inspect.getsource(create)
+    name, namespace = ray_compat.COORDINATOR
+    assert f'name="{name}"' in source and f'namespace="{namespace}"' in source, \
+        _gone("refresh_autoscaling_coordinator", f"the coordinator actor named {ray_compat.COORDINATOR}")
+    actor = _attr("refresh_autoscaling_coordinator", f"{module}:_AutoscalingCoordinatorActor")
+    if ray_compat._coordinator_recomputes():  # Ray 2.60
+        assert "recompute" in _params(actor.get_reserved_resources), \
+            _gone("refresh_autoscaling_coordinator", "get_reserved_resources(requester_id, recompute=...)")
+    else:  # Ray 2.59: the periodic refresh, called once
+        assert _params(actor._tick) == ["self"], _gone("refresh_autoscaling_coordinator", "_AutoscalingCoordinatorActor._tick()")
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(180)  # the session's Ray start included
+def test_refresh_autoscaling_coordinator_on_a_live_one(ray_cluster):
+    """The branch this Ray takes (recompute on 2.60, `_tick` on 2.59) runs on a real coordinator."""
+    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+        get_or_create_autoscaling_coordinator,
+    )
+
+    get_or_create_autoscaling_coordinator()
+    assert ray_compat.refresh_autoscaling_coordinator("raytrain-ddp:test", timeout_s=30.0), \
+        _gone("refresh_autoscaling_coordinator", "a working refresh of the live coordinator")
+
+
+def test_autoscaler_node_groups():
+    state = _attr("autoscaler_node_groups", "ray._private.state:state")
+    assert callable(getattr(state, "get_cluster_config", None)), _gone("autoscaler_node_groups", "state.get_cluster_config")
+    if not ray.is_initialized():
+        assert ray_compat.autoscaler_node_groups() is None  # no cluster: "not known", never an error
+
+
+def test_autoscaler_config_checks():
+    _attr("autoscaler_config_checks", "ray.autoscaler._private.util:prepare_config")
+    _attr("autoscaler_config_checks", "ray.autoscaler._private.util:validate_config")
+    prepare, validate = ray_compat.autoscaler_config_checks()
+    assert callable(prepare) and callable(validate)
+
+
+def test_local_instance_kwargs():
+    source = inspect.getsource(_attr("local_instance_kwargs", "ray._private.worker:init"))
+    for name in ray_compat.local_instance_kwargs("127.0.0.1"):  # private: read from **kwargs
+        assert f'kwargs.pop("{name}"' in source, _gone("local_instance_kwargs", f"ray.init({name}=...)")
+
+
+def test_job_config():
+    name = _attr("job_config", "ray._private.runtime_env.constants:RAY_JOB_CONFIG_JSON_ENV_VAR")
+    assert ray_compat.JOB_CONFIG_ENV == name
+    assert ray_compat.job_config({}) is None
+    assert ray_compat.job_config({name: '{"metadata": {"job_submission_id": "raysubmit_1"}}'}) == \
+        {"metadata": {"job_submission_id": "raysubmit_1"}}
+    assert ray_compat.job_config({name: "not json"}) == {} == ray_compat.job_config({name: "[1]"})
+
+
+def test_head_node_resource():
+    for where in ("ray._common.constants", "ray._private.ray_constants"):
+        try:
+            name = getattr(importlib.import_module(where), "HEAD_NODE_RESOURCE_NAME", None)
+        except ImportError:
+            continue
+        if name is not None:
+            assert ray_compat.HEAD_NODE_RESOURCE == name
+            return
+    pytest.fail(_gone("HEAD_NODE_RESOURCE", "HEAD_NODE_RESOURCE_NAME"))
+
+
+# ------------------------------------------------------------------ the driver's console
+
+
+def test_token_notice_logger():
+    module = _attr("token_notice_logger", ray_compat.TOKEN_NOTICE_LOGGER)
+    assert ray_compat.token_notice_logger() is logging.getLogger(module.__name__)
+    assert "logging.getLogger(__name__)" in inspect.getsource(module), \
+        _gone("token_notice_logger", f"the logger of {ray_compat.TOKEN_NOTICE_LOGGER}")
+
+
+def test_replace_worker_output_handler():
+    dispatcher = _attr("replace_worker_output_handler", "ray._private.ray_logging:global_worker_stdstream_dispatcher")
+    for method in ("add_handler", "remove_handler"):
+        assert callable(getattr(dispatcher, method, None)), \
+            _gone("replace_worker_output_handler", f"global_worker_stdstream_dispatcher.{method}")
+    worker = _attr("replace_worker_output_handler", "ray._private.worker")
+    assert f'"{ray_compat.RAY_WORKER_OUTPUT_HANDLER}"' in inspect.getsource(worker), \
+        _gone("replace_worker_output_handler", f"Ray's handler named {ray_compat.RAY_WORKER_OUTPUT_HANDLER!r}")
+    lines: list[dict] = []
+    try:
+        assert ray_compat.replace_worker_output_handler("raytrain_ddp_test", lines.append)
+        dispatcher.emit({"lines": ["x"]})
+        assert lines == [{"lines": ["x"]}]
+    finally:
+        dispatcher.remove_handler("raytrain_ddp_test")
+
+
+# ------------------------------------------------------------------ nobody else spells a private name
+
+# Ray's internal names as strings: env vars, actor / logger / handler / resource names.
+_INTERNAL_STRINGS = re.compile(r"ray\._private|\._internal\.|_raylet|__internal_head__|RAY_JOB_CONFIG_JSON_ENV_VAR|"
+                               r"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S|RAY_worker_niceness|ray_print_logs|"
+                               r"AutoscalingCoordinator")
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
+    return out
+
+
+def _dotted(node: ast.AST) -> str:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+    return ".".join(reversed(parts))
+
+
+def _private(name: str) -> bool:
+    return any(p.startswith("_") and not p.startswith("__") for p in name.split("."))
+
+
+def private_ray_uses(source: str) -> list[tuple[int, str]]:
+    """(line, what) for each private Ray name the source spells, docstrings and comments aside."""
+    tree, found = ast.parse(source), []
+    docs = _docstrings(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "ray" and _private(node.module):
+            found.append((node.lineno, f"from {node.module} import ..."))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, f"import {a.name}") for a in node.names
+                      if a.name.split(".")[0] == "ray" and _private(a.name)]
+        elif isinstance(node, ast.Attribute) and _dotted(node).startswith("ray.") and _private(_dotted(node)):
+            found.append((node.lineno, _dotted(node)))
+        elif isinstance(node, ast.Call) and _dotted(node.func).split(".")[0] == "ray":
+            found += [(node.lineno, f"{_dotted(node.func)}({k.arg}=...)") for k in node.keywords
+                      if k.arg and _private(k.arg)]
+        elif isinstance(node, ast.Attribute) and node.attr == "_register_sigint_handler":
+            found.append((node.lineno, node.attr))
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
+              and _INTERNAL_STRINGS.search(node.value)):
+            found.append((node.lineno, repr(node.value)))
+    return found
+
+
+def test_the_grep_finds_what_it_should():
+    assert private_ray_uses("from ray._private.state import state")
+    assert private_ray_uses("import ray.train.v2._internal.constants")
+    assert private_ray_uses("ray.init(_node_ip_address='x')")
+    assert private_ray_uses("x = ray._private.worker.global_worker")
+    assert private_ray_uses("t._register_sigint_handler = f")
+    assert private_ray_uses("os.environ['RAY_JOB_CONFIG_JSON_ENV_VAR']")
+    assert not private_ray_uses('"""mentions ray._private in a docstring"""\nimport ray.train\nray.init(address="local")')
+
+
+def test_no_private_ray_name_outside_ray_compat():
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == PACKAGE / "ray_compat.py":
+            continue
+        offenders += [f"{path.relative_to(PACKAGE.parent)}:{line}: {what}"
+                      for line, what in private_ray_uses(path.read_text())]
+    assert not offenders, ("private Ray names outside ray_compat.py (add a named function there, "
+                           "with a test in this file):\n" + "\n".join(offenders))
+
+
+def test_declared_ray_range_is_what_make_compat_runs():
+    """pyproject's Ray floor is the oldest Ray `make compat` runs, its cap above the newest,
+    and the installed Ray inside the range (README, "Supported Ray")."""
+    root = PACKAGE.parent
+    floor, cap = re.search(r'"ray\[[\w,]+\]>=([\d.]+),<([\d.]+)"', (root / "pyproject.toml").read_text()).groups()
+    versions = re.search(r"^COMPAT_RAY +\?= (.+)$", (root / "Makefile").read_text(), re.M).group(1).split()
+
+    def minor(v: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in v.split(".")[:2])
+
+    assert versions[0].startswith(floor + "."), (floor, versions)  # the floor is the oldest tested
+    assert all(minor(v) < minor(cap) for v in versions) and minor(versions[-1]) == minor(cap)[:1] + (minor(cap)[1] - 1,)
+    assert minor(floor) <= minor(ray.__version__) < minor(cap)
