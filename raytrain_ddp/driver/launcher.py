@@ -285,7 +285,8 @@ def _prepare(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, chec
         ray.data.DataContext.get_current().enable_progress_bars = False
         prepared = prepare_datasets(cfg, checked, code, given, fits=check_exact_fits)
     run_dir.mkdir()
-    forget_earlier_fits(run_dir)  # Ray's checkpoint history must never contradict ours (ray_compat.py)
+    if not cfg.scaling.local:  # local mode writes no Ray history (and does not import Ray)
+        forget_earlier_fits(run_dir)  # Ray's checkpoint history must never contradict ours (ray_compat.py)
     record_config(cfg, run_dir, resume_from, fit_id)  # config.yaml + config-history.jsonl (resume.py)
     for stale in (SUMMARY_FILE, ABORT_FILE):
         (run_dir / stale).delete()

@@ -108,7 +108,7 @@ def local_data(cfg: Config, checked: Any, code: Any) -> tuple[dict[str, Any], Da
     path's workers would read through Ray Data, read here with pyarrow."""
     import pyarrow.parquet as pq
 
-    from raytrain_ddp.data.columns import TRAIN, VAL, uses_own_data
+    from raytrain_ddp.data.columns import TRAIN, VAL, arrow_numpy, uses_own_data
     from raytrain_ddp.data.sources import bundled_tables, check_row_counts, model_shape, split_table
     from raytrain_ddp.user import run_preprocess
     from raytrain_ddp.worker.runtime import LocalShard
@@ -134,7 +134,10 @@ def local_data(cfg: Config, checked: Any, code: Any) -> tuple[dict[str, Any], Da
             train, val = split_table(table, cfg)
         shape, classes, task = model_shape(cfg, info.feature_shape), info.num_classes, info.task
         source = str(cfg.data.path)
-    splits = {TRAIN: _numpy(train), **({VAL: _numpy(val)} if val is not None and val.num_rows else {})}
+    # A preprocess gets the columns exactly as Ray Data's map_batches would hand them over
+    # (Ray's converter); the loop's own columns need only the numbers (no Ray imported).
+    to_numpy = _numpy if own else arrow_numpy
+    splits = {TRAIN: to_numpy(train), **({VAL: to_numpy(val)} if val is not None and val.num_rows else {})}
     if own:
         for name, batch in splits.items():
             if code is not None and code.preprocess is not None:

@@ -94,3 +94,18 @@ def test_local_mode_trains_without_ray_stops_in_your_debugger_and_resumes(tmp_pa
     lines = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in lines] == list(range(1, 41))
     assert json.loads((run_dir / "summary.json").read_text())["final_metrics"]["val_accuracy"] > 0.5
+
+
+def test_local_mode_never_imports_ray(tmp_path):
+    """No Ray module is even imported (about a second of start-up): start to first step is
+    the imports of torch and the loop. The time is recorded in docs/usage.md, not asserted."""
+    code = ("import sys\nfrom raytrain_ddp.driver.cli import main\n"
+            f"rc = main(['train', {str(REPO / 'examples' / 'configs' / 'quickstart.yaml')!r}, 'scaling.num_workers=0', "
+            f"'run.storage_path={tmp_path / 'runs'}', 'name=noray', 'train.max_steps=2'])\n"
+            "loaded = sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.'))\n"
+            "print('RAY MODULES', loaded)\nsys.exit(rc)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RAYTRAIN_DDP_"))}
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "RAY MODULES []" in done.stdout, done.stdout[-2000:]
