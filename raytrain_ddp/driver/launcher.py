@@ -299,20 +299,22 @@ def _fit(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, checked:
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from raytrain_ddp.worker.loop import train_loop_per_worker
+    from raytrain_ddp.driver import live
     from raytrain_ddp.driver.node_loss import NodeLossWatch
     from raytrain_ddp.worker.replica import GraceForSurvivors
 
     job, prepared, total_steps = _prepare(cfg, run_dir, fit_id, resume_from, checked, code, given)
-    job = dataclasses.replace(job, mailbox=open_mailbox())
+    cfg = live.resolve(cfg)  # issue #28 seam: run.recovery=live, or its fallback said in one line
+    job = dataclasses.replace(job, cfg=cfg, mailbox=open_mailbox())
+    pg_timeout_s = process_group_timeout_s(cfg.parallel.collective_timeout_s, cfg.scaling.use_gpu)
     os.environ.setdefault(POLL_ENV, str(CONTROLLER_POLL_S))
     env_vars = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}
     env_vars.update(nccl_env(cfg.scaling.use_gpu, os.environ))
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"job": job},
-        torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo",
-                                 timeout_s=process_group_timeout_s(cfg.parallel.collective_timeout_s,
-                                                                   cfg.scaling.use_gpu)),
+        torch_config=(live.torch_config(cfg, pg_timeout_s) if cfg.run.recovery == "live" else
+                      TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo", timeout_s=pg_timeout_s)),
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
             resources_per_worker=worker_resources(cfg),
@@ -330,7 +332,8 @@ def _fit(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, checked:
             worker_runtime_env={"env_vars": env_vars} if env_vars else None,
             # A survivor's copy of the last step is not cut short by the restart (worker/replica.py);
             # a lost node is declared dead before the new group is sized (driver/node_loss.py).
-            callbacks=[NodeLossWatch(), *([GraceForSurvivors()] if cfg.run.recovery == "replica" else [])],
+            callbacks=[NodeLossWatch(), *([GraceForSurvivors()] if cfg.run.recovery in ("replica", "live") else []),
+                       *([live.LiveDatasets()] if cfg.run.recovery == "live" else [])],
             logging_config=LoggingConfig(log_level="WARNING"),  # our progress lines say it all
         ),
         datasets=prepared.datasets,
