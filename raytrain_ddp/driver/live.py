@@ -25,7 +25,7 @@ from ray.train.v2._internal.execution.callback import ControllerCallback
 
 from raytrain_ddp.config import Config, ConfigError
 
-LIVE_STRATEGIES = ("naive", "bucketed", "native")
+LIVE_STRATEGIES = ("naive", "bucketed")
 HEARTBEAT_TIMEOUT_MS = 1000  # a lost worker leaves the lighthouse's members within ~1 s
 QUORUM_TICK_MS = 20  # how often the lighthouse looks for a complete quorum
 
@@ -34,6 +34,9 @@ def fallback_reason(cfg: Config) -> str:
     """Why `run.recovery: live` cannot apply to `cfg` ("" when it can)."""
     if cfg.run.recovery != "live" or cfg.scaling.local:
         return ""
+    if cfg.parallel.strategy == "native":
+        return ("parallel.strategy=native is torch DDP, whose C++ reducer reads the group's size from the "
+                "C++ base of torchft's reconfigurable group, which is always 1 (docs/reliability.md#live-recovery)")
     if cfg.parallel.strategy not in LIVE_STRATEGIES:
         return (f"parallel.strategy={cfg.parallel.strategy} keeps 1/W of the state per rank, so no survivor "
                 "holds what a replacement needs")
