@@ -51,6 +51,7 @@ from raytrain_ddp.worker.replica import is_peer_loss
 from raytrain_ddp.worker.step import train_step
 
 JOIN_TIMEOUT_S = 120.0  # survivors wait this long for a replacement, then fail by name
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # set on every worker by Ray's torchft backend
 MAX_TRIES = 10  # a step not committed this many times in a row ends the worker, by name
 _TORCHFT_FRAMES = "torchft/"
 
@@ -78,8 +79,19 @@ class NoLive:
 
 
 def session_for(job: Any, runtime: Any) -> Any:
-    """`LiveSession` when the run's recovery is live (torchft imported only then), else `NoLive`."""
-    if job.cfg.run.recovery != "live":
+    """`LiveSession` when the run's recovery is live (torchft imported only then), else `NoLive`.
+
+    Live needs Ray's torchft backend, which our launcher selects (`driver/live.py`): a
+    worker without its lighthouse (your own `TorchTrainer` from `prepare_job`, local mode)
+    says so once and recovers as `replica` does."""
+    cfg = job.cfg
+    if cfg.run.recovery != "live" or cfg.scaling.local:
+        return NoLive(runtime)
+    if not os.environ.get(LIGHTHOUSE_ENV):
+        rank = runtime.rank()
+        if rank.is_main:
+            _say(rank, f"run.recovery=live needs Ray Train's TorchftConfig backend (${LIGHTHOUSE_ENV} is not set: "
+                       "this is not raytrain-ddp's launcher); recovering as run.recovery=replica does")
         return NoLive(runtime)
     return LiveSession(job, runtime.rank(), runtime)
 

@@ -106,3 +106,17 @@ def test_a_replacement_gets_the_full_groups_dataset_provider(monkeypatch):
     assert callback.before_init_train_context(["w1-new"]) == {"dataset_shard_provider": ["provider-of-2"]}
     assert callback.before_init_train_context(["a", "b"]) == {"dataset_shard_provider": ["provider-of-2"] * 2}
     assert calls == [2, 2]  # a full (re)start is Ray's own path
+
+
+def test_a_worker_without_rays_torchft_backend_recovers_as_replica(monkeypatch, capsys):
+    from raytrain_ddp.worker.context import Rank
+    from raytrain_ddp.worker.live import NoLive, session_for
+
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    runtime = SimpleNamespace(rank=lambda: Rank(0, 2, 0, torch.device("cpu")))
+    job = SimpleNamespace(cfg=load_config(QUICKSTART, ["run.recovery=live"]))
+    session = session_for(job, runtime)
+    assert isinstance(session, NoLive) and session.runtime is runtime and session.group is None
+    assert "TORCHFT_LIGHTHOUSE is not set" in capsys.readouterr().out
+    local = SimpleNamespace(cfg=load_config(QUICKSTART, ["run.recovery=live", "scaling.num_workers=0"]))
+    assert isinstance(session_for(local, runtime), NoLive) and capsys.readouterr().out == ""
