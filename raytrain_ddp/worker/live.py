@@ -145,6 +145,7 @@ class LiveSession:
         self.hooks: Any = None
         self.checkpointer: Any = None
         self._previous_default: Any = None
+        self.marks = {"process": _process_start(), "loop": time.time()}  # a newcomer's timeline, said once
         started = time.perf_counter()
         if not self._quorum():  # a full start: every member at 0; a replacement heals from a survivor here
             raise NoReplacement(f"run.recovery=live: rank {rank.world_rank} could not join the group: "
@@ -155,6 +156,7 @@ class LiveSession:
             self._install()
             self.wrapped_quorum = self.manager._quorum_id
         else:  # a newcomer: its setup stays local (the survivors are mid-step); wrapped at its first step
+            self.marks["healed"] = time.time()
             _say(rank, f"live: joined the running group at step {self.received['progress']['step']}: "
                      f"received {self.bytes_received} bytes from a survivor in {time.perf_counter() - started:.2f}s")
 
@@ -191,8 +193,11 @@ class LiveSession:
             step = state.progress.step
             log.resumed_at(step, {"resumed_from": "live", "bytes_received": self.bytes_received})
             checkpointer.saved_step = step
+            m = {**self.marks, "loaded": time.time()}
             _say(rank, f"live: replacement rank {rank.world_rank} continues at step {step} with the survivors' "
-                     f"state ({self.bytes_received} bytes over the group, no storage read)")
+                     f"state ({self.bytes_received} bytes over the group, no storage read); its process started "
+                     f"{m['loop'] - m['process']:.2f}s before our loop, the quorum and the state took "
+                     f"{m['healed'] - m['loop']:.2f}s, data, model and loading {m['loaded'] - m['healed']:.2f}s")
             self._install()  # from now on every collective is the group's; the first step wraps on it
         self.write_copy, self.checkpointer = checkpointer.write_copy, checkpointer
         self.manager.load_state_dict({"step": state.progress.step + 1, "batches_committed": 0})
@@ -356,3 +361,13 @@ def _install_default_group(group: Any) -> Any:
 def _say(rank: Rank, message: str) -> None:
     """A line from any rank (`Rank.say` speaks for rank 0 only): survivors and newcomers alike."""
     print(f"[rank {rank.world_rank}] {message}", flush=True)
+
+
+def _process_start() -> float:
+    """When this process started (wall clock), from /proc; now where that cannot be read."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - a timing line only
+        return time.time()

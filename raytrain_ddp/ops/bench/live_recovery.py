@@ -15,8 +15,9 @@ Per run:
 - `survivors_kept`: every rank but the killed one has the same pid after the recovery as
   before the kill (Ray's state API, read again once the next step is logged);
 - `bytes_to_newcomers`: live, the tensor bytes of the state one survivor sends the
-  replacement over the group (the state as its checkpoint holds it); replica, the copy's
-  `state.pt` read from storage by every worker of the restarted group.
+  replacement over the group (the state as its checkpoint holds it); replica, a copy's
+  `state.pt` (the same state; the survivor's own copy is pruned by the run's end, so the
+  final checkpoint's size stands for it) read from storage by every restarted worker.
 `no_failure`: `rounds` uninterrupted runs per mode, interleaved; the step time is the
 median gap between consecutive train lines (epoch ends, with validation and a
 checkpoint, left out); `live_overhead_pct` compares the two medians of medians.
@@ -134,7 +135,6 @@ def kill_run(mode: str, storage: Path, log=print) -> dict[str, Any]:
     last_done = max([watcher.last_done] + [r["step"] for r in lines if r["time"] < killed_at])
     after = [r for r in lines if r["time"] > killed_at]
     final = ckpt.load_checkpoint(summary["checkpoint"])
-    copies = [p for p in ckpt.find_checkpoints(Path(summary["run_dir"])) if "_r" in p.name.rsplit("_", 1)[-1]]
     row = {
         "mode": mode, "killed_rank": killed_rank, "last_step_before_kill": last_done,
         "kill_to_next_step_s": min(r["time"] for r in after) - killed_at,
@@ -143,7 +143,7 @@ def kill_run(mode: str, storage: Path, log=print) -> dict[str, Any]:
                                                       if r != killed_rank),
         "pids_before": watcher.before, "pids_after": watcher.after, "attempts": summary["attempts"],
         "bytes_to_newcomers": (tensor_bytes({k: v for k, v in final.items() if k != "run"}) if mode == "live" else
-                               cfg.scaling.num_workers * max([_size(p / "state.pt") for p in copies] or [0])),
+                               cfg.scaling.num_workers * _size(Path(str(summary["checkpoint"])) / "state.pt")),
     }
     log(f"    {mode}: killed rank {killed_rank} after step {last_done}; next trained step "
         f"{row['kill_to_next_step_s']:.1f} s after the kill, {row['steps_redone']} step(s) redone, survivors kept "
