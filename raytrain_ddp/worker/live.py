@@ -171,6 +171,10 @@ class LiveSession:
     # -- the state a newcomer receives -------------------------------------------------
     def _send(self) -> dict[str, Any]:
         state = self.state.state_dict()
+        # The step's metrics lines go along: a lost rank 0 may have died before sending its
+        # own (after the step, before its line), and the newcomer hands them on as rank 0.
+        step = self.state.progress.step
+        state["lines"] = [r for r in list(getattr(self.log, "step_lines", [])) if r.get("step") == step]
         self.bytes_sent += tensor_bytes(state)
         _say(self.rank, f"live: sending step {self.state.progress.step} to a replacement ({tensor_bytes(state)} bytes)")
         return state
@@ -189,10 +193,11 @@ class LiveSession:
         else:
             checkpointer = Checkpointer(job, rank, state, log, hooks, self.runtime)
             state.load_state_dict(self.received)
-            self.received = None
             step = state.progress.step
-            log.resumed_at(step, {"resumed_from": "live", "bytes_received": self.bytes_received})
+            log.resumed_at(step, {"resumed_from": "live", "bytes_received": self.bytes_received},
+                           lines=self.received.get("lines", []))
             checkpointer.saved_step = step
+            self.received = None
             m = {**self.marks, "loaded": time.time()}
             _say(rank, f"live: replacement rank {rank.world_rank} continues at step {step} with the survivors' "
                      f"state ({self.bytes_received} bytes over the group, no storage read); its process started "

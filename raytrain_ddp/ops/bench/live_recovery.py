@@ -108,7 +108,12 @@ def _train(cfg: Any) -> dict[str, Any]:
     from raytrain_ddp.driver.launcher import run_training
 
     with contextlib.redirect_stdout(sys.stderr):  # the run's console lines are progress, not the report
-        summary = run_training(cfg)
+        try:
+            summary = run_training(cfg)
+        except Exception as exc:  # noqa: BLE001 - Ray's own start can fail on a loaded machine: once more
+            print(f"    {cfg.name}: {type(exc).__name__}: {exc}; starting the run again", file=sys.stderr, flush=True)
+            time.sleep(5)
+            summary = run_training(cfg.model_copy(update={"name": cfg.name + "-again"}))
     if summary.get("status") != "ok":
         raise RuntimeError(f"{cfg.name}: the run ended {summary.get('status')}: {summary.get('error')}")
     return summary
