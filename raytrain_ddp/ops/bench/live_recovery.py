@@ -179,11 +179,16 @@ def side_by_side(kills: int = 5, rounds: int = 3, log=print) -> dict[str, Any]:
     saved = {k: os.environ.pop(k) for k in ("RAY_ADDRESS", "RAY_worker_niceness") if k in os.environ}
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
     steps: dict[str, list[float]] = {m: [] for m in MODES}
+    failures: dict[str, list[str]] = {m: [] for m in MODES}
     try:
         with tempfile.TemporaryDirectory(prefix="raytrain-bench-live-") as tmp:
             for i in range(kills):
                 for mode in (MODES if i % 2 == 0 else MODES[::-1]):
-                    runs[mode].append(kill_run(mode, Path(tmp) / f"kill{i}", log=log))
+                    try:
+                        runs[mode].append(kill_run(mode, Path(tmp) / f"kill{i}", log=log))
+                    except Exception as exc:  # noqa: BLE001 - a failed recovery is a result: kept, counted
+                        failures[mode].append(f"{type(exc).__name__}: {str(exc)[:300]}")
+                        log(f"    {mode}: FAILED: {failures[mode][-1]}")
             for i in range(rounds):
                 for mode in (MODES if i % 2 == 0 else MODES[::-1]):
                     steps[mode].append(step_time_run(mode, Path(tmp) / f"steady{i}"))
@@ -193,8 +198,10 @@ def side_by_side(kills: int = 5, rounds: int = 3, log=print) -> dict[str, Any]:
     out: dict[str, Any] = {"kill_at": KILL_AT, "max_steps": MAX_STEPS, "checkpoint_every_steps": CHECKPOINT_EVERY,
                            "config": "examples/configs/quickstart.yaml", "killed": "rank 1", "targets": dict(TARGETS)}
     for mode in MODES:
-        rows = runs[mode]
-        out[mode] = {"runs": rows, "kill_to_next_step_s": stats([r["kill_to_next_step_s"] for r in rows]),
+        rows = runs[mode] or [{"kill_to_next_step_s": float("nan"), "steps_redone": -1, "survivors_kept": False,
+                               "bytes_to_newcomers": 0}]
+        out[mode] = {"runs": runs[mode], "failures": failures[mode],
+                     "kill_to_next_step_s": stats([r["kill_to_next_step_s"] for r in rows]),
                      "steps_redone_max": max(r["steps_redone"] for r in rows),
                      "survivors_kept_all": all(r["survivors_kept"] for r in rows),
                      "bytes_to_newcomers": statistics.median(r["bytes_to_newcomers"] for r in rows),
@@ -217,6 +224,7 @@ def table(result: dict[str, Any]) -> list[str]:
              "{:.2f}")]
     out = ["| | run.recovery=replica | run.recovery=live |", "|---|---|---|"]
     out += [f"| {name} | {fmt.format(a)} | {fmt.format(b)} |" for name, a, b, fmt in rows]
+    out.append(f"| runs that failed | {len(rep['failures'])} | {len(live['failures'])} |")
     out.append(f"| live step-time overhead | | {result['live_overhead_pct']:+.1f} % |")
     return out
 
