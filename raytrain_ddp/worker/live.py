@@ -205,6 +205,8 @@ class LiveSession:
                      f"{m['healed'] - m['loop']:.2f}s, data, model and loading {m['loaded'] - m['healed']:.2f}s")
             self._install()  # from now on every collective is the group's; the first step wraps on it
         self.write_copy, self.checkpointer = checkpointer.write_copy, checkpointer
+        checkpointer.save = self._unless_a_worker_is_gone(checkpointer.save)
+        self._tolerant_guard()
         self.manager.load_state_dict({"step": state.progress.step + 1, "batches_committed": 0})
         return checkpointer
 
@@ -280,6 +282,46 @@ class LiveSession:
             self.checkpointer.guard = PreemptionGuard.for_worker(
                 self.cfg, self.rank, self.hooks, stop_source=self.log.outbox.stop_requested,
                 real=self.runtime.preemption_source())
+            self._tolerant_guard()
+
+    # -- between steps: Ray's barriers and our agreements never wait for a dead worker ----------
+    def _lost(self, exc: BaseException) -> bool:
+        return isinstance(exc, RuntimeError) and (is_peer_loss(exc) or _from_torchft(exc))
+
+    def _unless_a_worker_is_gone(self, save: Callable[..., None]) -> Callable[..., None]:
+        """A checkpoint's report is a barrier over every worker in Ray's synchronisation actor,
+        which a dead worker's replacement never reaches for that step: first a collective on our
+        group, which fails at once when a member is gone; then the report is skipped (said),
+        and the next step waits for the replacement as any step does."""
+        def save_unless_a_worker_is_gone(metrics: dict, durable: bool = False) -> None:
+            try:
+                from raytrain_ddp.parallel.collectives import max_over_ranks
+
+                max_over_ranks([0.0], self.rank.device)
+            except RuntimeError as exc:
+                if not self._lost(exc):
+                    raise
+                _say(self.rank, f"live: the checkpoint of step {self.state.progress.step} is skipped: a worker was "
+                                "lost before Ray's report; training goes on once its replacement has joined")
+                return
+            save(metrics, durable)
+
+        return save_unless_a_worker_is_gone
+
+    def _tolerant_guard(self) -> None:
+        """The preemption poll's agreement (a collective): a lost member makes it this rank's own answer."""
+        guard = self.checkpointer.guard
+        agree = guard.agree
+
+        def agree_unless_a_worker_is_gone(values: Any) -> list:
+            try:
+                return agree(values)
+            except RuntimeError as exc:
+                if not self._lost(exc):
+                    raise
+                return [float(v) for v in values]
+
+        guard.agree = agree_unless_a_worker_is_gone
 
     def close(self) -> None:
         """The manager stops serving (a late joiner must not find a finished worker), and torch's
