@@ -16,9 +16,10 @@ How a loss goes (the survivors' side):
    after the commit, `step.py`).
 2. The step is put back to its boundary: gradients dropped, buffers and RNG streams from
    the boundary snapshot (`replica.LastStep`), the loss scaler's per-step state cleared.
-3. `start_quorum` blocks until every worker is a member again (the lighthouse's and the
-   manager's minimum is the worker count): the survivors wait, the global batch never
-   shrinks. Ray meanwhile starts the replacement; it joins the quorum behind (its step
+3. `start_quorum` (called at the start and after a failed try only: a steady step makes
+   no round trip to the lighthouse) blocks until every worker is a member again (the
+   lighthouse's and the manager's minimum is the worker count): the survivors wait, the
+   global batch never shrinks. Ray meanwhile starts the replacement; it joins the quorum behind (its step
    is 0), and torchft sends it the survivors' state over the reconfigured group
    (`PGTransport`: no storage read).
 4. Every member re-wraps the model on the new group (the newcomer wraps it for the first
@@ -151,7 +152,7 @@ class LiveSession:
             raise NoReplacement(f"run.recovery=live: rank {rank.world_rank} could not join the group: "
                                 f"{self.manager.errored().original_exception}")
         self.wrapped_quorum: Any = None
-        self._fresh_quorum = True  # that quorum is also the first step's
+        self._quorum_due, self._vote_due = False, True  # that quorum is also the first step's
         if self.received is None:  # a full start: the whole setup (wrap, restore) runs on the group
             self._install()
             self.wrapped_quorum = self.manager._quorum_id
@@ -225,23 +226,41 @@ class LiveSession:
                             f"tries on rank {rank.world_rank}; workers keep failing")
 
     def _attempt(self, state: Any, window: list, accumulation_steps: int, train: Any, rank: Rank) -> Any:
-        """The step's result, or why it was not committed."""
-        fresh, self._fresh_quorum = self._fresh_quorum, False
-        if not fresh and not self._quorum():  # one quorum per try; the first try's was the start's
-            self.manager.should_commit()  # no: the manager's step stays where it is
-            return f"the group could not be re-formed: {self.manager.errored().original_exception}"
+        """The step's result, or why it was not committed.
+
+        A quorum only after a failed try (and the start's): in steady state a step costs no
+        round trip to the lighthouse. The first try after a quorum also asks the manager to
+        commit (it finishes a state transfer in flight); later ones commit when their own
+        collectives succeeded. A member that failed aborts its group, so a member whose
+        collectives had completed (a ring all-reduce can finish on some ranks) fails at its
+        next one and comes to the quorum too, where it is the one ahead and heals the others.
+        """
+        if self._quorum_due:
+            self._quorum_due = False
+            if not self._quorum():
+                self._quorum_due = True
+                self.manager.should_commit()  # no: the manager's step stays where it is
+                return f"the group could not be re-formed: {self.manager.errored().original_exception}"
+            self._vote_due = True
         if self.manager._quorum_id != self.wrapped_quorum:
             self._rewrap(state)
         try:
-            return train_step(state, window, accumulation_steps, train, rank, commit=self._commit)
+            result = train_step(state, window, accumulation_steps, train, rank,
+                                commit=self._commit if self._vote_due else None)
+            self._vote_due = False
+            return result
         except StepNotCommitted as exc:
-            return str(exc)
+            why = str(exc)
         except RuntimeError as exc:
             if not (is_peer_loss(exc) or _from_torchft(exc)):
                 raise
             self.manager.report_error(exc)
             self.manager.should_commit()
-            return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+        self._quorum_due = True
+        with contextlib.suppress(Exception):
+            self._group.abort(errored=False)
+        return why
 
     def _commit(self) -> None:
         if not self.manager.should_commit():
@@ -249,6 +268,8 @@ class LiveSession:
 
     def _quorum(self) -> bool:
         """Wait until every worker is a member (bounded); False if the group could not be formed."""
+        if self.state is not None:  # the manager's step is ours + 1: a newcomer (0) is always behind
+            self.manager.load_state_dict({"step": self.state.progress.step + 1, "batches_committed": 0})
         try:
             self.manager.start_quorum()
         except Exception as exc:  # noqa: BLE001 - named, bounded: a timeout or a lighthouse gone
@@ -303,6 +324,7 @@ class LiveSession:
                     raise
                 _say(self.rank, f"live: the checkpoint of step {self.state.progress.step} is skipped: a worker was "
                                 "lost before Ray's report; training goes on once its replacement has joined")
+                self._quorum_due = True
                 return
             save(metrics, durable)
 
@@ -319,6 +341,7 @@ class LiveSession:
             except RuntimeError as exc:
                 if not self._lost(exc):
                     raise
+                self._quorum_due = True
                 return [float(v) for v in values]
 
         guard.agree = agree_unless_a_worker_is_gone
