@@ -40,6 +40,7 @@ from raytrain_ddp.ops.bench.recovery import _BUNDLE, QUICKSTART, _kill_a_worker
 
 MODES = ("replica", "live")
 KILL_AT, MAX_STEPS, CHECKPOINT_EVERY, RUN_TIMEOUT_S = 14, 40, 10, 300.0
+KILLS, ROUNDS = 5, 3  # in `raytrain-ddp bench`'s recovery section: the median of 5 kills per mode
 TARGETS = {"kill_to_next_step_s": 5.0, "steps_redone": 0, "live_overhead_pct": 2.0}
 
 
