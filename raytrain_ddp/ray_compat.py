@@ -220,3 +220,25 @@ def replace_worker_output_handler(name: str, handler: Callable[[dict[str, Any]],
     dispatcher.remove_handler(name)
     dispatcher.add_handler(name, handler)
     return True
+
+
+def serve_partial_groups_whole_datasets() -> bool:
+    """Make Ray Train's `DatasetsCallback` hand a partial group (a live-recovery replacement,
+    driver/live.py) the full group's dataset-shard provider. Once per process; False if done."""
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+
+    original = DatasetsCallback.before_init_train_context
+    if getattr(original, "_raytrain_live", False):
+        return False
+
+    def before_init_train_context(self: Any, workers: list) -> dict:
+        provider, world = getattr(self, "_dataset_shard_provider", None), getattr(self, "_raytrain_world", 0)
+        if provider is not None and len(workers) < world:
+            return {"dataset_shard_provider": [provider] * len(workers)}
+        out = original(self, workers)
+        self._raytrain_world = len(workers)
+        return out
+
+    before_init_train_context._raytrain_live = True  # type: ignore[attr-defined]
+    DatasetsCallback.before_init_train_context = before_init_train_context
+    return True

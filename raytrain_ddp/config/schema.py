@@ -419,12 +419,16 @@ class RunConfig(_Section):
         "project named after the run or $WANDB_PROJECT; needs the wandb package). The trackers "
         "get a step's point once a checkpoint covers it, so redone steps count once.",
     )
-    recovery: Literal["replica", "checkpoint"] = Field(
+    # issue #28 seam: "live" (worker/live.py, driver/live.py)
+    recovery: Literal["replica", "checkpoint", "live"] = Field(
         "replica", description="When a worker dies mid-run: replica (the surviving workers, which "
         "hold identical copies of the model and optimizer, write the last completed step as their "
         "collective fails, and the restarted group resumes from it: at most the step in flight is "
-        "redone; strategies naive, bucketed, native) or checkpoint (resume from the newest durable "
-        "checkpoint only). See docs/reliability.md.",
+        "redone; strategies naive, bucketed, native), live (the survivors keep their processes and "
+        "wait at the step boundary; only the lost worker is replaced, and it receives the state from "
+        "a survivor over the network: Ray's replica groups and torchft, needs the torchft package; "
+        "naive and bucketed, the others fall back to replica) or checkpoint (resume from the newest "
+        "durable checkpoint only). See docs/reliability.md.",
     )
     num_to_keep: int = Field(2, ge=1, description="Checkpoints kept on disk.")
     max_failures: int = Field(1, ge=-1, description="Worker-group restarts allowed; -1 is unlimited.")

@@ -36,6 +36,9 @@ class Strategy:
     shards_parameters: bool = False  # parameters themselves are sharded (a gather to read them)
     precision: tuple[str, ...] = PRECISIONS
     local: Optional[str] = None  # "module:attribute" of the class used without a process group
+    # run.recovery=live (worker/live.py): "" if the wrapper all-reduces over torchft's
+    # reconfigurable group, else why not (a sharded layout is refused by `live_refusal`)
+    live: str = ""
 
     @property
     def replicated(self) -> bool:
@@ -56,7 +59,9 @@ _TABLE = (
              options=("bucket_cap_mb", "compress", "first_bucket_mb", "shm"), tunes=True),
     Strategy("native", "raytrain_ddp.parallel.native:NativeDDP", "replicated",
              options=("bucket_cap_mb", "compress", "first_bucket_mb", "device_ids"),
-             local="raytrain_ddp.parallel.native:LocalModel"),
+             local="raytrain_ddp.parallel.native:LocalModel",
+             live="is torch DDP, whose C++ reducer reads the group's size from the C++ base of torchft's "
+                  "reconfigurable group, which is always 1 (docs/reliability.md#live-recovery)"),
     Strategy("zero1", "raytrain_ddp.parallel.zero1:Zero1DDP", "sharded",
              options=("bucket_cap_mb", "compress", "first_bucket_mb")),
     Strategy("fsdp", "raytrain_ddp.parallel.fsdp:FullyShardedDP", "sharded",
@@ -68,6 +73,15 @@ DEFAULT: str = "bucketed"  # parallel.strategy's default
 REPLICATED: tuple[str, ...] = tuple(s.name for s in _TABLE if s.replicated)
 SHARDED: tuple[str, ...] = tuple(s.name for s in _TABLE if not s.replicated)
 TUNERS: tuple[str, ...] = tuple(s.name for s in _TABLE if s.tunes)
+LIVE: tuple[str, ...] = tuple(s.name for s in _TABLE if s.replicated and not s.live)  # run.recovery=live
+
+
+def live_refusal(name: str) -> str:
+    """Why strategy `name` cannot recover live ("" when it can), as the rest of a config line."""
+    row = get(name)
+    if not row.replicated:
+        return "keeps 1/W of the state per rank, so no survivor holds what a replacement needs"
+    return row.live
 
 
 def get(name: str, key: str = "strategy") -> Strategy:

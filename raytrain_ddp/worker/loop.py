@@ -27,25 +27,33 @@ from typing import Any
 from raytrain_ddp.data.steps import total_steps as total_steps_of
 from raytrain_ddp.data.worker_data import WorkerData
 from raytrain_ddp.job import Job
-from raytrain_ddp.worker.checkpointer import Checkpointer
 from raytrain_ddp.worker.runtime import RayTrainRuntime
 from raytrain_ddp.worker.hooks import load_hooks
+from raytrain_ddp.worker.live import session_for
 from raytrain_ddp.worker.meter import RunLog
 from raytrain_ddp.worker.profiler import StepProfiler
 from raytrain_ddp.worker.state import build_state
-from raytrain_ddp.worker.step import NonFiniteAbort, train_step, validate
+from raytrain_ddp.worker.step import NonFiniteAbort, validate
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     job: Job = loop_config["job"]
     runtime = loop_config.get("runtime") or RayTrainRuntime()  # a Ray Train worker, or local mode
     cfg, rank, hooks = job.cfg, runtime.rank(), load_hooks()
+    live = session_for(job, runtime)  # run.recovery=live: survivors stay, a newcomer heals (live.py)
+    try:
+        _train(job, cfg, rank, hooks, live, live.runtime)
+    finally:
+        live.close()
+
+
+def _train(job: Job, cfg: Any, rank: Any, hooks: Any, live: Any, runtime: Any) -> None:
     data = WorkerData(cfg, job.spec, rank.world_rank, rank.world_size, rank.device, shards=runtime.shards())
     total_steps = total_steps_of(cfg, data.steps_per_epoch)  # as the driver computes it (data/steps.py)
-    state = build_state(job, rank, total_steps)
+    state = build_state(job, rank, total_steps, live.group)
     log = RunLog(job, rank, state, data, total_steps)  # records this attempt
     hooks.on_attempt(rank, log.attempt, state.module)
-    checkpointer = Checkpointer.resume(job, rank, state, log, hooks, data.accumulation_steps, runtime)
+    checkpointer = live.resume(job, rank, state, log, hooks, data.accumulation_steps)
     progress = state.progress
     profiler = StepProfiler(job, rank, state, total_steps)  # run.profile: a trace of a few steps
     with checkpointer.last_step_on_peer_loss():  # a worker dies: the survivors write the last step
@@ -54,7 +62,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 if progress.step >= total_steps:  # resuming a finished run: nothing left to do
                     break
                 for window in profiler.steps(data.train_windows(epoch, skip_steps=progress.steps_into_epoch)):
-                    result = train_step(state, window, data.accumulation_steps, cfg.train, rank)  # counts it
+                    result = live.train_step(state, window, data.accumulation_steps, cfg.train, rank)  # counts it
                     hooks.after_step(progress.step)
                     log.step(result, progress.epoch_ended(data.steps_per_epoch))
                     if progress.step >= total_steps:

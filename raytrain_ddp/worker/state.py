@@ -162,8 +162,29 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_state(job: Job, rank: Rank, total_steps: int) -> TrainState:
+def wrap(module: torch.nn.Module, cfg: Any, rank: Rank, process_group: Any = None) -> Any:
+    """`module` wrapped for `cfg.parallel`. `process_group`: run.recovery=live's reconfigurable
+    group (worker/live.py), which also re-wraps with this after each reconfiguration; shared
+    memory is off there, since a dead peer must fail the all-reduce at once."""
     from raytrain_ddp.parallel import wrap_model
+
+    return wrap_model(
+        module, cfg.parallel.strategy,
+        bucket_cap_mb=cfg.parallel.bucket_cap_mb,
+        first_bucket_mb=cfg.parallel.first_bucket_mb,
+        compress=cfg.parallel.compress,
+        verify_init=cfg.parallel.verify_init,
+        process_group=process_group,
+        device_ids=[rank.device.index] if rank.device.type == "cuda" else None,
+        collective_timeout_s=cfg.parallel.collective_timeout_s,
+        param_dtype={"bf16": torch.bfloat16}.get(cfg.train.precision),  # fsdp's mixed precision
+        broadcast_buffers=cfg.parallel.broadcast_buffers,
+        find_unused_parameters=cfg.parallel.find_unused_parameters,
+        shm=cfg.parallel.shm and process_group is None,
+    )
+
+
+def build_state(job: Job, rank: Rank, total_steps: int, process_group: Any = None) -> TrainState:
     from raytrain_ddp.user import UserCode
 
     cfg, code = job.cfg, UserCode.for_job(job)
@@ -173,19 +194,7 @@ def build_state(job: Job, rank: Rank, total_steps: int) -> TrainState:
     # broadcast (and `parallel.verify_init` checks exactly that).
     seed_everything(cfg.train.seed)
     module = code.build_model(cfg, job.spec).to(rank.device)
-    wrapper = wrap_model(
-        module, cfg.parallel.strategy,
-        bucket_cap_mb=cfg.parallel.bucket_cap_mb,
-        first_bucket_mb=cfg.parallel.first_bucket_mb,
-        compress=cfg.parallel.compress,
-        verify_init=cfg.parallel.verify_init,
-        device_ids=[rank.device.index] if rank.device.type == "cuda" else None,
-        collective_timeout_s=cfg.parallel.collective_timeout_s,
-        param_dtype={"bf16": torch.bfloat16}.get(cfg.train.precision),  # fsdp's mixed precision
-        broadcast_buffers=cfg.parallel.broadcast_buffers,
-        find_unused_parameters=cfg.parallel.find_unused_parameters,
-        shm=cfg.parallel.shm,
-    )
+    wrapper = wrap(module, cfg, rank, process_group)
     optimizer = wrapper.make_optimizer(lambda trainable: build_optimizer(trainable, cfg.train)
                                        if code.optimizer is None else code.build_optimizer(cfg, wrapper.module))
     schedule = build_schedule(optimizer, cfg, total_steps, code)
@@ -198,7 +207,7 @@ def build_state(job: Job, rank: Rank, total_steps: int) -> TrainState:
         return torch.autocast(device_type=rank.device.type, dtype=dtype)
 
     progress = Progress()
-    survivors_copy = cfg.run.recovery == "replica" and cfg.parallel.strategy in REPLICATED
+    survivors_copy = cfg.run.recovery in ("replica", "live") and cfg.parallel.strategy in REPLICATED
     return TrainState(wrapper, optimizer, schedule, scaler, code.batch_format(cfg), autocast,
                       progress=progress, rng=RngStreams(rank, progress),
                       run={"world_size": rank.world_size, "config": cfg.to_yaml(), "fit_id": job.fit_id,

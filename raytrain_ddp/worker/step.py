@@ -21,7 +21,7 @@ import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -51,11 +51,14 @@ class StepResult:
         return self.loss_sum.item() / self.world_size
 
 
-def train_step(state: TrainState, window: list, accumulation_steps: int, train: Any, rank: Rank) -> StepResult:
+def train_step(state: TrainState, window: list, accumulation_steps: int, train: Any, rank: Rank,
+               commit: Optional[Callable[[], None]] = None) -> StepResult:
     """One optimizer step over a window of micro-batches.
 
     Reads one device value on the host (the ranks' verdict on non-finite values, which
     decides whether the optimizer steps); everything else stays on the device.
+    `commit`: run.recovery=live's decision (`worker/live.py`), after the step's last
+    collective and before anything it changes: it raises when a member's collective failed.
     """
     lr = state.schedule.lr
     state.module.train()
@@ -75,6 +78,8 @@ def train_step(state: TrainState, window: list, accumulation_steps: int, train: 
     # One all-reduce for the loss and the verdict; one read of the verdict, the step's only sync.
     votes = all_sum_(torch.stack([local_loss, bad.to(local_loss.dtype)]))
     skip = votes[1].item() > 0
+    if commit is not None:
+        commit()
     with state.updating():  # a survivor's copy (worker/replica.py) never sees half of this
         if skip:
             _skip_step(state, train.nonfinite)

@@ -20,7 +20,8 @@ Three properties are checked against one uninterrupted run of the same config:
   interrupted invocation said it continues from is where the next one starts.
 
 The suite runs the fixed seeds in `SEEDS` (each once failed or covers a distinct path);
-`RAYTRAIN_DDP_FAULT_SEEDS=0-19` runs others (docs/reliability.md quotes that run).
+`RAYTRAIN_DDP_FAULT_SEEDS=0-19` runs others (docs/reliability.md quotes that run);
+`RAYTRAIN_DDP_FAULT_RECOVERY=live` runs every invocation with that `run.recovery`.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ CLI = Path(sys.executable).parent / "raytrain-ddp"
 EPOCHS, STEPS_PER_EPOCH = 2, 22  # tiny.yaml: 22 steps per epoch, a checkpoint every 10
 TOTAL = EPOCHS * STEPS_PER_EPOCH
 STEP_DELAY_S = "0.12"  # ~5 s of training: room to aim a Ctrl-C or a kill at a step
+RECOVERY_ENV = "RAYTRAIN_DDP_FAULT_RECOVERY"  # e.g. live: every invocation with that run.recovery (issue #28)
 SEEDS = [15]  # rank 0 killed right after an async save, Ctrl-C, a kill + driver SIGKILL. Seed 0 once failed
 # (rank 2 of 4 killed right after an async save): test_fault_pieces.py keeps its cause as a unit test
 
@@ -117,7 +119,8 @@ def run_command(tmp: Path, name: str, inv: Invocation, samples: Path, index: int
         env[FAULT_ENV] = f"rank={rank},step={min(step, TOTAL - 1)},attempt=1,mode={mode}"
     command = [str(CLI), "train", str(TINY), f"run.storage_path={tmp / 'runs'}", f"name={name}",
                f"train.epochs={EPOCHS}", "run.log_every_steps=1", f"scaling.num_workers={inv.workers}",
-               f"run.checkpoint_upload={inv.upload}", "run.max_failures=2"]
+               f"run.checkpoint_upload={inv.upload}", "run.max_failures=2",
+               *([f"run.recovery={os.environ[RECOVERY_ENV]}"] if os.environ.get(RECOVERY_ENV) else [])]
     log_path = tmp / f"invocation-{index}.log"
     run_dir = tmp / "runs" / name
     started: list[int] = []

@@ -329,3 +329,13 @@ def test_declared_ray_range_is_what_make_compat_runs():
     assert versions[0].startswith(floor + "."), (floor, versions)  # the floor is the oldest tested
     assert all(minor(v) < minor(cap) for v in versions) and minor(versions[-1]) == minor(cap)[:1] + (minor(cap)[1] - 1,)
     assert minor(floor) <= minor(ray.__version__) < minor(cap)
+
+
+def test_serve_partial_groups_whole_datasets():
+    callback = _attr("serve_partial_groups_whole_datasets",
+                     "ray.train.v2._internal.callbacks.datasets:DatasetsCallback")
+    hook = getattr(callback, "before_init_train_context", None)
+    assert hook is not None and _params(hook)[1:] == ["workers"], \
+        _gone("serve_partial_groups_whole_datasets", "DatasetsCallback.before_init_train_context(workers)")
+    assert "_dataset_shard_provider" in inspect.getsource(callback), \
+        _gone("serve_partial_groups_whole_datasets", "DatasetsCallback._dataset_shard_provider")

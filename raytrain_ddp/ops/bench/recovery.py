@@ -434,6 +434,10 @@ def run(sizes: Sizes, log=print, with_kill: bool = True, with_node_loss: Optiona
         log(f"  recovery: SIGKILL a worker after step {KILL_AT} of the quickstart (checkpoints every "
             f"{CHECKPOINT_EVERY} steps), run.recovery replica and checkpoint, {kills} run(s) each ...")
         result["kill"] = kill_section(kills, log=log)
+        from raytrain_ddp.ops.bench import live_recovery  # issue #28 seam: replica and live side by side
+
+        log(f"  recovery: run.recovery replica and live side by side, {live_recovery.KILLS} kill(s) each ...")
+        result["live"] = live_recovery.side_by_side(live_recovery.KILLS, live_recovery.ROUNDS, log=log)
     else:
         result["kill_note"] = f"kill runs skipped in the {sizes.name} preset (two Ray runs with a restart each)"
     if with_node_loss:

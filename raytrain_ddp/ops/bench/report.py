@@ -164,6 +164,12 @@ def _recovery_tables(rec: dict[str, Any]) -> list[str]:
                            "kill -> next trained step (s)"], rows))
     elif rec.get("kill_note"):
         out.append(f"\n**Recovery from a SIGKILLed worker**: {rec['kill_note']}")
+    if rec.get("live"):  # issue #28: run.recovery replica and live from one invocation (live_recovery.py)
+        from raytrain_ddp.ops.bench.live_recovery import table
+
+        out.append("\n**replica vs live** (quickstart, 2 workers, rank 1 SIGKILLed after step "
+                   f"{rec['live']['kill_at']}; both modes interleaved)\n")
+        out += table(rec["live"])
     node = rec.get("node_loss")
     if node and "error" not in node:
         out.append("\n**A whole node lost** (two-node local cluster, tiny config with 1-2 workers, every process "

@@ -1,0 +1,90 @@
+"""Driver side of `run.recovery: live` (issue #28): which runs get it, and Ray's replica-group backend.
+
+Owns: deciding whether a run's `run.recovery: live` can be honoured (`resolve`: sharded
+strategies, elastic ranges and a single worker fall back to `replica`, each with one line
+saying so; a missing torchft is an error naming the key), and the `TorchftConfig` that
+makes Ray Train 2.60 manage one replica group per worker (`torch_config`): when a worker
+dies, Ray's controller replaces only that group (`WorkerGroup.replace_replica_group`) and
+the others keep running. Must not touch: what the workers do (`worker/live.py`), the
+rest of the trainer's construction (`launcher.py`).
+
+The lighthouse (torchft's quorum server) runs in an actor on the driver's node, created by
+Ray's `_TorchftBackend`; its `min_replicas` is the worker count, so a quorum never forms
+without every worker: the survivors wait for the replacement instead of shrinking the
+global batch (docs/reliability.md#live-recovery). Its heartbeat timeout is short (1 s)
+so a dead worker stops counting as a member soon after its death, never later than the
+replacement can arrive.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+from raytrain_ddp import ray_compat
+from raytrain_ddp.config import Config, ConfigError
+from raytrain_ddp.parallel import registry
+HEARTBEAT_TIMEOUT_MS = 1000  # a lost worker leaves the lighthouse's members within ~1 s
+QUORUM_TICK_MS = 20  # how often the lighthouse looks for a complete quorum
+
+
+def fallback_reason(cfg: Config) -> str:
+    """Why `run.recovery: live` cannot apply to `cfg` ("" when it can)."""
+    if cfg.run.recovery != "live" or cfg.scaling.local:
+        return ""
+    refusal = registry.live_refusal(cfg.parallel.strategy)
+    if refusal:
+        return f"parallel.strategy={cfg.parallel.strategy} {refusal}"
+    if cfg.scaling.elastic:
+        return "scaling.num_workers is a range, and Ray replaces single workers only in fixed-size groups"
+    if cfg.scaling.num_workers < 2:
+        return "one worker has no survivor to wait for it"
+    if cfg.data.sharding == "streaming":
+        return ("data.sharding=streaming splits one Ray Data stream over the workers, and a replacement "
+                "cannot take over a split mid-epoch")
+    return ""
+
+
+def resolve(cfg: Config, say: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)) -> Config:
+    """`cfg` with the recovery mode the run will really use: `live` when it applies, else `replica`
+    (said in one line). `live` without torchft installed is a `ConfigError` naming the key."""
+    if cfg.run.recovery != "live" or cfg.scaling.local:
+        return cfg
+    reason = fallback_reason(cfg)
+    if reason:
+        say(f"raytrain-ddp: run.recovery=live falls back to run.recovery=replica: {reason}")
+        fallback = cfg.model_copy(deep=True)
+        fallback.run.recovery = "replica"
+        return fallback
+    try:
+        import torchft  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(f"run.recovery=live needs the torchft package ({exc}); install it with "
+                          "pip install 'raytrain-ddp[live]', or set run.recovery=replica") from exc
+    return cfg
+
+
+def torch_config(cfg: Config, timeout_s: int) -> Any:
+    """Ray Train's torchft backend: one replica group per worker, a lighthouse for all of them."""
+    from ray.train.v2.torch.torchft_config import TorchftConfig
+
+    lighthouse = {"bind": "[::]:0", "min_replicas": int(cfg.scaling.num_workers),
+                  "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS, "quorum_tick_ms": QUORUM_TICK_MS}
+    return TorchftConfig(lighthouse_kwargs=lighthouse, backend="nccl" if cfg.scaling.use_gpu else "gloo",
+                         timeout_s=timeout_s)
+
+
+class LiveDatasets(ray_compat.controller_callback_base()):  # type: ignore[misc]
+    """Ray Train controller callback: a replacement worker reads the datasets the group started with.
+
+    Ray 2.60 builds a new `DatasetManager` for every group it starts, sized by that group's
+    workers; for a one-worker replacement that is a manager of world size 1, and the newcomer
+    (world rank >= 1) fails in `get_dataset_shard` with `IndexError` (measured: issue #28). For
+    datasets that are not split (`data.sharding: exact`, the default; `sharded` reads no Ray
+    dataset) every rank's iterator is the whole dataset, so the full group's provider serves a
+    newcomer as it served its predecessor (`ray_compat.serve_partial_groups_whole_datasets`).
+    Runs in the controller's process, patching Ray's callback there only, once.
+    """
+
+    def after_controller_start(self, train_run_context: Any) -> None:
+        ray_compat.serve_partial_groups_whole_datasets()

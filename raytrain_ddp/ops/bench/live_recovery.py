@@ -1,0 +1,252 @@
+"""The `recovery` section's side-by-side of `run.recovery` replica and live (issue #28).
+
+Owns: one measurement, both modes from one invocation, interleaved run by run so a busy
+machine loads both alike. Must not touch: the training loop, the recovery machinery
+(`worker/replica.py`, `worker/live.py`), any run directory but the temporary ones it makes.
+
+`kills` runs per mode of the quickstart (2 workers, `train.max_steps=40`, a durable
+checkpoint every 10 steps, a metrics line every step), each through
+`driver.launcher.run_training` with its own embedded Ray; a watcher SIGKILLs rank 1's
+`RayTrainWorker` from outside once step `KILL_AT` is logged (`recovery._kill_a_worker`).
+Per run:
+- `kill_to_next_step_s`: the kill to the `time` of the first train line made after it;
+- `steps_redone`: train lines made after the kill for a step at or below the last step
+  logged before it (the watcher's view, so lines the driver later drops still count);
+- `survivors_kept`: every rank but the killed one has the same pid after the recovery as
+  before the kill (Ray's state API, read again once the next step is logged);
+- `bytes_to_newcomers`: live, the tensor bytes of the state one survivor sends the
+  replacement over the group (the state as its checkpoint holds it); replica, a copy's
+  `state.pt` (the same state; the survivor's own copy is pruned by the run's end, so the
+  final checkpoint's size stands for it) read from storage by every restarted worker.
+`no_failure`: `rounds` uninterrupted runs per mode, interleaved; the step time is the
+median gap between consecutive train lines (epoch ends, with validation and a
+checkpoint, left out); `live_overhead_pct` compares the two medians of medians.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from raytrain_ddp.ops.bench.common import stats
+from raytrain_ddp.ray_compat import WORKER_NICENESS_ENV
+from raytrain_ddp.ops.bench.recovery import _BUNDLE, QUICKSTART, _kill_a_worker
+
+MODES = ("replica", "live")
+KILL_AT, MAX_STEPS, CHECKPOINT_EVERY, RUN_TIMEOUT_S = 14, 40, 10, 300.0
+KILLS, ROUNDS = 5, 3  # in `raytrain-ddp bench`'s recovery section: the median of 5 kills per mode
+TARGETS = {"kill_to_next_step_s": 5.0, "steps_redone": 0, "live_overhead_pct": 2.0}
+
+
+def workers_by_rank() -> dict[int, int]:
+    """rank -> pid of every live RayTrainWorker (the bundle index is the rank on one node)."""
+    import ray
+    from ray.util.state import list_actors
+
+    actors = list_actors(address=ray.get_runtime_context().gcs_address, detail=True,
+                         filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+    out = {}
+    for actor in actors:
+        bundles = [int(m.group(1)) for key in (getattr(actor, "required_resources", None) or {})
+                   if (m := _BUNDLE.search(key))]
+        if bundles and int(getattr(actor, "pid", 0) or 0) > 0:
+            out[bundles[0]] = int(actor.pid)
+    return out
+
+
+class _Watcher(threading.Thread):
+    """Kills rank 1 once step `kill_at` is logged; notes the pids before and after."""
+
+    def __init__(self, run_dir: Path, kill_at: int) -> None:
+        super().__init__(name="live-recovery-watcher", daemon=True)
+        self.run_dir, self.kill_at, self.stop = run_dir, kill_at, threading.Event()
+        self.killed: dict[str, Any] = {}
+        self.before: dict[int, int] = {}
+        self.after: dict[int, int] = {}
+        self.last_done = 0
+        self.error: Optional[str] = None
+
+    def _steps(self) -> list[dict[str, Any]]:
+        from raytrain_ddp.rundir import read_metrics
+
+        return [r for r in read_metrics(self.run_dir / "metrics.jsonl") if "loss" in r]
+
+    def run(self) -> None:
+        try:
+            deadline = time.monotonic() + RUN_TIMEOUT_S
+            while not self.stop.is_set() and time.monotonic() < deadline:
+                lines = self._steps()
+                if lines and max(r["step"] for r in lines) >= self.kill_at:
+                    self.last_done = max(r["step"] for r in lines)
+                    break
+                self.stop.wait(0.02)
+            self.before = workers_by_rank()
+            self.killed = _kill_a_worker()
+            while not self.stop.is_set() and time.monotonic() < deadline:
+                if any(r["time"] > self.killed["time"] for r in self._steps()):
+                    self.after = workers_by_rank()
+                    return
+                self.stop.wait(0.05)
+        except Exception as exc:  # noqa: BLE001 - reported by the section
+            self.error = f"{type(exc).__name__}: {exc}"
+
+
+def _cfg(mode: str, storage: Path, name: str) -> Any:
+    from raytrain_ddp.config import load_config
+
+    return load_config(QUICKSTART, [
+        f"run.storage_path={storage}", f"name={name}", f"run.recovery={mode}", "run.log_every_steps=1",
+        f"run.checkpoint_every_steps={CHECKPOINT_EVERY}", f"train.max_steps={MAX_STEPS}", "run.max_failures=1"])
+
+
+def _train(cfg: Any) -> dict[str, Any]:
+    from raytrain_ddp.driver.launcher import run_training
+
+    with contextlib.redirect_stdout(sys.stderr):  # the run's console lines are progress, not the report
+        try:
+            summary = run_training(cfg)
+        except Exception as exc:  # noqa: BLE001 - Ray's own start can fail on a loaded machine: once more
+            print(f"    {cfg.name}: {type(exc).__name__}: {exc}; starting the run again", file=sys.stderr, flush=True)
+            time.sleep(5)
+            summary = run_training(cfg.model_copy(update={"name": cfg.name + "-again"}))
+    if summary.get("status") != "ok":
+        raise RuntimeError(f"{cfg.name}: the run ended {summary.get('status')}: {summary.get('error')}")
+    return summary
+
+
+def kill_run(mode: str, storage: Path, log=print) -> dict[str, Any]:
+    """One quickstart run in `mode` with rank 1 SIGKILLed after step `KILL_AT`."""
+    from raytrain_ddp import checkpoint as ckpt
+    from raytrain_ddp.rundir import read_metrics
+    from raytrain_ddp.worker.live import tensor_bytes
+
+    cfg = _cfg(mode, storage, f"kill-{mode}")
+    watcher = _Watcher(storage / cfg.name, KILL_AT)
+    watcher.start()
+    try:
+        summary = _train(cfg)
+    finally:
+        watcher.stop.set()
+        watcher.join(timeout=10)
+    if watcher.error or not watcher.killed:
+        raise RuntimeError(f"{mode}: {watcher.error or 'no worker was killed'}")
+    killed_at, killed_rank = watcher.killed["time"], watcher.killed["rank"]
+    lines = [r for r in read_metrics(Path(summary["run_dir"]) / "metrics.jsonl") if "loss" in r]
+    last_done = max([watcher.last_done] + [r["step"] for r in lines if r["time"] < killed_at])
+    after = [r for r in lines if r["time"] > killed_at]
+    final = ckpt.load_checkpoint(summary["checkpoint"])
+    row = {
+        "mode": mode, "killed_rank": killed_rank, "last_step_before_kill": last_done,
+        "kill_to_next_step_s": min(r["time"] for r in after) - killed_at,
+        "steps_redone": sum(1 for r in after if r["step"] <= last_done),
+        "survivors_kept": bool(watcher.after) and all(watcher.after.get(r) == p for r, p in watcher.before.items()
+                                                      if r != killed_rank),
+        "pids_before": watcher.before, "pids_after": watcher.after, "attempts": summary["attempts"],
+        "bytes_to_newcomers": (tensor_bytes({k: v for k, v in final.items() if k != "run"}) if mode == "live" else
+                               cfg.scaling.num_workers * _size(Path(str(summary["checkpoint"])) / "state.pt")),
+    }
+    log(f"    {mode}: killed rank {killed_rank} after step {last_done}; next trained step "
+        f"{row['kill_to_next_step_s']:.1f} s after the kill, {row['steps_redone']} step(s) redone, survivors kept "
+        f"their processes: {row['survivors_kept']}, {row['bytes_to_newcomers']:,} bytes to the new worker(s)")
+    return row
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def step_time_run(mode: str, storage: Path) -> float:
+    """Median seconds between consecutive train lines of an uninterrupted run (epoch ends left out)."""
+    from raytrain_ddp.rundir import read_metrics
+
+    summary = _train(_cfg(mode, storage, f"steady-{mode}"))
+    lines = [r for r in read_metrics(Path(summary["run_dir"]) / "metrics.jsonl") if "loss" in r]
+    gaps = [b["time"] - a["time"] for a, b in zip(lines, lines[1:])
+            if b["step"] == a["step"] + 1 and a["epoch"] == b["epoch"] and b["step"] % CHECKPOINT_EVERY != 1]
+    return statistics.median(gaps)
+
+
+def side_by_side(kills: int = 5, rounds: int = 3, log=print) -> dict[str, Any]:
+    """Both modes from one invocation, interleaved; each run starts its own Ray."""
+    saved = {k: os.environ.pop(k) for k in ("RAY_ADDRESS", WORKER_NICENESS_ENV) if k in os.environ}
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+    steps: dict[str, list[float]] = {m: [] for m in MODES}
+    failures: dict[str, list[str]] = {m: [] for m in MODES}
+    try:
+        with tempfile.TemporaryDirectory(prefix="raytrain-bench-live-") as tmp:
+            for i in range(kills):
+                for mode in (MODES if i % 2 == 0 else MODES[::-1]):
+                    try:
+                        runs[mode].append(kill_run(mode, Path(tmp) / f"kill{i}", log=log))
+                    except Exception as exc:  # noqa: BLE001 - a failed recovery is a result: kept, counted
+                        failures[mode].append(f"{type(exc).__name__}: {str(exc)[:300]}")
+                        log(f"    {mode}: FAILED: {failures[mode][-1]}")
+            for i in range(rounds):
+                for mode in (MODES if i % 2 == 0 else MODES[::-1]):
+                    steps[mode].append(step_time_run(mode, Path(tmp) / f"steady{i}"))
+                    log(f"    {mode}: no failure, median step {1e3 * steps[mode][-1]:.1f} ms")
+    finally:
+        os.environ.update(saved)
+    out: dict[str, Any] = {"kill_at": KILL_AT, "max_steps": MAX_STEPS, "checkpoint_every_steps": CHECKPOINT_EVERY,
+                           "config": "examples/configs/quickstart.yaml", "killed": "rank 1", "targets": dict(TARGETS)}
+    for mode in MODES:
+        rows = runs[mode] or [{"kill_to_next_step_s": float("nan"), "steps_redone": -1, "survivors_kept": False,
+                               "bytes_to_newcomers": 0}]
+        out[mode] = {"runs": runs[mode], "failures": failures[mode],
+                     "kill_to_next_step_s": stats([r["kill_to_next_step_s"] for r in rows]),
+                     "steps_redone_max": max(r["steps_redone"] for r in rows),
+                     "survivors_kept_all": all(r["survivors_kept"] for r in rows),
+                     "bytes_to_newcomers": statistics.median(r["bytes_to_newcomers"] for r in rows),
+                     "step_time_s": steps[mode], "step_time_median_s": statistics.median(steps[mode])}
+    out["live_overhead_pct"] = 100 * (out["live"]["step_time_median_s"] / out["replica"]["step_time_median_s"] - 1)
+    return out
+
+
+def table(result: dict[str, Any]) -> list[str]:
+    """The side-by-side as markdown rows (report.py prints them)."""
+    rep, live = result["replica"], result["live"]
+    rows = [("kill -> next trained step, median of runs (s)", rep["kill_to_next_step_s"]["median"],
+             live["kill_to_next_step_s"]["median"], "{:.1f}"),
+            ("... min / max (s)", f"{rep['kill_to_next_step_s']['min']:.1f} / {rep['kill_to_next_step_s']['max']:.1f}",
+             f"{live['kill_to_next_step_s']['min']:.1f} / {live['kill_to_next_step_s']['max']:.1f}", "{}"),
+            ("completed steps redone (max)", rep["steps_redone_max"], live["steps_redone_max"], "{}"),
+            ("survivors' pids unchanged (all runs)", rep["survivors_kept_all"], live["survivors_kept_all"], "{}"),
+            ("bytes to the new worker(s)", rep["bytes_to_newcomers"], live["bytes_to_newcomers"], "{:,.0f}"),
+            ("step time, no failure (median ms)", 1e3 * rep["step_time_median_s"], 1e3 * live["step_time_median_s"],
+             "{:.2f}")]
+    out = ["| | run.recovery=replica | run.recovery=live |", "|---|---|---|"]
+    out += [f"| {name} | {fmt.format(a)} | {fmt.format(b)} |" for name, a, b, fmt in rows]
+    out.append(f"| runs that failed | {len(rep['failures'])} | {len(live['failures'])} |")
+    out.append(f"| live step-time overhead | | {result['live_overhead_pct']:+.1f} % |")
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """`python -m raytrain_ddp.ops.bench.live_recovery [--kills N] [--rounds N] [--out FILE]`."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m raytrain_ddp.ops.bench.live_recovery")
+    parser.add_argument("--kills", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3, help="uninterrupted runs per mode for the step time")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    result = side_by_side(args.kills, args.rounds, log=lambda line: print(line, file=sys.stderr, flush=True))
+    print("\n".join(table(result)))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,443 @@
+"""`run.recovery: live` on a worker (issue #28): the survivors keep their processes; only the lost worker is replaced.
+
+Owns: one torchft `Manager` per worker (each worker is its own replica group in Ray's
+`TorchftConfig`), the reconfigurable gloo group every collective of the run goes through
+(`LiveGroup`, installed as torch's default group), the step's commit decision, putting a
+failed step back to its boundary and retrying it, re-wrapping the model after each
+reconfiguration, and loading the state a newcomer receives from a survivor. Must not
+touch: what a step computes (`step.py`), the checkpoint cadence (`checkpointer.py`), the
+wrappers (`raytrain_ddp.parallel`: used as they are, over this group), Ray's replacement
+of the dead worker (`driver/live.py` selects it).
+
+How a loss goes (the survivors' side):
+1. A peer dies. This rank's next collective in the step fails at once (gloo: connection
+   reset). The failure is reported to the manager; `should_commit` says no, so nothing the
+   step would change is touched (the optimizer step, the schedule and the step count come
+   after the commit, `step.py`).
+2. The step is put back to its boundary: gradients dropped, buffers and RNG streams from
+   the boundary snapshot (`replica.LastStep`), the loss scaler's per-step state cleared.
+3. `start_quorum` (called at the start and after a failed try only: a steady step makes
+   no round trip to the lighthouse) blocks until every worker is a member again (the
+   lighthouse's and the manager's minimum is the worker count): the survivors wait, the
+   global batch never shrinks. Ray meanwhile starts the replacement; it joins the quorum behind (its step
+   is 0), and torchft sends it the survivors' state over the reconfigured group
+   (`PGTransport`: no storage read).
+4. Every member re-wraps the model on the new group (the newcomer wraps it for the first
+   time): fresh wrapper state everywhere, the same on every rank. The same window of
+   micro-batches is trained again: the step in flight was never completed, so no
+   completed step is redone, and the trajectory is the uninterrupted run's.
+
+The manager's step is `progress.step + 1` on every member in the loop and 0 on a worker
+that just started, so a newcomer always heals, even before the first commit. A full start
+(every member at 0) heals nobody and restores like any attempt (`Checkpointer.resume`).
+Bounded: a quorum that does not form within `JOIN_TIMEOUT_S` (no replacement came, or it
+died while joining) ends this worker with an error naming the wait, after it wrote its
+copy of the last step; Ray then restarts the group and `replica` recovery takes over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import time
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from raytrain_ddp.worker.context import Rank
+from raytrain_ddp.worker.replica import is_peer_loss
+from raytrain_ddp.worker.step import train_step
+
+JOIN_TIMEOUT_S = 120.0  # survivors wait this long for a replacement, then fail by name
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # set on every worker by Ray's torchft backend
+MAX_TRIES = 10  # a step not committed this many times in a row ends the worker, by name
+_TORCHFT_FRAMES = "torchft/"
+
+
+class StepNotCommitted(Exception):
+    """The step's collectives failed on some member: nothing of it is applied; it is retried."""
+
+
+class NoLive:
+    """Every other recovery mode: the loop's calls do what they always did."""
+
+    group = None
+    train_step = staticmethod(train_step)
+
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime
+
+    def resume(self, job: Any, rank: Rank, state: Any, log: Any, hooks: Any, accumulation_steps: int) -> Any:
+        from raytrain_ddp.worker.checkpointer import Checkpointer
+
+        return Checkpointer.resume(job, rank, state, log, hooks, accumulation_steps, self.runtime)
+
+    def close(self) -> None:
+        pass
+
+
+def session_for(job: Any, runtime: Any) -> Any:
+    """`LiveSession` when the run's recovery is live (torchft imported only then), else `NoLive`.
+
+    Live needs Ray's torchft backend, which our launcher selects (`driver/live.py`): a
+    worker without its lighthouse (your own `TorchTrainer` from `prepare_job`, local mode)
+    says so once and recovers as `replica` does."""
+    cfg = job.cfg
+    if cfg.run.recovery != "live" or cfg.scaling.local:
+        return NoLive(runtime)
+    if not os.environ.get(LIGHTHOUSE_ENV):
+        rank = runtime.rank()
+        if rank.is_main:
+            _say(rank, f"run.recovery=live needs Ray Train's TorchftConfig backend (${LIGHTHOUSE_ENV} is not set: "
+                       "this is not raytrain-ddp's launcher); recovering as run.recovery=replica does")
+        return NoLive(runtime)
+    return LiveSession(job, runtime.rank(), runtime)
+
+
+def live_group_class() -> type:
+    """torchft's reconfigurable gloo group, with what torch expects of a default group."""
+    from torchft.process_group import ProcessGroupGloo
+
+    class LiveGroup(ProcessGroupGloo):
+        """Our rank is the quorum's (torch asks the default group for it); an all-reduce without
+        options is a sum (our bucketed wrapper calls the group's method directly)."""
+
+        def rank(self) -> int:
+            return self.parent.rank()
+
+        def allreduce(self, tensors: list, opts: Any = None) -> Any:
+            if opts is None:
+                opts = torch.distributed.AllreduceOptions()
+            return super().allreduce(tensors, opts)
+
+    return LiveGroup
+
+
+class NoReplacement(RuntimeError):
+    """The survivors waited `JOIN_TIMEOUT_S` for a full quorum and none formed."""
+
+
+class LiveSession:
+    """One worker's side of live recovery (see the module docstring)."""
+
+    def __init__(self, job: Any, rank: Rank, runtime: Any) -> None:
+        from torchft import Manager
+        from torchft.checkpointing.pg_transport import PGTransport
+
+        cfg = job.cfg
+        self.rank, self.cfg, self.runtime = rank, cfg, LiveRuntime(runtime)
+        timeout = timedelta(seconds=cfg.parallel.collective_timeout_s)
+        self._group = live_group_class()(timeout=timeout)
+        self.state: Any = None
+        self.received: Optional[dict[str, Any]] = None  # a newcomer's state, until loaded
+        self.bytes_sent = self.bytes_received = 0
+        self.write_copy: Callable[[str], None] = lambda why: None
+        self.manager = Manager(
+            pg=self._group, min_replica_size=rank.world_size, load_state_dict=self._receive,
+            state_dict=self._send, use_async_quorum=False, init_sync=False, rank=0, world_size=1,
+            replica_id=f"rank{rank.world_rank:05d}", timeout=timeout,
+            quorum_timeout=timedelta(seconds=JOIN_TIMEOUT_S), connect_timeout=timedelta(seconds=30),
+            checkpoint_transport=PGTransport(self._group, timeout=timeout, device=torch.device("cpu")),
+        )
+        self.log: Any = None
+        self.hooks: Any = None
+        self.checkpointer: Any = None
+        self._previous_default: Any = None
+        self.marks = {"process": _process_start(), "loop": time.time()}  # a newcomer's timeline, said once
+        started = time.perf_counter()
+        if not self._quorum():  # a full start: every member at 0; a replacement heals from a survivor here
+            raise NoReplacement(f"run.recovery=live: rank {rank.world_rank} could not join the group: "
+                                f"{self.manager.errored().original_exception}")
+        self.wrapped_quorum: Any = None
+        self._quorum_due, self._vote_due = False, True  # that quorum is also the first step's
+        if self.received is None:  # a full start: the whole setup (wrap, restore) runs on the group
+            self._install()
+            self.wrapped_quorum = self.manager._quorum_id
+        else:  # a newcomer: its setup stays local (the survivors are mid-step); wrapped at its first step
+            self.marks["healed"] = time.time()
+            _say(rank, f"live: joined the running group at step {self.received['progress']['step']}: "
+                     f"received {self.bytes_received} bytes from a survivor in {time.perf_counter() - started:.2f}s")
+
+    @property
+    def group(self) -> Any:
+        """The group `build_state` wraps on: none for a newcomer until its state is loaded."""
+        return self._group if self._previous_default is not None else None
+
+    def _install(self) -> None:
+        self._previous_default = _install_default_group(self._group)
+
+    # -- the state a newcomer receives -------------------------------------------------
+    def _send(self) -> dict[str, Any]:
+        state = self.state.state_dict()
+        # The step's metrics lines go along: a lost rank 0 may have died before sending its
+        # own (after the step, before its line), and the newcomer hands them on as rank 0.
+        step = self.state.progress.step
+        state["lines"] = [r for r in list(getattr(self.log, "step_lines", [])) if r.get("step") == step]
+        self.bytes_sent += tensor_bytes(state)
+        _say(self.rank, f"live: sending step {self.state.progress.step} to a replacement ({tensor_bytes(state)} bytes)")
+        return state
+
+    def _receive(self, state: dict[str, Any]) -> None:
+        self.received = state
+        self.bytes_received += tensor_bytes(state)
+
+    def resume(self, job: Any, rank: Rank, state: Any, log: Any, hooks: Any, accumulation_steps: int) -> Any:
+        """A full start restores like any attempt; a newcomer loads what a survivor sent."""
+        from raytrain_ddp.worker.checkpointer import Checkpointer
+
+        self.state, self.log, self.hooks = state, log, hooks
+        if self.received is None:
+            checkpointer = Checkpointer.resume(job, rank, state, log, hooks, accumulation_steps, self.runtime)
+        else:
+            checkpointer = Checkpointer(job, rank, state, log, hooks, self.runtime)
+            state.load_state_dict(self.received)
+            step = state.progress.step
+            log.resumed_at(step, {"resumed_from": "live", "bytes_received": self.bytes_received},
+                           lines=self.received.get("lines", []))
+            checkpointer.saved_step = step
+            self.received = None
+            m = {**self.marks, "loaded": time.time()}
+            _say(rank, f"live: replacement rank {rank.world_rank} continues at step {step} with the survivors' "
+                     f"state ({self.bytes_received} bytes over the group, no storage read); its process started "
+                     f"{m['loop'] - m['process']:.2f}s before our loop, the quorum and the state took "
+                     f"{m['healed'] - m['loop']:.2f}s, data, model and loading {m['loaded'] - m['healed']:.2f}s")
+            self._install()  # from now on every collective is the group's; the first step wraps on it
+        self.write_copy, self.checkpointer = checkpointer.write_copy, checkpointer
+        checkpointer.save = self._unless_a_worker_is_gone(checkpointer.save)
+        self._tolerant_guard()
+        self.manager.load_state_dict({"step": state.progress.step + 1, "batches_committed": 0})
+        return checkpointer
+
+    # -- the step ------------------------------------------------------------------------
+    def train_step(self, state: Any, window: list, accumulation_steps: int, train: Any, rank: Rank) -> Any:
+        """`step.train_step`, committed only when every member's collectives succeeded; retried
+        on the same window after a loss, once every worker is a member again."""
+        for tries in range(1, MAX_TRIES + 1):
+            outcome = self._attempt(state, window, accumulation_steps, train, rank)
+            if not isinstance(outcome, str):
+                return outcome
+            rewind(state)
+            _say(rank, f"live: step {state.progress.step + 1} not committed ({outcome}); waiting for every worker "
+                     f"(try {tries}), then training the same micro-batches again")
+        raise NoReplacement(f"run.recovery=live: step {state.progress.step + 1} was not committed in {MAX_TRIES} "
+                            f"tries on rank {rank.world_rank}; workers keep failing")
+
+    def _attempt(self, state: Any, window: list, accumulation_steps: int, train: Any, rank: Rank) -> Any:
+        """The step's result, or why it was not committed.
+
+        A quorum only after a failed try (and the start's): in steady state a step costs no
+        round trip to the lighthouse. The first try after a quorum also asks the manager to
+        commit (it finishes a state transfer in flight); later ones commit when their own
+        collectives succeeded. A member that failed aborts its group, so a member whose
+        collectives had completed (a ring all-reduce can finish on some ranks) fails at its
+        next one and comes to the quorum too, where it is the one ahead and heals the others.
+        """
+        if self._quorum_due:
+            self._quorum_due = False
+            if not self._quorum():
+                self._quorum_due = True
+                self.manager.should_commit()  # no: the manager's step stays where it is
+                return f"the group could not be re-formed: {self.manager.errored().original_exception}"
+            self._vote_due = True
+        if self.manager._quorum_id != self.wrapped_quorum:
+            self._rewrap(state)
+        try:
+            result = train_step(state, window, accumulation_steps, train, rank,
+                                commit=self._commit if self._vote_due else None)
+            self._vote_due = False
+            return result
+        except StepNotCommitted as exc:
+            why = str(exc)
+        except RuntimeError as exc:
+            if not (is_peer_loss(exc) or _from_torchft(exc)):
+                raise
+            self.manager.report_error(exc)
+            self.manager.should_commit()
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+        self._quorum_due = True
+        with contextlib.suppress(Exception):
+            self._group.abort(errored=False)
+        return why
+
+    def _commit(self) -> None:
+        if not self.manager.should_commit():
+            raise StepNotCommitted("a member's collective failed")
+
+    def _quorum(self) -> bool:
+        """Wait until every worker is a member (bounded); False if the group could not be formed."""
+        if self.state is not None:  # the manager's step is ours + 1: a newcomer (0) is always behind
+            self.manager.load_state_dict({"step": self.state.progress.step + 1, "batches_committed": 0})
+        try:
+            self.manager.start_quorum()
+        except Exception as exc:  # noqa: BLE001 - named, bounded: a timeout or a lighthouse gone
+            message = (f"run.recovery=live: rank {self.rank.world_rank} waited for all {self.rank.world_size} "
+                       f"workers to rejoin (at most {JOIN_TIMEOUT_S:g}s) and they did not "
+                       f"({type(exc).__name__}: {str(exc).strip()[:200]}); stopping this worker so Ray restarts "
+                       "the group from the survivors' copy")
+            self.write_copy(message)
+            raise NoReplacement(message) from exc
+        if self.manager.errored() is not None:  # a member died while the group was re-formed
+            return False
+        if self._group.size() != self.rank.world_size or self._group.rank() != self.rank.world_rank:
+            raise NoReplacement(f"run.recovery=live: the quorum placed rank {self.rank.world_rank} at "
+                                f"{self._group.rank()} of {self._group.size()}; expected all workers in rank order")
+        return True
+
+    def _rewrap(self, state: Any) -> None:
+        """After a reconfiguration every member wraps afresh on the new group (the newcomer
+        does it in `build_state`): the wrappers' per-run state is the same on every rank."""
+        from raytrain_ddp.worker.state import wrap
+
+        if hasattr(state.wrapper, "close"):
+            state.wrapper.close()
+        state.wrapper = wrap(state.module, self.cfg, self.rank, self._group)
+        self.wrapped_quorum = self.manager._quorum_id
+        if self.log is not None:  # the new wrapper counts its all-reduces from zero
+            self.log.meter._comm_start = dict(state.wrapper.comm_stats)
+        if self.checkpointer is not None:  # the preemption poll's schedule starts afresh on every member
+            from raytrain_ddp.worker.preemption import PreemptionGuard
+
+            self.checkpointer.guard = PreemptionGuard.for_worker(
+                self.cfg, self.rank, self.hooks, stop_source=self.log.outbox.stop_requested,
+                real=self.runtime.preemption_source())
+            self._tolerant_guard()
+
+    # -- between steps: Ray's barriers and our agreements never wait for a dead worker ----------
+    def _lost(self, exc: BaseException) -> bool:
+        return isinstance(exc, RuntimeError) and (is_peer_loss(exc) or _from_torchft(exc))
+
+    def _unless_a_worker_is_gone(self, save: Callable[..., None]) -> Callable[..., None]:
+        """A checkpoint's report is a barrier over every worker in Ray's synchronisation actor,
+        which a dead worker's replacement never reaches for that step: first a collective on our
+        group, which fails at once when a member is gone; then the report is skipped (said),
+        and the next step waits for the replacement as any step does."""
+        def save_unless_a_worker_is_gone(metrics: dict, durable: bool = False) -> None:
+            try:
+                from raytrain_ddp.parallel.collectives import max_over_ranks
+
+                max_over_ranks([0.0], self.rank.device)
+            except RuntimeError as exc:
+                if not self._lost(exc):
+                    raise
+                _say(self.rank, f"live: the checkpoint of step {self.state.progress.step} is skipped: a worker was "
+                                "lost before Ray's report; training goes on once its replacement has joined")
+                self._quorum_due = True
+                return
+            save(metrics, durable)
+
+        return save_unless_a_worker_is_gone
+
+    def _tolerant_guard(self) -> None:
+        """The preemption poll's agreement (a collective): a lost member makes it this rank's own answer."""
+        guard = self.checkpointer.guard
+        agree = guard.agree
+
+        def agree_unless_a_worker_is_gone(values: Any) -> list:
+            try:
+                return agree(values)
+            except RuntimeError as exc:
+                if not self._lost(exc):
+                    raise
+                self._quorum_due = True
+                return [float(v) for v in values]
+
+        guard.agree = agree_unless_a_worker_is_gone
+
+    def close(self) -> None:
+        """The manager stops serving (a late joiner must not find a finished worker), and torch's
+        default group is Ray's again, so Ray's own teardown finds what it created."""
+        if self._previous_default is not None:
+            _install_default_group(self._previous_default)
+        self.manager.shutdown(wait=False)
+        with contextlib.suppress(Exception):  # a member that failed: the others' collectives fail now,
+            self._group.abort(errored=False)  # not at their timeout
+
+
+
+class LiveRuntime:
+    """The Ray Train runtime, minus Ray's preemption poll: it is a barrier over every worker
+    through Ray's synchronisation actor, which a replacement resets; Ray turns its
+    preemption watcher off for replica groups anyway."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def preemption_source(self) -> Callable[[int], Any]:
+        return lambda step: None
+
+
+def rewind(state: Any) -> None:
+    """Put a step that was not committed back to its boundary (only what a step touches
+    before its commit: gradients, buffers, RNG streams, the loss scaler's per-step record)."""
+    state.optimizer.zero_grad(set_to_none=True)
+    last = state.last_step
+    if last is not None:
+        with torch.no_grad():
+            for name, buffer in state.module.named_buffers():
+                if name in last.buffers:
+                    buffer.copy_(last.buffers[name])
+        torch_state, np_state, py_state, cuda = last.rng
+        torch.set_rng_state(torch_state)
+        np.random.set_state(np_state)
+        random.setstate(py_state)
+        if cuda is not None and last.device is not None:
+            torch.cuda.set_rng_state(cuda, last.device)
+    if state.scaler.is_enabled():
+        state.scaler._per_optimizer_states.clear()  # unscale_ marked the optimizer as unscaled
+
+
+def tensor_bytes(tree: Any) -> int:
+    """Bytes of every tensor in a state dict (what a newcomer is sent)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(tensor_bytes(v) for v in tree)
+    return 0
+
+
+def _from_torchft(exc: BaseException) -> bool:
+    tb = exc.__traceback__
+    while tb is not None:
+        if _TORCHFT_FRAMES in tb.tb_frame.f_code.co_filename.replace(os.sep, "/"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _install_default_group(group: Any) -> Any:
+    """Make `group` torch's default process group; returns the one it replaces.
+
+    Every collective of the run that names no group (the loss and verdict all-reduce, the
+    preemption agreement, validation, the wrappers) then goes over the reconfigurable one.
+    Ray set up a one-rank group per replica group; it comes back at `close`.
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    previous = c10d._world.default_pg
+    c10d._update_default_pg(group)
+    if group not in c10d._world.pg_map:  # torch's error paths ask the map for the backend's name
+        c10d._world.pg_map[group] = ("gloo", None)
+    return previous
+
+
+def _say(rank: Rank, message: str) -> None:
+    """A line from any rank (`Rank.say` speaks for rank 0 only): survivors and newcomers alike."""
+    print(f"[rank {rank.world_rank}] {message}", flush=True)
+
+
+def _process_start() -> float:
+    """When this process started (wall clock), from /proc; now where that cannot be read."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - a timing line only
+        return time.time()

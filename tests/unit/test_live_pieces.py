@@ -1,0 +1,123 @@
+"""`run.recovery: live` (#28) pieces without Ray: who gets it, what a failed step is put back to.
+
+- `driver.live.resolve`: zero1 / fsdp / native, elastic ranges, one worker and streaming
+  data fall back to `replica` with one line naming why; naive / bucketed with a fixed count
+  keep `live`; without torchft, a `ConfigError` naming `run.recovery`.
+- `worker.live.rewind`: after a forward pass that moved BatchNorm's statistics and the RNG
+  streams, the step's boundary comes back (and the gradients are dropped).
+- `ray_compat.serve_partial_groups_whole_datasets`: a partial group (a replacement) gets the full
+  group's dataset provider; a full group goes through Ray's own code.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from raytrain_ddp.config import ConfigError, load_config
+from raytrain_ddp import ray_compat
+from raytrain_ddp.driver import live as driver_live
+from raytrain_ddp.worker.live import rewind, tensor_bytes
+from raytrain_ddp.worker.replica import LastStep
+
+pytestmark = pytest.mark.timeout(60)
+
+QUICKSTART = "examples/configs/quickstart.yaml"
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    (["parallel.strategy=zero1"], "parallel.strategy=zero1 keeps 1/W of the state"),
+    (["parallel.strategy=fsdp"], "parallel.strategy=fsdp keeps 1/W of the state"),
+    (["parallel.strategy=native"], "C++ reducer reads the group's size"),
+    (["scaling.num_workers=[1,2]"], "scaling.num_workers is a range"),
+    (["scaling.num_workers=1"], "one worker has no survivor"),
+    (["data.sharding=streaming"], "data.sharding=streaming splits one Ray Data stream"),
+])
+def test_what_live_cannot_cover_falls_back_to_replica_in_one_line(overrides, reason):
+    said: list[str] = []
+    cfg = load_config(QUICKSTART, ["run.recovery=live", *overrides])
+    resolved = driver_live.resolve(cfg, say=said.append)
+    assert resolved.run.recovery == "replica" and cfg.run.recovery == "live"  # the caller's config is untouched
+    assert len(said) == 1 and said[0].startswith("raytrain-ddp: run.recovery=live falls back to run.recovery=replica:")
+    assert reason in said[0]
+
+
+@pytest.mark.parametrize("strategy", ["naive", "bucketed"])
+def test_replicated_strategies_keep_live(strategy):
+    pytest.importorskip("torchft")
+    said: list[str] = []
+    cfg = load_config(QUICKSTART, ["run.recovery=live", f"parallel.strategy={strategy}"])
+    assert driver_live.resolve(cfg, say=said.append).run.recovery == "live" and said == []
+    other = load_config(QUICKSTART, ["run.recovery=checkpoint"])
+    assert driver_live.resolve(other, say=said.append) is other and said == []
+
+
+def test_live_without_torchft_is_an_error_naming_the_key(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft -> ImportError
+    with pytest.raises(ConfigError, match=r"run.recovery=live needs the torchft package.*run.recovery=replica"):
+        driver_live.resolve(load_config(QUICKSTART, ["run.recovery=live"]), say=lambda line: None)
+
+
+def test_rewind_puts_buffers_rng_and_gradients_back_to_the_boundary():
+    torch.manual_seed(3)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.5))
+    last = LastStep(module)  # the boundary: marked at construction
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    boundary = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    module.train()
+    module(torch.randn(8, 4) * 5).sum().backward()  # moves running stats, draws dropout's mask
+    np.random.rand(7), random.random()
+    assert not torch.equal(module[1].running_mean, before["1.running_mean"])
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    rewind(SimpleNamespace(optimizer=optimizer, last_step=last, module=module, scaler=scaler))
+    assert all(p.grad is None for p in module.parameters())
+    for name, value in module.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    assert torch.equal(torch.get_rng_state(), boundary[0])
+    assert (np.random.get_state()[1] == boundary[1]).all() and random.getstate() == boundary[2]
+
+
+def test_tensor_bytes_counts_every_tensor_of_a_state_dict():
+    state = {"model": {"w": torch.zeros(10, dtype=torch.float32)}, "optimizer": {"state": [torch.zeros(3, dtype=torch.int64)]},
+             "progress": {"step": 4}, "run": {"config": "text"}}
+    assert tensor_bytes(state) == 10 * 4 + 3 * 8
+
+
+def test_a_replacement_gets_the_full_groups_dataset_provider(monkeypatch):
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+
+    calls: list[int] = []
+
+    def ray_own(self, workers):
+        calls.append(len(workers))
+        self._dataset_shard_provider = f"provider-of-{len(workers)}"
+        return {"dataset_shard_provider": [self._dataset_shard_provider] * len(workers)}
+
+    monkeypatch.setattr(DatasetsCallback, "before_init_train_context", ray_own)
+    assert ray_compat.serve_partial_groups_whole_datasets() is True
+    assert ray_compat.serve_partial_groups_whole_datasets() is False  # once per process
+    callback = DatasetsCallback.__new__(DatasetsCallback)
+    assert callback.before_init_train_context(["w0", "w1"]) == {"dataset_shard_provider": ["provider-of-2"] * 2}
+    assert callback.before_init_train_context(["w1-new"]) == {"dataset_shard_provider": ["provider-of-2"]}
+    assert callback.before_init_train_context(["a", "b"]) == {"dataset_shard_provider": ["provider-of-2"] * 2}
+    assert calls == [2, 2]  # a full (re)start is Ray's own path
+
+
+def test_a_worker_without_rays_torchft_backend_recovers_as_replica(monkeypatch, capsys):
+    from raytrain_ddp.worker.context import Rank
+    from raytrain_ddp.worker.live import NoLive, session_for
+
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    runtime = SimpleNamespace(rank=lambda: Rank(0, 2, 0, torch.device("cpu")))
+    job = SimpleNamespace(cfg=load_config(QUICKSTART, ["run.recovery=live"]))
+    session = session_for(job, runtime)
+    assert isinstance(session, NoLive) and session.runtime is runtime and session.group is None
+    assert "TORCHFT_LIGHTHOUSE is not set" in capsys.readouterr().out
+    local = SimpleNamespace(cfg=load_config(QUICKSTART, ["run.recovery=live", "scaling.num_workers=0"]))
+    assert isinstance(session_for(local, runtime), NoLive) and capsys.readouterr().out == ""
