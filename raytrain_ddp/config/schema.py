@@ -222,13 +222,9 @@ class TrainConfig(_Section):
     schedule_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments for your schedule function (train.schedule an import path).",
     )
-    metrics: Optional[str] = Field(
-        None, description="Your validation metrics as an import path 'package.module:fn', called as "
-        "fn(output, batch) -> {name: value} on every validation batch; a value is the batch's mean "
-        "(a scalar tensor or number, weighted by the batch's rows) or a (sum, count) pair. Each is "
-        "aggregated exactly over every rank's validation rows and reported as val_<name>. Built in, "
-        "with no code: val_accuracy (classification, lm) and val_perplexity (lm).",
-    )
+    metrics: Optional[str] = Field(None, description="Your validation metrics, 'package.module:fn': fn(output, batch) "
+        "-> {name: the batch's mean, or a (sum, count) pair}, summed exactly over every rank's validation rows "
+        "and reported as val_<name>. Built in: val_accuracy (classification, lm), val_perplexity (lm).")
     warmup_steps: int = Field(0, ge=0, description="Built-in schedules: linear warm-up steps before the decay.")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Built-in schedules: the floor as a fraction of lr.")
     precision: Literal["fp32", "bf16", "fp16"] = Field(

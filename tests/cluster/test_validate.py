@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from raytrain_ddp.ops import cluster as cv
+from raytrain_ddp.ops.cluster_storage import storage_warnings
 from raytrain_ddp.driver.cli import main as cli_main
 
 pytestmark = pytest.mark.timeout(120)
@@ -169,7 +170,7 @@ def test_committed_secret_is_rejected(tmp_path):
 
 def test_local_run_storage_on_a_multi_node_cluster_is_a_warning(tmp_path, capsys):
     """Shipped files point every node at a bucket; a local path or none is warned about (not a failure)."""
-    assert all(not cv.storage_warnings(CLUSTER / rel.removeprefix("cluster/")) for rel in SHIPPED)
+    assert all(not storage_warnings(CLUSTER / rel.removeprefix("cluster/")) for rel in SHIPPED)
     aws = (CLUSTER / "aws.yaml").read_text()
     assert "--env RAYTRAIN_DDP_STORAGE_PATH=s3://" in aws and "IamInstanceProfile" in aws
     local = tmp_path / "aws.yaml"
@@ -181,7 +182,7 @@ def test_local_run_storage_on_a_multi_node_cluster_is_a_warning(tmp_path, capsys
     unset = tmp_path / "raycluster.yaml"
     unset.write_text("\n".join(line for line in (CLUSTER / "kuberay" / "raycluster.yaml").read_text().splitlines()
                                if "RAYTRAIN_DDP_STORAGE_PATH" not in line))
-    warned = {p.name: [w.key for w in cv.storage_warnings(p)] for p in (local, kube, unset)}
+    warned = {p.name: [w.key for w in storage_warnings(p)] for p in (local, kube, unset)}
     assert warned == {"aws.yaml": ["docker.run_options[2]"], "rayjob.yaml": ["spec.entrypoint"],
                       "raycluster.yaml": ["spec.headGroupSpec.template.spec.containers[0].env"]}
     assert cli_main(["cluster", "validate", str(local), str(kube), str(unset)]) == 0  # warnings do not fail
