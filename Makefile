@@ -27,7 +27,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q --durations=30 -rfE tests  # the slowest tests and every failure, in CI's log too
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not ray" tests
+	$(PY) -m pytest -q --durations=15 -m "not ray" tests  # the slowest of the tier in the log (issue #29)
 
 # Not in CI's default path: one venv per torch version (the declared floor first, then the
 # newest this project allows), `test-fast` in each; then one venv per Ray version (floor,

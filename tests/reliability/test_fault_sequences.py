@@ -47,6 +47,8 @@ import torch
 from _harness import TINY
 from _procs import descendants as _descendants
 from raytrain_ddp import checkpoint as ckpt
+from raytrain_ddp.config import load_config
+from raytrain_ddp.driver.launcher import run_training
 from raytrain_ddp.rundir import read_jsonl, read_metrics
 from raytrain_ddp.testing.hooks import ENABLE, FAULT_ENV, SAMPLE_LOG_ENV, STEP_DELAY_ENV
 
@@ -104,12 +106,19 @@ def _train_steps(run_dir: Path, since: float = 0.0) -> list[int]:
         return []
 
 
+def _overrides(tmp: Path, name: str, inv: Invocation) -> list[str]:
+    return [f"run.storage_path={tmp / 'runs'}", f"name={name}", f"train.epochs={EPOCHS}", "run.log_every_steps=1",
+            f"scaling.num_workers={inv.workers}", f"run.checkpoint_upload={inv.upload}", "run.max_failures=2",
+            *([f"run.recovery={os.environ[RECOVERY_ENV]}"] if os.environ.get(RECOVERY_ENV) else [])]
+
+
 def run_command(tmp: Path, name: str, inv: Invocation, samples: Path, index: int) -> dict:
     """One `raytrain-ddp train` of the run, with its fault; returns what it printed and exited with."""
     ray_tmp = Path(tempfile.mkdtemp(prefix="rtseq-", dir="/tmp"))  # its own: no address file is shared
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RAYTRAIN_DDP_"))}
-    env.update(ENABLE, RAY_TMPDIR=str(ray_tmp), PYTHONUNBUFFERED="1", **{SAMPLE_LOG_ENV: str(samples),
-               STEP_DELAY_ENV: STEP_DELAY_S})
+    env.update(ENABLE, RAY_TMPDIR=str(ray_tmp), PYTHONUNBUFFERED="1", **{SAMPLE_LOG_ENV: str(samples)})
+    if inv.end != "finish":  # room to aim the Ctrl-C or the kill; a run left to finish needs none
+        env[STEP_DELAY_ENV] = STEP_DELAY_S
     if inv.worker_fault:
         rank, offset, mode = inv.worker_fault
         newest = ckpt.load_latest_valid(ckpt.find_checkpoints(tmp / "runs" / name)) if (tmp / "runs" / name).exists() \
@@ -117,10 +126,7 @@ def run_command(tmp: Path, name: str, inv: Invocation, samples: Path, index: int
         at = newest[0]["progress"]["step"] if newest else 0
         step = at + offset if offset else (at // 10 + 1) * 10  # tiny.yaml checkpoints every 10 steps
         env[FAULT_ENV] = f"rank={rank},step={min(step, TOTAL - 1)},attempt=1,mode={mode}"
-    command = [str(CLI), "train", str(TINY), f"run.storage_path={tmp / 'runs'}", f"name={name}",
-               f"train.epochs={EPOCHS}", "run.log_every_steps=1", f"scaling.num_workers={inv.workers}",
-               f"run.checkpoint_upload={inv.upload}", "run.max_failures=2",
-               *([f"run.recovery={os.environ[RECOVERY_ENV]}"] if os.environ.get(RECOVERY_ENV) else [])]
+    command = [str(CLI), "train", str(TINY), *_overrides(tmp, name, inv)]
     log_path = tmp / f"invocation-{index}.log"
     run_dir = tmp / "runs" / name
     started: list[int] = []
@@ -182,10 +188,24 @@ def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(ray_cluster, tmp_path_factory):
+    """The uninterrupted run: the same config and overrides as every invocation's, trained
+    in process on the session's Ray instance (no CLI start-up, no embedded Ray start, no
+    step delay: there is nothing to aim at), its rows logged the same way."""
     tmp = tmp_path_factory.mktemp("uninterrupted")
-    done = run_command(tmp, "ref", Invocation(), tmp / "samples", 0)
-    assert done["code"] == 0, done["out"][-3000:]
+    saved = {k: os.environ.get(k) for k in (SAMPLE_LOG_ENV, STEP_DELAY_ENV, FAULT_ENV)}
+    os.environ[SAMPLE_LOG_ENV] = str(tmp / "samples")  # forwarded to the workers (RAYTRAIN_DDP_*)
+    os.environ.pop(STEP_DELAY_ENV, None)
+    os.environ.pop(FAULT_ENV, None)
+    try:
+        done = run_training(load_config(TINY, _overrides(tmp, "ref", Invocation())))
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    assert done["status"] == "ok", done.get("error")
     rows = committed_rows(tmp / "samples")
     for epoch in range(EPOCHS):  # the reference itself sees each row once per epoch
         seen = [r for step in range(epoch * STEPS_PER_EPOCH + 1, (epoch + 1) * STEPS_PER_EPOCH + 1) for r in rows[step]]

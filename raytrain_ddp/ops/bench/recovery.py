@@ -426,7 +426,7 @@ def run(sizes: Sizes, log=print, with_kill: bool = True, with_node_loss: Optiona
     """Needs no Ray from the caller: the kill runs start (and stop) their own; the node-loss
     run (full preset, or asked for) a two-node cluster of its own."""
     with_node_loss = sizes.name == "full" if with_node_loss is None else with_node_loss
-    rounds, steps = {"smoke": (2, 5), "quick": (4, 10)}.get(sizes.name, (8, 15))
+    rounds, steps = {"smoke": (1, 3), "quick": (4, 10)}.get(sizes.name, (8, 15))
     log(f"  recovery: mark() per step vs step time, {rounds} interleaved rounds x {steps} steps ...")
     result: dict[str, Any] = {"overhead": overhead_section(rounds, steps, log=log), "targets": dict(TARGETS)}
     if with_kill:

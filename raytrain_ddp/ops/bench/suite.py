@@ -30,9 +30,9 @@ from raytrain_ddp.errors import UserError
 
 SIZE_ENV = "RAYTRAIN_DDP_BENCH_SIZE"  # "smoke": the test suite's even smaller preset
 DEFAULT_OUT_DIR = Path("benchmarks")  # without --out: benchmarks/bench-<preset>.json (git-ignored)
-SMOKE = Sizes("smoke", rounds=2, steps_per_round=3, warmup_steps=1, mlp_batch=64, gpt_batch=16,
-              accum_steps=1, ray_steps=10, ray_warmup=3, ingest_rows=8192, ingest_passes=1,
-              train_steps=10, parity_launches=1, parity_rounds=2)
+SMOKE = Sizes("smoke", rounds=1, steps_per_round=3, warmup_steps=1, mlp_batch=16, gpt_batch=4,
+              accum_steps=1, ray_steps=4, ray_warmup=1, ingest_rows=2048, ingest_passes=1,
+              train_steps=5, parity_launches=1, parity_rounds=2)
 
 
 def _section(results: dict, name: str, fn: Callable[[], dict]) -> None:
