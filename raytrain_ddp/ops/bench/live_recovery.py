@@ -7,7 +7,7 @@ machine loads both alike. Must not touch: the training loop, the recovery machin
 `kills` runs per mode of the quickstart (2 workers, `train.max_steps=40`, a durable
 checkpoint every 10 steps, a metrics line every step), each through
 `driver.launcher.run_training` with its own embedded Ray; a watcher SIGKILLs rank 1's
-`RayTrainWorker` from outside once step `KILL_AT` is logged (`recovery._kill_a_worker`).
+`RayTrainWorker` from outside once step `KILL_AT` is logged (`kill._kill_a_worker`).
 Per run:
 - `kill_to_next_step_s`: the kill to the `time` of the first train line made after it;
 - `steps_redone`: train lines made after the kill for a step at or below the last step
@@ -37,7 +37,7 @@ from typing import Any, Optional
 
 from raytrain_ddp.ops.bench.common import stats
 from raytrain_ddp.ray_compat import WORKER_NICENESS_ENV
-from raytrain_ddp.ops.bench.recovery import _BUNDLE, QUICKSTART, _kill_a_worker
+from raytrain_ddp.ops.bench.kill import _BUNDLE, QUICKSTART, _kill_a_worker
 
 MODES = ("replica", "live")
 KILL_AT, MAX_STEPS, CHECKPOINT_EVERY, RUN_TIMEOUT_S = 14, 40, 10, 300.0

@@ -53,14 +53,13 @@ from typing import Any, Optional
 
 from raytrain_ddp.ray_compat import WORKER_NICENESS_ENV
 from raytrain_ddp.ops.bench.common import Sizes, stats
+from raytrain_ddp.ops.bench.kill import _BUNDLE, QUICKSTART, _kill_a_worker
 
-QUICKSTART = Path(__file__).resolve().parents[3] / "examples" / "configs" / "quickstart.yaml"
 CHECKPOINT_EVERY = 10  # durable checkpoints at steps 10, 20, ...
 KILL_AT = 14  # kill once step 14 is logged: mid-epoch (22 steps), between checkpoints 10 and 20
 MAX_STEPS = 40
 RUN_TIMEOUT_S = 300.0  # the watcher gives up (and the run is reported failed) after this
 TARGETS = {"steps_redone": 1, "kill_to_next_step_s": 10.0, "overhead_pct": 3.0}
-_BUNDLE = re.compile(r"_group_(\d+)_")
 _SURVIVOR = re.compile(r"_r(\d+)$")
 
 
@@ -113,32 +112,6 @@ class _Watcher(threading.Thread):
                 self.stop.wait(0.02)
         except Exception as exc:  # noqa: BLE001 - reported by the section
             self.error = f"{type(exc).__name__}: {exc}"
-
-
-def _kill_a_worker() -> dict[str, Any]:
-    """SIGKILL one live RayTrainWorker (rank 1 if its bundle says so); {pid, rank, time}."""
-    import ray
-    from ray.util.state import list_actors
-
-    # This run's instance by its address: without one the state API looks for Ray
-    # processes on the machine and refuses when it finds another instance too.
-    actors = list_actors(address=ray.get_runtime_context().gcs_address, detail=True,
-                         filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
-    workers = []
-    for actor in actors:
-        pid = int(getattr(actor, "pid", 0) or 0)
-        if pid <= 0:
-            continue
-        bundles = [int(m.group(1)) for key in (getattr(actor, "required_resources", None) or {})
-                   if (m := _BUNDLE.search(key))]
-        workers.append((bundles[0] if bundles else None, pid))
-    if not workers:
-        raise RuntimeError("no live RayTrainWorker found through ray.util.state.list_actors")
-    ranked = [w for w in workers if w[0] is not None and w[0] > 0]
-    rank, pid = (ranked or workers)[0]
-    killed_at = time.time()
-    os.kill(pid, signal.SIGKILL)
-    return {"pid": pid, "rank": rank, "time": killed_at, "workers_seen": len(workers)}
 
 
 def _kill_run(mode: str, storage: Path, kill_at: int, log) -> dict[str, Any]:
