@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -64,28 +63,22 @@ import time
 import uuid
 from typing import Any, Callable, Optional
 
-from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import Config
-from raytrain_ddp.data import steps as data_steps
-from raytrain_ddp.driver.console import ProgressPrinter, final_metrics, print_plan, print_summary
+from raytrain_ddp.driver.console import ProgressPrinter
+from raytrain_ddp.driver.fit import prepare, report, root_message
 from raytrain_ddp.driver import hold, ray_console
 from raytrain_ddp.driver.interrupt import Interrupt
 from raytrain_ddp.ray_compat import (
-    CONTROLLER_POLL_ENV, forget_earlier_fits, install_sigint_handler, job_config,
+    CONTROLLER_POLL_ENV, install_sigint_handler, job_config,
     local_instance_kwargs, preemption_grace,
 )
 from raytrain_ddp.driver.placement import Unschedulable, wait_for_placement, worker_resources
 from raytrain_ddp.driver.preflight import preflight
-from raytrain_ddp.driver.resume import (
-    check_something_to_train, prune_checkpoints, record_config, resolve_resume, restore_config_if_untrained,
-)
+from raytrain_ddp.driver.resume import check_something_to_train, resolve_resume
 from raytrain_ddp.driver.sinks import check_loggers, make_sinks
 from raytrain_ddp.driver.stream import Recorder, open_mailbox
 from raytrain_ddp.job import Job
-from raytrain_ddp.rundir import (
-    ABORT_FILE, ATTEMPTS_FILE, METRICS_FILE, SUMMARY_FILE, Location, is_object_store, read_jsonl, read_metrics,
-    run_dir_of,
-)
+from raytrain_ddp.rundir import Location, is_object_store, run_dir_of
 
 DATA_HEADROOM_CPUS = 2
 CONTROLLER_POLL_S = 0.25  # see the module docstring
@@ -248,7 +241,7 @@ def prepare_job(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, A
     cfg, run_dir, held = start.cfg, start.run_dir, start.held
     try:
         connect_user_code(cfg, start.code)
-        job, prepared, total_steps = _prepare(cfg, run_dir, start.fit_id, start.resume_from,
+        job, prepared, total_steps = prepare(cfg, run_dir, start.fit_id, start.resume_from,
                                               _checked(start, datasets), start.code, datasets)
     except BaseException:
         held.release()
@@ -270,35 +263,6 @@ def _finish_outside_fit(recorder: Recorder, total_steps: int) -> None:
     recorder.stop()
     status = "aborted" if recorder.abort is not None else "ok" if recorder.last_step >= total_steps else "failed"
     recorder.close(status)
-
-
-def _prepare(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, checked: Any, code: Any,
-             given: Optional[dict[str, Any]], prepared: Any = None) -> tuple[Job, Any, int]:
-    """Datasets (Ray Data's, unless `prepared` already holds local mode's), the run directory's
-    config.yaml, the `Job` and the plan printed: (job, prepared, total steps)."""
-    if prepared is None:
-        import ray.data
-
-        from raytrain_ddp.data.ray_datasets import prepare_datasets
-        from raytrain_ddp.driver.memory import check_exact_fits
-
-        ray.data.DataContext.get_current().enable_progress_bars = False
-        prepared = prepare_datasets(cfg, checked, code, given, fits=check_exact_fits)
-    run_dir.mkdir()
-    if not cfg.scaling.local:  # local mode writes no Ray history (and does not import Ray)
-        forget_earlier_fits(run_dir)  # Ray's checkpoint history must never contradict ours (ray_compat.py)
-    record_config(cfg, run_dir, resume_from, fit_id)  # config.yaml + config-history.jsonl (resume.py)
-    for stale in (SUMMARY_FILE, ABORT_FILE):
-        (run_dir / stale).delete()
-
-    steps_per_epoch = data_steps.steps_per_epoch(prepared.spec.train_rows, cfg.train.global_batch_size)
-    total_steps = data_steps.total_steps(cfg, steps_per_epoch)  # as each rank's loop computes it
-    job = Job(cfg=cfg, spec=prepared.spec, run_dir=str(run_dir), fit_id=fit_id,
-              resume_from=Location.parse(resume_from) if resume_from else None,
-              user_code=code.dumps() if code.custom else None)
-    params = checked.pipeline.params if checked.pipeline else None
-    print_plan(cfg, prepared.spec, run_dir, steps_per_epoch, total_steps, resume_from, params)
-    return job, prepared, total_steps
 
 
 def process_group_timeout_s(collective_timeout_s: float, use_gpu: bool) -> int:
@@ -327,7 +291,7 @@ def _fit(start: _Start, checked: Any, given: Optional[dict[str, Any]]) -> dict[s
     """One fit on Ray: build the trainer, run it, report (summary.json, the printed summary)."""
     from raytrain_ddp.driver import live
     cfg, run_dir = start.cfg, start.run_dir
-    job, prepared, total_steps = _prepare(cfg, run_dir, start.fit_id, start.resume_from, checked, start.code, given)
+    job, prepared, total_steps = prepare(cfg, run_dir, start.fit_id, start.resume_from, checked, start.code, given)
     cfg = live.resolve(cfg)  # run.recovery=live, or its fallback to replica said in one line (driver/live.py)
     job = _with_mailbox(dataclasses.replace(job, cfg=cfg))
     trainer = build_trainer(cfg, run_dir, job, prepared)
@@ -415,26 +379,12 @@ def run_fit(cfg: Config, trainer: Any, recorder: Recorder, interrupt: Interrupt)
                 status = "interrupted"
                 interrupt.abort()
             except Exception as exc:  # noqa: BLE001 - reported in summary.json and printed
-                status, error = ("interrupted", None) if interrupt.fired else ("failed", _root_message(exc))
+                status, error = ("interrupted", None) if interrupt.fired else ("failed", root_message(exc))
             finally:
                 interrupt.restore()
     except KeyboardInterrupt:  # a second Ctrl-C while the last records were written
         status = "interrupted"
     return status, error
-
-
-def report(cfg: Config, run_dir: Location, job: Job, recorder: Recorder, status: str, error: Optional[str],
-           started: float) -> dict[str, Any]:
-    """After a fit: the run directory tidied, summary.json written, the summary printed."""
-    if status == "ok" and recorder.abort is not None:
-        status, error = "aborted", recorder.abort.get("reason")
-    prune_checkpoints(run_dir, cfg.run.num_to_keep)  # run.num_to_keep over all fits, not only this one
-    restore_config_if_untrained(run_dir, job.fit_id)
-    summary = build_summary(job, status=status, error=error, elapsed_s=time.time() - started, recorder=recorder)
-    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-    recorder.close(status)
-    print_summary(summary)
-    return summary
 
 
 def _storage(run_dir: Location) -> dict[str, Any]:
@@ -443,54 +393,3 @@ def _storage(run_dir: Location) -> dict[str, Any]:
     if parent.is_local:
         return {"storage_path": parent.path}
     return {"storage_path": parent.path, "storage_filesystem": parent.fs}
-
-
-def build_summary(job: Job, *, status: str, error: Optional[str], elapsed_s: float,
-                  recorder: Optional[Recorder] = None) -> dict[str, Any]:
-    """The outcome; records and attempts from the recorder (else read back from the run directory)."""
-    run_dir = recorder.run_dir if recorder is not None else Location.parse(job.run_dir)
-    latest = ckpt.load_latest_valid(ckpt.find_checkpoints(run_dir))
-    manifest = ckpt.read_manifest(latest[1]) if latest else {}
-    if recorder is not None:
-        attempts, records = recorder.fit_attempts(), recorder.fit_records()
-    else:
-        attempts = [r for r in read_jsonl(run_dir / ATTEMPTS_FILE) if r.get("fit_id") == job.fit_id]
-        records = read_metrics(run_dir / METRICS_FILE)
-    # steps done: the checkpoint's, or further if steps ran after it (an abort, a failure)
-    steps = max([int(manifest.get("step", 0))] + [int(r.get("step", 0)) for r in records[-1:]])
-    summary: dict[str, Any] = {
-        "status": status,
-        "run_dir": str(run_dir),
-        "steps": steps,
-        # epochs trained, fractions included, as every metrics line counts them (Progress.epochs_done)
-        "epochs": float(records[-1].get("epoch", 0)) if records else float(manifest.get("epoch", 0)),
-        "attempts": len(attempts),
-        "final_metrics": final_metrics(records),
-        "checkpoint": str(latest[1]) if latest else None,
-        "checkpoint_step": int(manifest["step"]) if latest else None,  # where the same command continues
-        "resumed_from": str(job.resume_from) if job.resume_from else None,
-        "workers": attempts[-1]["world_size"] if attempts else None,
-        "elapsed_s": round(elapsed_s, 2),
-        "fit_id": job.fit_id,
-    }
-    if recorder is not None:
-        summary["checkpoints"] = recorder.checkpoint_summary()
-    if error:
-        summary["error"] = error
-    return summary
-
-
-def _root_message(exc: BaseException) -> str:
-    """Ray wraps worker errors a few layers deep; the innermost message is the useful one."""
-    seen = []
-    while exc is not None and exc not in seen:
-        seen.append(exc)
-        nxt = exc.__cause__ or getattr(exc, "cause", None)
-        if nxt is None or nxt is exc:
-            break
-        exc = nxt
-    from raytrain_ddp.errors import in_user_code
-
-    text = str(seen[-1]).strip()
-    where = next((w for e in reversed(seen) if (w := in_user_code(e))), "")  # the user's file:line, if theirs
-    return (text.splitlines()[-1] if text else type(seen[-1]).__name__) + where

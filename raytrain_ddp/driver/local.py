@@ -37,7 +37,7 @@ def run_local(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, che
 
     from raytrain_ddp.driver.console import ProgressPrinter
     from raytrain_ddp.data.ray_datasets import PreparedData
-    from raytrain_ddp.driver.launcher import _prepare, _root_message, report
+    from raytrain_ddp.driver.fit import prepare, report, root_message
     from raytrain_ddp.driver.sinks import make_sinks
     from raytrain_ddp.driver.stream import LocalMailbox, Recorder
     from raytrain_ddp.worker.loop import train_loop_per_worker
@@ -46,7 +46,7 @@ def run_local(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, che
     if "OMP_NUM_THREADS" not in os.environ:  # as Ray sets it for a worker of scaling.cpus_per_worker CPUs
         torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))  # (measured: 33 -> 1,265 samples/s, busy box)
     shards, spec = local_data(cfg, checked, code)
-    job, _, total_steps = _prepare(cfg, run_dir, fit_id, resume_from, checked, code, None,
+    job, _, total_steps = prepare(cfg, run_dir, fit_id, resume_from, checked, code, None,
                                    prepared=PreparedData({}, spec, None))
     job = dataclasses.replace(job, mailbox=LocalMailbox())
     device = torch.device("cuda", 0) if cfg.scaling.use_gpu else torch.device("cpu")
@@ -63,7 +63,7 @@ def run_local(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, che
         except UserError:
             raise
         except Exception as exc:  # noqa: BLE001 - reported in summary.json and printed, as a Ray run's
-            status, error = "failed", _root_message(exc)
+            status, error = "failed", root_message(exc)
     return report(cfg, run_dir, job, recorder, status, error, started)
 
 

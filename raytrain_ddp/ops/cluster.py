@@ -40,7 +40,6 @@ import json
 import logging
 import re
 import shlex
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -49,28 +48,12 @@ import yaml
 
 import raytrain_ddp
 from raytrain_ddp.errors import UserError
+from raytrain_ddp.ops.cluster_common import IMAGE_RE, Problem, all_commands, image_problem, ray_version
+from raytrain_ddp.ops.cluster_storage import storage_warnings
+from raytrain_ddp.ops.kuberay import validate_kube
 
 GUARDED_PORTS = {6379: "GCS", 8265: "dashboard / jobs API", 10001: "Ray Client server"}
-IMAGE_RE = re.compile(r"^rayproject/ray:(?P<ver>\d+\.\d+\.\d+)-py(?P<py>3\d{1,2})-(?P<acc>cu\d{3}|cpu)$")
 PROJECT = "raytrain-ddp"
-
-
-@dataclass(frozen=True)
-class Problem:
-    file: str
-    key: str
-    message: str
-    fix: str
-
-    def __str__(self) -> str:
-        return f"{self.file}: {self.key or '<top>'}: {self.message}\n    fix: {self.fix}"
-
-
-@functools.lru_cache(maxsize=None)
-def ray_version() -> str:
-    import ray
-
-    return ray.__version__
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,8 +76,6 @@ JSONSCHEMA_MISSING = ("raytrain-ddp cluster validate needs the jsonschema packag
 
 
 def main(files: list[str]) -> int:
-    from raytrain_ddp.ops.cluster_storage import storage_warnings
-
     _require_jsonschema()
     paths, problems = _expand(files or ["cluster"])
     warnings: list[Problem] = []
@@ -150,8 +131,6 @@ def validate_file(path: Path) -> list[Problem]:
             problems.append(Problem(name, "", f"top level is a {type(doc).__name__}, not a mapping",
                                     "a cluster file is a mapping of keys"))
         elif "apiVersion" in doc and "kind" in doc:
-            from raytrain_ddp.ops.kuberay import validate_kube
-
             problems.extend(validate_kube(name, doc))
         elif "provider" in doc or "cluster_name" in doc:
             problems.extend(validate_launcher(name, doc))
@@ -260,27 +239,6 @@ def _image_rules(name: str, cfg: dict[str, Any]) -> list[Problem]:
         problems.append(Problem(name, "docker", f"images use different Pythons ({', '.join(sorted(pys))})",
                                 "use one Python tag for every node: Ray needs the same Python everywhere"))
     return problems
-
-
-def image_problem(name: str, key: str, image: Any, needs_cuda: bool) -> Optional[Problem]:
-    version = ray_version()
-    want = f"rayproject/ray:{version}-py311-cu128"
-    image = str(image)
-    if image.startswith("rayproject/ray-ml"):
-        return Problem(name, key, f"{image!r} is a deprecated ray-ml image",
-                       f"use {want} (this project installs its own ML dependencies)")
-    m = IMAGE_RE.match(image)
-    if not m:
-        return Problem(name, key, f"{image!r} is not a pinned rayproject/ray image (<version>-py3XX-cuXXX); "
-                       "'latest', bare or custom tags drift away from the Ray the project pins", f"use {want}")
-    if m["ver"] != version:
-        return Problem(name, key, f"{image!r} runs Ray {m['ver']}, but this project runs Ray {version}",
-                       f"use {want}: driver and nodes must run the same Ray")
-    if int(m["py"][1:]) < 10:
-        return Problem(name, key, f"{image!r} has Python 3.{m['py'][1:]}; raytrain-ddp needs >= 3.10", f"use {want}")
-    if needs_cuda and m["acc"] == "cpu":
-        return Problem(name, key, f"{image!r} has no CUDA, but GPU workers run it", f"use {want}")
-    return None
 
 
 def _gpus(node_type: dict[str, Any]) -> int:
@@ -422,23 +380,9 @@ def _published_ports(opt: str) -> list[int]:
     return sorted(set(found))
 
 
-def _all_commands(cfg: dict[str, Any]) -> list[tuple[str, str]]:
-    out = []
-    for key in ("initialization_commands", "setup_commands", "head_setup_commands", "worker_setup_commands",
-                "head_start_ray_commands", "worker_start_ray_commands"):
-        out += [(f"{key}[{i}]", str(c)) for i, c in enumerate(cfg.get(key) or [])]
-    for tname, t in (cfg.get("available_node_types") or {}).items():
-        for key in ("initialization_commands", "worker_setup_commands"):
-            out += [(f"available_node_types.{tname}.{key}[{i}]", str(c)) for i, c in enumerate(t.get(key) or [])]
-    docker = cfg.get("docker") or {}
-    for key in ("run_options", "head_run_options", "worker_run_options"):
-        out += [(f"docker.{key}[{i}]", str(c)) for i, c in enumerate(docker.get(key) or [])]
-    return out
-
-
 def _auth_rules(name: str, cfg: dict[str, Any]) -> list[Problem]:
     problems = []
-    for key, cmd in _all_commands(cfg):
+    for key, cmd in all_commands(cfg):
         if re.search(r"RAY_AUTH_MODE=(?!token\b)", cmd):
             problems.append(Problem(name, key, "turns token authentication off",
                                     "remove it: RAY_AUTH_MODE must be token everywhere"))
@@ -456,7 +400,7 @@ def _auth_rules(name: str, cfg: dict[str, Any]) -> list[Problem]:
                                         "prefix it with `export RAY_AUTH_MODE=token;` (every node, head and workers)"))
     mounts = cfg.get("file_mounts") or {}
     token_paths = {"~/.ray/auth_token"}
-    for _, cmd in _all_commands(cfg):
+    for _, cmd in all_commands(cfg):
         token_paths.update(re.findall(r"RAY_AUTH_TOKEN_PATH=(\S+)", cmd))
     if not any(k.rstrip("/") in token_paths or k.endswith("/.ray/auth_token") for k in mounts):
         problems.append(Problem(name, "file_mounts", "the auth token is not mounted on the nodes",
@@ -469,7 +413,7 @@ def _install_rules(name: str, cfg: dict[str, Any]) -> list[Problem]:
     """Setup must install raytrain-ddp at this version: `raytrain-ddp==X` or this checkout, mounted."""
     version = raytrain_ddp.__version__
     mounts = {k.rstrip("/"): str(v) for k, v in (cfg.get("file_mounts") or {}).items()}
-    setup = [(k, c) for k, c in _all_commands(cfg) if "setup_commands" in k]
+    setup = [(k, c) for k, c in all_commands(cfg) if "setup_commands" in k]
     for key, cmd in setup:
         if "pip install" not in cmd:
             continue

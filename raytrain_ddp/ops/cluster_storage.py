@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import yaml
 
-from raytrain_ddp.ops.cluster import Problem, _all_commands
+from raytrain_ddp.ops.cluster_common import Problem, all_commands
 from raytrain_ddp.ops.kuberay import STORAGE_VAR, kube_storage
 
 _STORAGE_RE = re.compile(rf"{STORAGE_VAR}=(\S+)")
@@ -52,7 +52,7 @@ def _launcher_storage(cfg: dict[str, Any]) -> Optional[tuple[str, Optional[str]]
     for i, opt in enumerate((cfg.get("docker") or {}).get("run_options") or []):
         if m := _STORAGE_RE.search(str(opt)):
             return f"docker.run_options[{i}]", m.group(1)
-    for key, cmd in _all_commands(cfg):
+    for key, cmd in all_commands(cfg):
         if m := _STORAGE_RE.search(cmd):
             return key, m.group(1)
     return "docker.run_options", None

@@ -15,7 +15,7 @@ import yaml
 
 import raytrain_ddp
 
-from raytrain_ddp.ops.cluster import Problem, image_problem, ray_version
+from raytrain_ddp.ops.cluster_common import Problem, image_problem, ray_version
 
 STORAGE_VAR = "RAYTRAIN_DDP_STORAGE_PATH"  # where a cluster node tells the driver to write runs
 
