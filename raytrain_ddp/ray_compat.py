@@ -11,7 +11,7 @@ printed. A leaf: it imports no module of this package and Ray only inside functi
 the refusals before Ray starts (`preflight.py`) and the worker (`worker/replica.py`, the
 one module below the driver that needs a Ray Train hook) may import it.
 
-Tested with Ray 2.59 and 2.60 (README, "Supported Ray"); where those releases differ, the
+Tested with Ray 2.59 and 2.60 (docs/compat.md); where those releases differ, the
 branch is here and says which release has what.
 
 Why Ray's checkpoint snapshot is removed before every fit (issue #25): Ray Train V2

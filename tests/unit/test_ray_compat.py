@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 import ray
 
+from _source import docstring_ids
+
 from raytrain_ddp import ray_compat
 
 pytestmark = pytest.mark.timeout(60)
@@ -248,14 +250,6 @@ _INTERNAL_STRINGS = re.compile(r"ray\._private|\._internal\.|_raylet|__internal_
                                r"AutoscalingCoordinator")
 
 
-def _docstrings(tree: ast.AST) -> set[int]:
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
-            first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
-                out.add(id(first.value))
-    return out
 
 
 def _dotted(node: ast.AST) -> str:
@@ -275,7 +269,7 @@ def _private(name: str) -> bool:
 def private_ray_uses(source: str) -> list[tuple[int, str]]:
     """(line, what) for each private Ray name the source spells, docstrings and comments aside."""
     tree, found = ast.parse(source), []
-    docs = _docstrings(tree)
+    docs = docstring_ids(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "ray" and _private(node.module):
             found.append((node.lineno, f"from {node.module} import ..."))
@@ -318,7 +312,7 @@ def test_no_private_ray_name_outside_ray_compat():
 
 def test_declared_ray_range_is_what_make_compat_runs():
     """pyproject's Ray floor is the oldest Ray `make compat` runs, its cap above the newest,
-    and the installed Ray inside the range (README, "Supported Ray")."""
+    and the installed Ray inside the range (docs/compat.md)."""
     root = PACKAGE.parent
     floor, cap = re.search(r'"ray\[[\w,]+\]>=([\d.]+),<([\d.]+)"', (root / "pyproject.toml").read_text()).groups()
     versions = re.search(r"^COMPAT_RAY +\?= (.+)$", (root / "Makefile").read_text(), re.M).group(1).split()

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from _source import docstring_ids
+
 from raytrain_ddp.parallel import registry
 
 pytestmark = pytest.mark.timeout(60)
@@ -27,14 +29,6 @@ _NAMED_MEASUREMENTS = ("raytrain_ddp/ops/bench/gpu.py", "raytrain_ddp/ops/bench/
                        "raytrain_ddp/ops/bench/report.py", "raytrain_ddp/ops/bench/strategies.py")
 
 
-def _docstrings(tree: ast.AST) -> set[int]:
-    ids = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
-            first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
-                ids.add(id(first.value))
-    return ids
 
 
 def test_strategy_names_are_written_only_in_the_registry():
@@ -43,7 +37,7 @@ def test_strategy_names_are_written_only_in_the_registry():
         if path == REGISTRY or path.relative_to(PACKAGE.parent).as_posix() in _NAMED_MEASUREMENTS:
             continue
         tree = ast.parse(path.read_text(), filename=str(path))
-        docs = _docstrings(tree)
+        docs = docstring_ids(tree)
         for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and node.value in registry.NAMES and id(node) not in docs:
                 found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {node.value!r}")
