@@ -332,6 +332,12 @@ class ScalingConfig(_Section):
     )
     use_gpu: bool = Field(False, description="One GPU per worker; NCCL instead of gloo.")
     cpus_per_worker: float = Field(1.0, gt=0.0, description="Logical CPUs reserved by each worker.")
+    placement_strategy: Literal["PACK", "SPREAD"] = Field(
+        "PACK", description="How Ray places the workers over the nodes: PACK (Ray Train's default) "
+        "fills as few nodes as possible; SPREAD uses as many as it can, so a lost node takes fewer "
+        "workers, and with run.recovery=live they are replaced on the capacity that is left "
+        "(docs/reliability.md#node-loss).",
+    )
     resize_interval_s: float = Field(
         300.0, ge=0.0,
         description="Elastic runs: how often Ray may grow the worker group when more workers "

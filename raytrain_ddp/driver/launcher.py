@@ -337,7 +337,7 @@ def build_trainer(cfg: Config, run_dir: Location, job: Job, prepared: Any) -> An
                       TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo", timeout_s=pg_timeout_s)),
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
-            resources_per_worker=worker_resources(cfg),
+            resources_per_worker=worker_resources(cfg), placement_strategy=cfg.scaling.placement_strategy,
             elastic_resize_monitor_interval_s=cfg.scaling.resize_interval_s,
         ),
         run_config=RunConfig(

@@ -11,7 +11,7 @@ Why a probe placement group before `fit`: Ray Train waits for its worker group
 silently and forever (a group that does not fit is retried every minute, and the
 autoscaler's "No available node types can fulfill resource request" repeats in the
 log). Reserving the same bundles (`[resources per worker] x scaling.num_workers`,
-Ray Train's default PACK strategy; an elastic run's minimum) ourselves first puts the
+`scaling.placement_strategy`, PACK by default as Ray Train's; an elastic run's minimum) ourselves first puts the
 waiting where we can see it, say what is missing and stop it: a pending probe is
 removed on timeout or Ctrl-C, and nothing else of the run has started yet. Once the
 probe is placed it is removed and Ray Train places the real group on the same
@@ -116,7 +116,7 @@ def wait_for_placement(cfg: Config, out: TextIO = sys.stdout) -> Optional[str]:
                 f"({_keys(per_worker)}); node types: {largest}. {_fix(per_worker)}")
 
     timeout = cfg.scaling.placement_timeout_s
-    pg = placement_group([dict(per_worker) for _ in range(workers)], strategy="PACK")
+    pg = placement_group([dict(per_worker) for _ in range(workers)], strategy=cfg.scaling.placement_strategy)
     started = time.monotonic()
     next_status = FIRST_STATUS_S
     try:

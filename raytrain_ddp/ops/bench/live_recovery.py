@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -71,6 +72,7 @@ class _Watcher(threading.Thread):
         self.before: dict[int, int] = {}
         self.after: dict[int, int] = {}
         self.last_done = 0
+        self.newcomer_started: Optional[float] = None  # when the killed rank's new process started
         self.error: Optional[str] = None
 
     def _steps(self) -> list[dict[str, Any]]:
@@ -92,6 +94,7 @@ class _Watcher(threading.Thread):
             while not self.stop.is_set() and time.monotonic() < deadline:
                 if any(r["time"] > self.killed["time"] for r in self._steps()):
                     self.after = workers_by_rank()
+                    self.newcomer_started = _created(self.after.get(self.killed["rank"]))
                     return
                 self.stop.wait(0.05)
         except Exception as exc:  # noqa: BLE001 - reported by the section
@@ -106,10 +109,53 @@ def _cfg(mode: str, storage: Path, name: str) -> Any:
         f"run.checkpoint_every_steps={CHECKPOINT_EVERY}", f"train.max_steps={MAX_STEPS}", "run.max_failures=1"])
 
 
-def _train(cfg: Any) -> dict[str, Any]:
+class _Console:
+    """The run's console lines go to stderr (progress, not the report); the newcomer's own
+    account of its seconds (`worker/live.py`) is kept for the timeline."""
+
+    def __init__(self) -> None:
+        self.newcomer: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.newcomer += [ln for ln in text.splitlines() if "live: replacement rank" in ln]
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+_NEWCOMER = re.compile(r"process started ([\d.]+)s before our loop, the quorum and the state took ([\d.]+)s, "
+                       r"data, model and loading ([\d.]+)s")
+
+
+def _created(pid: Optional[int]) -> Optional[float]:
+    try:
+        import psutil
+
+        return psutil.Process(pid).create_time() if pid else None
+    except Exception:  # noqa: BLE001 - gone already: the timeline lacks that point
+        return None
+
+
+def newcomer_timeline(killed_at: float, started: Optional[float], lines: list[str], next_step_s: float) -> dict[str, Any]:
+    """Where the seconds from the kill to the next step went, from the replacement's side:
+    its process start (psutil; before the kill: a process Ray had pooled), our loop
+    entered, quorum and state received, data / model / state loaded, the first step."""
+    out: dict[str, Any] = {"process_started_s": None if started is None else started - killed_at}
+    match = next((m for ln in lines if (m := _NEWCOMER.search(ln))), None)
+    if match and out["process_started_s"] is not None:
+        start_to_loop, quorum, setup = (float(g) for g in match.groups())
+        out["loop_entered_s"] = out["process_started_s"] + start_to_loop
+        out["state_received_s"] = out["loop_entered_s"] + quorum
+        out["loaded_s"] = out["state_received_s"] + setup
+        out["first_step_s"] = next_step_s - out["loaded_s"]
+    return out
+
+
+def _train(cfg: Any, console: Optional[_Console] = None) -> dict[str, Any]:
     from raytrain_ddp.driver.launcher import run_training
 
-    with contextlib.redirect_stdout(sys.stderr):  # the run's console lines are progress, not the report
+    with contextlib.redirect_stdout(console or _Console()):  # type: ignore[type-var]
         try:
             summary = run_training(cfg)
         except Exception as exc:  # noqa: BLE001 - Ray's own start can fail on a loaded machine: once more
@@ -128,10 +174,10 @@ def kill_run(mode: str, storage: Path, log=print) -> dict[str, Any]:
     from raytrain_ddp.worker.live import tensor_bytes
 
     cfg = _cfg(mode, storage, f"kill-{mode}")
-    watcher = _Watcher(storage / cfg.name, KILL_AT)
+    watcher, console = _Watcher(storage / cfg.name, KILL_AT), _Console()
     watcher.start()
     try:
-        summary = _train(cfg)
+        summary = _train(cfg, console)
     finally:
         watcher.stop.set()
         watcher.join(timeout=10)
@@ -149,13 +195,24 @@ def kill_run(mode: str, storage: Path, log=print) -> dict[str, Any]:
         "survivors_kept": bool(watcher.after) and all(watcher.after.get(r) == p for r, p in watcher.before.items()
                                                       if r != killed_rank),
         "pids_before": watcher.before, "pids_after": watcher.after, "attempts": summary["attempts"],
+        "load_avg": list(os.getloadavg()),
         "bytes_to_newcomers": (tensor_bytes({k: v for k, v in final.items() if k != "run"}) if mode == "live" else
                                cfg.scaling.num_workers * _size(Path(str(summary["checkpoint"])) / "state.pt")),
     }
+    if mode == "live":
+        row["newcomer"] = newcomer_timeline(killed_at, watcher.newcomer_started, console.newcomer, row["kill_to_next_step_s"])
+        log(f"    live: the newcomer's seconds from the kill: {_fmt_timeline(row['newcomer'])}")
     log(f"    {mode}: killed rank {killed_rank} after step {last_done}; next trained step "
         f"{row['kill_to_next_step_s']:.1f} s after the kill, {row['steps_redone']} step(s) redone, survivors kept "
         f"their processes: {row['survivors_kept']}, {row['bytes_to_newcomers']:,} bytes to the new worker(s)")
     return row
+
+
+def _fmt_timeline(t: dict[str, Any]) -> str:
+    names = (("process_started_s", "process"), ("loop_entered_s", "loop"), ("state_received_s", "state"),
+             ("loaded_s", "loaded"))
+    return ", ".join(f"{label} {t[k]:+.2f}" for k, label in names if t.get(k) is not None) + (
+        f", then the first step {t['first_step_s']:.2f}" if t.get("first_step_s") is not None else "")
 
 
 def _size(path: Path) -> int:
