@@ -5,6 +5,7 @@
 #   cluster/local-two-node.sh down <dir>    # stops exactly the processes `up` started
 #   cluster/local-two-node.sh status <dir>  # nodes the head sees
 #   cluster/local-two-node.sh kill-node <dir>  # SIGKILL every process of the second node
+#   cluster/local-two-node.sh revive-node <dir>  # start the second node again after kill-node
 #
 # Every port is picked free (GCS, dashboard, node/object managers, agents, metrics, worker
 # port ranges), so this never clashes with another Ray on the machine. The dashboard (and
@@ -37,7 +38,7 @@ STORE_BYTES="${RT2N_OBJECT_STORE_BYTES:-200000000}"
 UP_TIMEOUT_S="${RT2N_UP_TIMEOUT_S:-90}"
 
 usage() {
-  sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 
@@ -174,6 +175,33 @@ cmd_kill_node() {
   signal_session KILL "$(cat "$dir/node.pgid")"
 }
 
+# Start the second node from the command `up` recorded, in a session of its own.
+start_node() {
+  local dir="$1" node_pid
+  local -a cmd
+  eval "cmd=($(cat "$dir/node.cmd"))"
+  node_pid=$(start_group "$dir/node.log" "$dir/node" "${cmd[@]}")
+  echo "$node_pid" > "$dir/node.pgid"
+}
+
+# `revive-node <dir>`: the second node again, after `kill-node` (a new node to Ray, same
+# resources and ports), once every process of the killed one is gone; waits for 2 nodes.
+cmd_revive_node() {
+  local dir="${1:-}"
+  [[ -f "$dir/rt2n" && -f "$dir/node.cmd" ]] || { echo "local-two-node: revive-node needs the state dir printed by 'up'" >&2; exit 2; }
+  if group_alive "$(cat "$dir/node.pgid")"; then
+    echo "local-two-node: the second node is still running; revive-node is for after kill-node" >&2; exit 2
+  fi
+  export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$dir/auth_token" RAY_USAGE_STATS_ENABLED=0
+  export RAY_health_check_period_ms="${RAY_health_check_period_ms:-1000}"
+  export RAY_health_check_timeout_ms="${RAY_health_check_timeout_ms:-1000}"
+  export RAY_health_check_failure_threshold="${RAY_health_check_failure_threshold:-3}"
+  start_node "$dir"
+  if ! wait_for_nodes "$dir" 2 >&2; then
+    tail -n 30 "$dir/node.log" >&2; exit 1
+  fi
+}
+
 cmd_down() {
   local dir="${1:-}"
   [[ -n "$dir" && -d "$dir" ]] || { echo "local-two-node: down needs the state dir printed by 'up'" >&2; exit 2; }
@@ -232,9 +260,10 @@ EOF
   fi
 
   node_args node_b "$NODE_CPUS" "$N_NM" "$N_OM" "$N_AG" "$N_AGG" "$N_RE" "$N_MET" "$N_WLO"
-  node_pid=$(start_group "$dir/node.log" "$dir/node" "$RAY_BIN" start --block --address="127.0.0.1:$GCS" \
-    --temp-dir="$dir/ray-node" "${NODE_ARGS[@]}")
-  echo "$node_pid" > "$dir/node.pgid"
+  # The second node's command, kept for `revive-node` (its ports are free again once it is killed).
+  printf '%q ' "$RAY_BIN" start --block --address="127.0.0.1:$GCS" --temp-dir="$dir/ray-node" "${NODE_ARGS[@]}" \
+    > "$dir/node.cmd"
+  start_node "$dir"
 
   if ! wait_for_nodes "$dir" 2 >&2; then
     tail -n 30 "$dir/head.log" "$dir/node.log" >&2; RT2N_KEEP=1 cmd_down "$dir" >&2; exit 1
@@ -256,5 +285,6 @@ case "${1:-}" in
   down) cmd_down "${2:-${RT2N_DIR:-}}" ;;
   status) cmd_status "${2:-${RT2N_DIR:-}}" ;;
   kill-node) cmd_kill_node "${2:-${RT2N_DIR:-}}" ;;
+  revive-node) cmd_revive_node "${2:-${RT2N_DIR:-}}" ;;
   *) usage ;;
 esac

@@ -1,26 +1,31 @@
-"""The `recovery` section's side-by-side of `run.recovery` replica and live (issue #28).
+"""The `recovery` section's kill runs: `run.recovery` replica and live side by side (issue #28).
 
-Owns: one measurement, both modes from one invocation, interleaved run by run so a busy
-machine loads both alike. Must not touch: the training loop, the recovery machinery
+Owns: one measurement, every mode from one invocation, interleaved run by run so a busy
+machine loads them alike. Must not touch: the training loop, the recovery machinery
 (`worker/replica.py`, `worker/live.py`), any run directory but the temporary ones it makes.
 
 `kills` runs per mode of the quickstart (2 workers, `train.max_steps=40`, a durable
 checkpoint every 10 steps, a metrics line every step), each through
 `driver.launcher.run_training` with its own embedded Ray; a watcher SIGKILLs rank 1's
 `RayTrainWorker` from outside once step `KILL_AT` is logged (`kill._kill_a_worker`).
-Per run:
+`checkpoint` (the steps since the last durable checkpoint redone) is the comparison, in
+the first `COMPARE_KILLS` rounds only. Per run:
 - `kill_to_next_step_s`: the kill to the `time` of the first train line made after it;
 - `steps_redone`: train lines made after the kill for a step at or below the last step
   logged before it (the watcher's view, so lines the driver later drops still count);
 - `survivors_kept`: every rank but the killed one has the same pid after the recovery as
   before the kill (Ray's state API, read again once the next step is logged);
 - `bytes_to_newcomers`: live, the tensor bytes of the state one survivor sends the
-  replacement over the group (the state as its checkpoint holds it); replica, a copy's
-  `state.pt` (the same state; the survivor's own copy is pruned by the run's end, so the
-  final checkpoint's size stands for it) read from storage by every restarted worker.
-`no_failure`: `rounds` uninterrupted runs per mode, interleaved; the step time is the
-median gap between consecutive train lines (epoch ends, with validation and a
-checkpoint, left out); `live_overhead_pct` compares the two medians of medians.
+  replacement over the group (the state as its checkpoint holds it); replica and
+  checkpoint, the `state.pt` every restarted worker reads from storage (the survivor's own
+  copy is pruned by the run's end, so the final checkpoint's size stands for it);
+- restart modes: `resumed_from` / `resumed_step` and `kill_to_restart_s` from
+  attempts.jsonl, `kill_to_copy_s` (a survivor's copy complete, seen from outside);
+- live: `newcomer`, where the replacement's seconds went (`newcomer_timeline`).
+`no_failure`: `rounds` pairs of uninterrupted runs (replica, live; the order alternates);
+the step time is the median gap between consecutive train lines (epoch ends and the
+steps after a checkpoint left out); `live_overhead_pct` is the median over the pairs of
+live's step time over replica's, so each ratio compares runs that shared the machine's load.
 """
 
 from __future__ import annotations
@@ -41,9 +46,12 @@ from raytrain_ddp.ray_compat import WORKER_NICENESS_ENV
 from raytrain_ddp.ops.bench.kill import _BUNDLE, QUICKSTART, _kill_a_worker
 
 MODES = ("replica", "live")
+COMPARE = "checkpoint"  # the mode without a survivor's copy, for comparison
+COMPARE_KILLS = 2
 KILL_AT, MAX_STEPS, CHECKPOINT_EVERY, RUN_TIMEOUT_S = 14, 40, 10, 300.0
-KILLS, ROUNDS = 5, 3  # in `raytrain-ddp bench`'s recovery section: the median of 5 kills per mode
+KILLS, ROUNDS = 5, 3  # the full preset: the median of 5 kills per mode, 3 pairs for the step time
 TARGETS = {"kill_to_next_step_s": 5.0, "steps_redone": 0, "live_overhead_pct": 2.0}
+_SURVIVOR = re.compile(r"_r(\d+)$")
 
 
 def workers_by_rank() -> dict[int, int]:
@@ -73,6 +81,7 @@ class _Watcher(threading.Thread):
         self.after: dict[int, int] = {}
         self.last_done = 0
         self.newcomer_started: Optional[float] = None  # when the killed rank's new process started
+        self.copy_at: Optional[float] = None  # when a survivor's copy had its manifest (written last)
         self.error: Optional[str] = None
 
     def _steps(self) -> list[dict[str, Any]]:
@@ -92,11 +101,13 @@ class _Watcher(threading.Thread):
             self.before = workers_by_rank()
             self.killed = _kill_a_worker()
             while not self.stop.is_set() and time.monotonic() < deadline:
+                if self.copy_at is None and any(self.run_dir.glob("checkpoint_*_r[0-9]*/manifest.json")):
+                    self.copy_at = time.time()
                 if any(r["time"] > self.killed["time"] for r in self._steps()):
                     self.after = workers_by_rank()
                     self.newcomer_started = _created(self.after.get(self.killed["rank"]))
                     return
-                self.stop.wait(0.05)
+                self.stop.wait(0.02)
         except Exception as exc:  # noqa: BLE001 - reported by the section
             self.error = f"{type(exc).__name__}: {exc}"
 
@@ -170,7 +181,7 @@ def _train(cfg: Any, console: Optional[_Console] = None) -> dict[str, Any]:
 def kill_run(mode: str, storage: Path, log=print) -> dict[str, Any]:
     """One quickstart run in `mode` with rank 1 SIGKILLed after step `KILL_AT`."""
     from raytrain_ddp import checkpoint as ckpt
-    from raytrain_ddp.rundir import read_metrics
+    from raytrain_ddp.rundir import read_jsonl, read_metrics
     from raytrain_ddp.worker.live import tensor_bytes
 
     cfg = _cfg(mode, storage, f"kill-{mode}")
@@ -184,9 +195,14 @@ def kill_run(mode: str, storage: Path, log=print) -> dict[str, Any]:
     if watcher.error or not watcher.killed:
         raise RuntimeError(f"{mode}: {watcher.error or 'no worker was killed'}")
     killed_at, killed_rank = watcher.killed["time"], watcher.killed["rank"]
-    lines = [r for r in read_metrics(Path(summary["run_dir"]) / "metrics.jsonl") if "loss" in r]
+    run_dir = Path(summary["run_dir"])
+    lines = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
     last_done = max([watcher.last_done] + [r["step"] for r in lines if r["time"] < killed_at])
     after = [r for r in lines if r["time"] > killed_at]
+    if not after:
+        raise RuntimeError(f"{mode}: no step was trained after the kill")
+    attempts = [a for a in read_jsonl(run_dir / "attempts.jsonl") if a.get("fit_id") == summary["fit_id"]]
+    restart = attempts[-1] if len(attempts) > 1 else {}
     final = ckpt.load_checkpoint(summary["checkpoint"])
     row = {
         "mode": mode, "killed_rank": killed_rank, "last_step_before_kill": last_done,
@@ -195,16 +211,24 @@ def kill_run(mode: str, storage: Path, log=print) -> dict[str, Any]:
         "survivors_kept": bool(watcher.after) and all(watcher.after.get(r) == p for r, p in watcher.before.items()
                                                       if r != killed_rank),
         "pids_before": watcher.before, "pids_after": watcher.after, "attempts": summary["attempts"],
-        "load_avg": list(os.getloadavg()),
         "bytes_to_newcomers": (tensor_bytes({k: v for k, v in final.items() if k != "run"}) if mode == "live" else
                                cfg.scaling.num_workers * _size(Path(str(summary["checkpoint"])) / "state.pt")),
+        "resumed_from": restart.get("resumed_from", "live" if mode == "live" else None),
+        "resumed_step": restart.get("resumed_step"),
+        "kill_to_restart_s": float(restart["time"]) - killed_at if "time" in restart else None,
+        "kill_to_copy_s": watcher.copy_at - killed_at if watcher.copy_at else None,
+        "load_avg": list(os.getloadavg()),
     }
+    copy = _SURVIVOR.search(str(restart.get("checkpoint") or ""))  # a survivor's copy: ..._r<rank>
+    row["survivor_rank"] = int(copy.group(1)) if copy and row["resumed_from"] == "replica" else None
     if mode == "live":
-        row["newcomer"] = newcomer_timeline(killed_at, watcher.newcomer_started, console.newcomer, row["kill_to_next_step_s"])
+        row["newcomer"] = newcomer_timeline(killed_at, watcher.newcomer_started, console.newcomer,
+                                            row["kill_to_next_step_s"])
         log(f"    live: the newcomer's seconds from the kill: {_fmt_timeline(row['newcomer'])}")
     log(f"    {mode}: killed rank {killed_rank} after step {last_done}; next trained step "
-        f"{row['kill_to_next_step_s']:.1f} s after the kill, {row['steps_redone']} step(s) redone, survivors kept "
-        f"their processes: {row['survivors_kept']}, {row['bytes_to_newcomers']:,} bytes to the new worker(s)")
+        f"{row['kill_to_next_step_s']:.1f} s after the kill (load {row['load_avg'][0]:.1f}), "
+        f"{row['steps_redone']} step(s) redone, survivors kept their processes: {row['survivors_kept']}, "
+        f"{row['bytes_to_newcomers']:,} bytes to the new worker(s)")
     return row
 
 
@@ -233,16 +257,19 @@ def step_time_run(mode: str, storage: Path) -> float:
     return statistics.median(gaps)
 
 
-def side_by_side(kills: int = 5, rounds: int = 3, log=print) -> dict[str, Any]:
-    """Both modes from one invocation, interleaved; each run starts its own Ray."""
+def side_by_side(kills: int = KILLS, rounds: int = ROUNDS, compare: int = 0, log=print) -> dict[str, Any]:
+    """Every mode from one invocation, interleaved (the order turns each round); each run
+    starts its own Ray. `compare`: rounds that also kill a `checkpoint` run."""
     saved = {k: os.environ.pop(k) for k in ("RAY_ADDRESS", WORKER_NICENESS_ENV) if k in os.environ}
-    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+    modes = MODES + ((COMPARE,) if compare else ())
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     steps: dict[str, list[float]] = {m: [] for m in MODES}
-    failures: dict[str, list[str]] = {m: [] for m in MODES}
+    failures: dict[str, list[str]] = {m: [] for m in modes}
     try:
         with tempfile.TemporaryDirectory(prefix="raytrain-bench-live-") as tmp:
             for i in range(kills):
-                for mode in (MODES if i % 2 == 0 else MODES[::-1]):
+                order = [m for m in modes if m != COMPARE or i < compare]
+                for mode in order[i % len(order):] + order[:i % len(order)]:
                     try:
                         runs[mode].append(kill_run(mode, Path(tmp) / f"kill{i}", log=log))
                     except Exception as exc:  # noqa: BLE001 - a failed recovery is a result: kept, counted
@@ -251,54 +278,70 @@ def side_by_side(kills: int = 5, rounds: int = 3, log=print) -> dict[str, Any]:
             for i in range(rounds):
                 for mode in (MODES if i % 2 == 0 else MODES[::-1]):
                     steps[mode].append(step_time_run(mode, Path(tmp) / f"steady{i}"))
-                    log(f"    {mode}: no failure, median step {1e3 * steps[mode][-1]:.1f} ms")
+                    log(f"    {mode}: no failure, median step {1e3 * steps[mode][-1]:.1f} ms "
+                        f"(load {os.getloadavg()[0]:.1f})")
     finally:
         os.environ.update(saved)
     out: dict[str, Any] = {"kill_at": KILL_AT, "max_steps": MAX_STEPS, "checkpoint_every_steps": CHECKPOINT_EVERY,
-                           "config": "examples/configs/quickstart.yaml", "killed": "rank 1", "targets": dict(TARGETS)}
-    for mode in MODES:
+                           "world_size": 2, "config": "examples/configs/quickstart.yaml", "killed": "rank 1",
+                           "modes": list(modes), "targets": dict(TARGETS)}
+    for mode in modes:
         rows = runs[mode] or [{"kill_to_next_step_s": float("nan"), "steps_redone": -1, "survivors_kept": False,
                                "bytes_to_newcomers": 0}]
         out[mode] = {"runs": runs[mode], "failures": failures[mode],
                      "kill_to_next_step_s": stats([r["kill_to_next_step_s"] for r in rows]),
                      "steps_redone_max": max(r["steps_redone"] for r in rows),
                      "survivors_kept_all": all(r["survivors_kept"] for r in rows),
-                     "bytes_to_newcomers": statistics.median(r["bytes_to_newcomers"] for r in rows),
-                     "step_time_s": steps[mode], "step_time_median_s": statistics.median(steps[mode])}
-    out["live_overhead_pct"] = 100 * (out["live"]["step_time_median_s"] / out["replica"]["step_time_median_s"] - 1)
+                     "bytes_to_newcomers": statistics.median(r["bytes_to_newcomers"] for r in rows)}
+        if mode in steps and steps[mode]:
+            out[mode].update(step_time_s=steps[mode], step_time_median_s=statistics.median(steps[mode]))
+    if rounds:
+        ratios = [live / rep for rep, live in zip(steps["replica"], steps["live"])]
+        out["live_over_replica_step_time"] = ratios
+        out["live_overhead_pct"] = 100 * (statistics.median(ratios) - 1)
     return out
 
 
 def table(result: dict[str, Any]) -> list[str]:
-    """The side-by-side as markdown rows (report.py prints them)."""
-    rep, live = result["replica"], result["live"]
-    rows = [("kill -> next trained step, median of runs (s)", rep["kill_to_next_step_s"]["median"],
-             live["kill_to_next_step_s"]["median"], "{:.1f}"),
-            ("... min / max (s)", f"{rep['kill_to_next_step_s']['min']:.1f} / {rep['kill_to_next_step_s']['max']:.1f}",
-             f"{live['kill_to_next_step_s']['min']:.1f} / {live['kill_to_next_step_s']['max']:.1f}", "{}"),
-            ("completed steps redone (max)", rep["steps_redone_max"], live["steps_redone_max"], "{}"),
-            ("survivors' pids unchanged (all runs)", rep["survivors_kept_all"], live["survivors_kept_all"], "{}"),
-            ("bytes to the new worker(s)", rep["bytes_to_newcomers"], live["bytes_to_newcomers"], "{:,.0f}"),
-            ("step time, no failure (median ms)", 1e3 * rep["step_time_median_s"], 1e3 * live["step_time_median_s"],
-             "{:.2f}")]
-    out = ["| | run.recovery=replica | run.recovery=live |", "|---|---|---|"]
-    out += [f"| {name} | {fmt.format(a)} | {fmt.format(b)} |" for name, a, b, fmt in rows]
-    out.append(f"| runs that failed | {len(rep['failures'])} | {len(live['failures'])} |")
-    out.append(f"| live step-time overhead | | {result['live_overhead_pct']:+.1f} % |")
+    """The side by side as markdown rows (report.py prints them): one column per mode."""
+    modes = result.get("modes", list(MODES))
+    by = [result[m] for m in modes]
+
+    def spread(m: dict[str, Any]) -> str:
+        k = m["kill_to_next_step_s"]
+        return f"{k['min']:.1f} / {k['max']:.1f}"
+
+    def step_ms(m: dict[str, Any]) -> str:
+        return f"{1e3 * m['step_time_median_s']:.2f}" if "step_time_median_s" in m else "-"
+
+    rows = [("kill -> next trained step, median of runs (s)", [f"{m['kill_to_next_step_s']['median']:.1f}" for m in by]),
+            ("... min / max (s)", [spread(m) for m in by]),
+            ("runs (failed)", [f"{len(m['runs'])} ({len(m['failures'])})" for m in by]),
+            ("completed steps redone (max)", [str(m["steps_redone_max"]) for m in by]),
+            ("survivors' pids unchanged (all runs)", [str(m["survivors_kept_all"]) for m in by]),
+            ("bytes to the new worker(s)", [f"{m['bytes_to_newcomers']:,.0f}" for m in by]),
+            ("step time, no failure (median ms)", [step_ms(m) for m in by])]
+    out = ["| | " + " | ".join(f"run.recovery={m}" for m in modes) + " |", "|---|" + "---|" * len(modes)]
+    out += [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows]
+    if "live_overhead_pct" in result:
+        ratios = ", ".join(f"{r:.3f}" for r in result["live_over_replica_step_time"])
+        out.append(f"| live's step time over replica's (median of {len(result['live_over_replica_step_time'])} "
+                   f"pairs: {ratios}) | | {result['live_overhead_pct']:+.1f} % |" + " |" * (len(modes) - 2))
     return out
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """`python -m raytrain_ddp.ops.bench.live_recovery [--kills N] [--rounds N] [--out FILE]`."""
+    """`python -m raytrain_ddp.ops.bench.live_recovery [--kills N] [--rounds N] [--compare N] [--out FILE]`."""
     import argparse
     import json
 
     parser = argparse.ArgumentParser(prog="python -m raytrain_ddp.ops.bench.live_recovery")
-    parser.add_argument("--kills", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=3, help="uninterrupted runs per mode for the step time")
+    parser.add_argument("--kills", type=int, default=KILLS)
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="pairs of uninterrupted runs for the step time")
+    parser.add_argument("--compare", type=int, default=0, help="rounds that also kill a run.recovery=checkpoint run")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    result = side_by_side(args.kills, args.rounds, log=lambda line: print(line, file=sys.stderr, flush=True))
+    result = side_by_side(args.kills, args.rounds, args.compare, log=lambda line: print(line, file=sys.stderr, flush=True))
     print("\n".join(table(result)))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n")

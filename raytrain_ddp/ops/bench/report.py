@@ -41,9 +41,21 @@ TARGETS = [
      lambda r: r["recovery"]["kill"]["replica"]["steps_redone_max"], 1, "<="),
     ("s from a worker SIGKILL to the next trained step (replica, worst run)",
      lambda r: r["recovery"]["kill"]["replica"]["kill_to_next_step_s"]["max"], 10.0, "<="),
+    # issue #28: run.recovery=live keeps the survivors' processes and is back in seconds
+    ("s from a worker SIGKILL to the next trained step (live, median of runs)",
+     lambda r: r["recovery"]["kill"]["live"]["kill_to_next_step_s"]["median"], 5.0, "<="),
+    ("completed steps redone after a worker SIGKILL (live)",
+     lambda r: r["recovery"]["kill"]["live"]["steps_redone_max"], 0, "<="),
+    ("survivors keep their processes (live, every run: 1 = yes)",
+     lambda r: float(r["recovery"]["kill"]["live"]["survivors_kept_all"] and bool(r["recovery"]["kill"]["live"]["runs"])),
+     1.0, "=="),
+    ("live's step time over replica's, no failure (median of paired runs, %)",
+     lambda r: r["recovery"]["kill"]["live_overhead_pct"], 2.0, "<="),
     ("completed steps redone after a node loss", lambda r: r["recovery"]["node_loss"]["steps_redone"], 1, "<="),
     ("s from a node loss to the next trained step", lambda r: r["recovery"]["node_loss"]["kill_to_next_step_s"],
      20.0, "<="),
+    ("s from a node loss to the next trained step (live)",
+     lambda r: r["recovery"]["node_loss_live"]["kill_to_next_step"]["median"], 15.0, "<="),
     ("replica's cost per step, % of step time (quickstart)",
      lambda r: r["recovery"]["overhead"]["quickstart"]["overhead_pct"], 3.0, "<="),
     ("replica's cost per step, % of step time (>= 100 MB state)",
@@ -147,38 +159,49 @@ def _memory_tables(mem: dict[str, Any]) -> list[str]:
 
 
 def _recovery_tables(rec: dict[str, Any]) -> list[str]:
-    """A SIGKILLed worker per run.recovery mode, and the replica's per-step cost (issue #15)."""
+    """A SIGKILLed worker per run.recovery mode, side by side, and the replica's per-step cost (#15, #28)."""
     out = []
     kill = rec.get("kill")
-    if kill:
-        out.append(f"\n**Recovery from a SIGKILLed worker** ({kill['world_size']} workers, quickstart, "
-                   f"{kill['max_steps']} steps, durable checkpoints every {kill['checkpoint_every_steps']} steps, "
-                   f"killed once step {kill['kill_at']} was logged; one row per run)\n")
-        rows = [[r["mode"], r["killed_rank"], r["last_step_before_kill"], r["resumed_from"], r["resumed_step"],
-                 r["steps_redone"], "-" if r.get("kill_to_copy_s") is None else _f(r["kill_to_copy_s"], 2),
-                 _f(r["kill_to_restart_s"], 1), _f(r["kill_to_next_step_s"], 1)]
-                for mode in ("replica", "checkpoint") for r in kill[mode]["runs"]]
-        out.append(_table(["run.recovery", "killed rank", "last step before the kill", "resumed from",
-                           "resumed at step", "completed steps redone", "kill -> survivor's copy (s)",
-                           "kill -> new group (s)",
-                           "kill -> next trained step (s)"], rows))
-    elif rec.get("kill_note"):
-        out.append(f"\n**Recovery from a SIGKILLed worker**: {rec['kill_note']}")
-    if rec.get("live"):  # issue #28: run.recovery replica and live from one invocation (live_recovery.py)
+    if kill and "modes" in kill:
         from raytrain_ddp.ops.bench.live_recovery import table
 
-        out.append("\n**replica vs live** (quickstart, 2 workers, rank 1 SIGKILLed after step "
-                   f"{rec['live']['kill_at']}; both modes interleaved)\n")
-        out += table(rec["live"])
-    node = rec.get("node_loss")
-    if node and "error" not in node:
-        out.append("\n**A whole node lost** (two-node local cluster, tiny config with 1-2 workers, every process "
-                   "of the second node SIGKILLed mid-run)\n")
-        out.append(_table(["last step before the kill", "resumed from", "resumed at step", "completed steps redone",
-                           "workers before -> after", "kill -> next trained step (s)"],
-                          [[node["last_step_before_kill"], node["resumed_from"], node["resumed_step"],
-                            node["steps_redone"], " -> ".join(map(str, node["world_sizes"])),
-                            _f(node["kill_to_next_step_s"], 1)]]))
+        out.append(f"\n**Recovery from a SIGKILLed worker: run.recovery side by side** ({kill['world_size']} workers, "
+                   f"quickstart, {kill['max_steps']} steps, durable checkpoints every "
+                   f"{kill['checkpoint_every_steps']} steps, rank 1 killed once step {kill['kill_at']} was logged; "
+                   "the modes interleaved in one invocation)\n")
+        out += table(kill)
+        rows = []
+        for mode in kill["modes"]:
+            for r in kill[mode]["runs"]:
+                t = r.get("newcomer") or {}
+                rows.append([mode, r["killed_rank"], r["last_step_before_kill"], r.get("resumed_from") or "-",
+                             "-" if r.get("resumed_step") is None else r["resumed_step"], r["steps_redone"],
+                             "-" if r.get("kill_to_copy_s") is None else _f(r["kill_to_copy_s"], 2),
+                             "-" if r.get("kill_to_restart_s") is None else _f(r["kill_to_restart_s"], 1),
+                             "-" if t.get("process_started_s") is None else _f(t["process_started_s"], 2),
+                             "-" if t.get("loop_entered_s") is None else _f(t["loop_entered_s"], 2),
+                             "-" if t.get("loaded_s") is None else _f(t["loaded_s"], 2),
+                             _f(r["kill_to_next_step_s"], 1), _f(r.get("load_avg", [math.nan])[0], 1)])
+        out.append("\nOne row per run (live: the newcomer's process start, our loop entered and its state loaded, "
+                   "each in s from the kill; a negative process start is a process Ray had pooled):\n")
+        out.append(_table(["run.recovery", "killed rank", "last step before the kill", "resumed from",
+                           "resumed at step", "completed steps redone", "kill -> survivor's copy (s)",
+                           "kill -> new group (s)", "newcomer process (s)", "newcomer loop (s)",
+                           "newcomer loaded (s)", "kill -> next trained step (s)", "load"], rows))
+    elif rec.get("kill_note"):
+        out.append(f"\n**Recovery from a SIGKILLed worker**: {rec['kill_note']}")
+    for key, what in (("node_loss", "run.recovery=replica, 1-2 workers of 2 CPUs"),
+                      ("node_loss_live", "run.recovery=live, 2 workers of 1 CPU spread over the nodes")):
+        node = rec.get(key)
+        if not node or "error" in node:
+            continue
+        out.append(f"\n**A whole node lost** (two-node local cluster, tiny config, {what}; every process of the "
+                   "second node SIGKILLed mid-run)\n")
+        out.append(_table(["last step before the kill", "went on from", "at step", "completed steps redone",
+                           "workers before -> after", "kill -> next trained step (s)", "load"],
+                          [[r["last_step_before_kill"], r["resumed_from"], r["resumed_step"], r["steps_redone"],
+                            " -> ".join(map(str, r["world_sizes"])), _f(r["kill_to_next_step_s"], 1),
+                            _f(r.get("load_avg", [math.nan])[0], 1)] for r in node.get("runs", [node])]))
     ov = rec["overhead"]
     out.append(f"\n**Keeping the replica: `LastStep.mark()` at every step boundary** (1 process, 1 thread, "
                f"no Ray; medians over {ov['rounds']} interleaved rounds with and without it)\n")
