@@ -257,13 +257,16 @@ def step_time_run(mode: str, storage: Path) -> float:
     return statistics.median(gaps)
 
 
-def side_by_side(kills: int = KILLS, rounds: int = ROUNDS, compare: int = 0, log=print) -> dict[str, Any]:
+def side_by_side(kills: int = KILLS, rounds: int = ROUNDS, compare: int = 0, log=print,
+                 only: Optional[str] = None) -> dict[str, Any]:
     """Every mode from one invocation, interleaved (the order turns each round); each run
-    starts its own Ray. `compare`: rounds that also kill a `checkpoint` run."""
+    starts its own Ray. `compare`: rounds that also kill a `checkpoint` run. `only`: one
+    mode's kill runs (a look at one mode; no step-time pairs)."""
     saved = {k: os.environ.pop(k) for k in ("RAY_ADDRESS", WORKER_NICENESS_ENV) if k in os.environ}
-    modes = MODES + ((COMPARE,) if compare else ())
+    modes = (only,) if only else MODES + ((COMPARE,) if compare else ())
+    rounds = 0 if only else rounds
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
-    steps: dict[str, list[float]] = {m: [] for m in MODES}
+    steps: dict[str, list[float]] = {m: [] for m in MODES if m in modes}
     failures: dict[str, list[str]] = {m: [] for m in modes}
     try:
         with tempfile.TemporaryDirectory(prefix="raytrain-bench-live-") as tmp:
@@ -331,7 +334,7 @@ def table(result: dict[str, Any]) -> list[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """`python -m raytrain_ddp.ops.bench.live_recovery [--kills N] [--rounds N] [--compare N] [--out FILE]`."""
+    """`python -m raytrain_ddp.ops.bench.live_recovery [--kills N] [--rounds N] [--compare N] [--only MODE] [--out FILE]`."""
     import argparse
     import json
 
@@ -339,9 +342,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--kills", type=int, default=KILLS)
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="pairs of uninterrupted runs for the step time")
     parser.add_argument("--compare", type=int, default=0, help="rounds that also kill a run.recovery=checkpoint run")
+    parser.add_argument("--only", choices=MODES + (COMPARE,), default=None, help="one mode's kill runs alone")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    result = side_by_side(args.kills, args.rounds, args.compare, log=lambda line: print(line, file=sys.stderr, flush=True))
+    result = side_by_side(args.kills, args.rounds, args.compare, log=lambda line: print(line, file=sys.stderr, flush=True),
+                          only=args.only)
     print("\n".join(table(result)))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
