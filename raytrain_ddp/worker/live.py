@@ -85,6 +85,7 @@ def session_for(job: Any, runtime: Any) -> Any:
     Live needs Ray's torchft backend, which our launcher selects (`driver/live.py`): a
     worker without its lighthouse (your own `TorchTrainer` from `prepare_job`, local mode)
     says so once and recovers as `replica` does."""
+    entered = time.time()  # the training function's start (a newcomer says its timeline from here)
     cfg = job.cfg
     if cfg.run.recovery != "live" or cfg.scaling.local:
         return NoLive(runtime)
@@ -94,7 +95,7 @@ def session_for(job: Any, runtime: Any) -> Any:
             _say(rank, f"run.recovery=live needs Ray Train's TorchftConfig backend (${LIGHTHOUSE_ENV} is not set: "
                        "this is not raytrain-ddp's launcher); recovering as run.recovery=replica does")
         return NoLive(runtime)
-    return LiveSession(job, runtime.rank(), runtime)
+    return LiveSession(job, runtime.rank(), runtime, entered)
 
 
 def live_group_class() -> type:
@@ -123,7 +124,7 @@ class NoReplacement(RuntimeError):
 class LiveSession:
     """One worker's side of live recovery (see the module docstring)."""
 
-    def __init__(self, job: Any, rank: Rank, runtime: Any) -> None:
+    def __init__(self, job: Any, rank: Rank, runtime: Any, entered: Optional[float] = None) -> None:
         from torchft import Manager
         from torchft.checkpointing.pg_transport import PGTransport
 
@@ -146,7 +147,7 @@ class LiveSession:
         self.hooks: Any = None
         self.checkpointer: Any = None
         self._previous_default: Any = None
-        self.marks = {"process": _process_start(), "loop": time.time()}  # a newcomer's timeline, said once
+        self.marks = {"entered": entered or time.time(), "group": time.time()}  # a newcomer's timeline, said once
         started = time.perf_counter()
         if not self._quorum():  # a full start: every member at 0; a replacement heals from a survivor here
             raise NoReplacement(f"run.recovery=live: rank {rank.world_rank} could not join the group: "
@@ -201,9 +202,10 @@ class LiveSession:
             self.received = None
             m = {**self.marks, "loaded": time.time()}
             _say(rank, f"live: replacement rank {rank.world_rank} continues at step {step} with the survivors' "
-                     f"state ({self.bytes_received} bytes over the group, no storage read); its process started "
-                     f"{m['loop'] - m['process']:.2f}s before our loop, the quorum and the state took "
-                     f"{m['healed'] - m['loop']:.2f}s, data, model and loading {m['loaded'] - m['healed']:.2f}s")
+                     f"state ({self.bytes_received} bytes over the group, no storage read); its training function "
+                     f"started at {_clock(m['entered'])}, then torchft and its manager took "
+                     f"{m['group'] - m['entered']:.2f}s, the quorum and the state {m['healed'] - m['group']:.2f}s, "
+                     f"data, model and loading {m['loaded'] - m['healed']:.2f}s")
             self._install()  # from now on every collective is the group's; the first step wraps on it
         self.write_copy, self.checkpointer = checkpointer.write_copy, checkpointer
         checkpointer.save = self._unless_a_worker_is_gone(checkpointer.save)
@@ -433,11 +435,6 @@ def _say(rank: Rank, message: str) -> None:
     print(f"[rank {rank.world_rank}] {message}", flush=True)
 
 
-def _process_start() -> float:
-    """When this process started (wall clock), from /proc; now where that cannot be read."""
-    try:
-        import psutil
-
-        return psutil.Process().create_time()
-    except Exception:  # noqa: BLE001 - a timing line only
-        return time.time()
+def _clock(t: float) -> str:
+    """A wall-clock time as HH:MM:SS.mmm (local time), for lines read next to other logs."""
+    return time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t % 1 * 1000):03d}"

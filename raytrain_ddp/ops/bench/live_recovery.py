@@ -80,7 +80,6 @@ class _Watcher(threading.Thread):
         self.before: dict[int, int] = {}
         self.after: dict[int, int] = {}
         self.last_done = 0
-        self.newcomer_started: Optional[float] = None  # when the killed rank's new process started
         self.copy_at: Optional[float] = None  # when a survivor's copy had its manifest (written last)
         self.error: Optional[str] = None
 
@@ -105,7 +104,6 @@ class _Watcher(threading.Thread):
                     self.copy_at = time.time()
                 if any(r["time"] > self.killed["time"] for r in self._steps()):
                     self.after = workers_by_rank()
-                    self.newcomer_started = _created(self.after.get(self.killed["rank"]))
                     return
                 self.stop.wait(0.02)
         except Exception as exc:  # noqa: BLE001 - reported by the section
@@ -134,32 +132,36 @@ class _Console:
     def flush(self) -> None:
         sys.stderr.flush()
 
+    def isatty(self) -> bool:
+        return False
 
-_NEWCOMER = re.compile(r"process started ([\d.]+)s before our loop, the quorum and the state took ([\d.]+)s, "
-                       r"data, model and loading ([\d.]+)s")
-
-
-def _created(pid: Optional[int]) -> Optional[float]:
-    try:
-        import psutil
-
-        return psutil.Process(pid).create_time() if pid else None
-    except Exception:  # noqa: BLE001 - gone already: the timeline lacks that point
-        return None
+    def __getattr__(self, name: str) -> Any:  # fileno, encoding, ...: stderr's
+        return getattr(sys.stderr, name)
 
 
-def newcomer_timeline(killed_at: float, started: Optional[float], lines: list[str], next_step_s: float) -> dict[str, Any]:
-    """Where the seconds from the kill to the next step went, from the replacement's side:
-    its process start (psutil; before the kill: a process Ray had pooled), our loop
-    entered, quorum and state received, data / model / state loaded, the first step."""
-    out: dict[str, Any] = {"process_started_s": None if started is None else started - killed_at}
+_NEWCOMER = re.compile(r"training function started at (\d+):(\d+):([\d.]+), then torchft and its manager took "
+                       r"([\d.]+)s, the quorum and the state ([\d.]+)s, data, model and loading ([\d.]+)s")
+
+
+def newcomer_timeline(killed_at: float, lines: list[str], next_step_s: float) -> dict[str, Any]:
+    """Where the seconds from the kill to the next step went, from the replacement's own line
+    (`worker/live.py`), each point in s from the kill: `function_s` (Ray's part: noticing the
+    loss, a new process, its imports of Ray Train and torch, the train context), `group_s`
+    (torchft imported, its manager up), `state_s` (quorum, the survivors' state received),
+    `loaded_s` (data, model, optimizer, state loaded), then `first_step_s` to the next step's line."""
     match = next((m for ln in lines if (m := _NEWCOMER.search(ln))), None)
-    if match and out["process_started_s"] is not None:
-        start_to_loop, quorum, setup = (float(g) for g in match.groups())
-        out["loop_entered_s"] = out["process_started_s"] + start_to_loop
-        out["state_received_s"] = out["loop_entered_s"] + quorum
-        out["loaded_s"] = out["state_received_s"] + setup
-        out["first_step_s"] = next_step_s - out["loaded_s"]
+    if match is None:
+        return {}
+    h, mi, sec, group, state, setup = match.groups()
+    day = time.localtime(killed_at)  # the line's clock is local time, within a second or so of the kill
+    entered = time.mktime((day.tm_year, day.tm_mon, day.tm_mday, int(h), int(mi), 0, 0, 0, -1)) + float(sec)
+    if entered - killed_at < -43200:  # the kill before midnight, the line after it
+        entered += 86400
+    out = {"function_s": entered - killed_at}
+    out["group_s"] = out["function_s"] + float(group)
+    out["state_s"] = out["group_s"] + float(state)
+    out["loaded_s"] = out["state_s"] + float(setup)
+    out["first_step_s"] = next_step_s - out["loaded_s"]
     return out
 
 
@@ -222,8 +224,7 @@ def kill_run(mode: str, storage: Path, log=print) -> dict[str, Any]:
     copy = _SURVIVOR.search(str(restart.get("checkpoint") or ""))  # a survivor's copy: ..._r<rank>
     row["survivor_rank"] = int(copy.group(1)) if copy and row["resumed_from"] == "replica" else None
     if mode == "live":
-        row["newcomer"] = newcomer_timeline(killed_at, watcher.newcomer_started, console.newcomer,
-                                            row["kill_to_next_step_s"])
+        row["newcomer"] = newcomer_timeline(killed_at, console.newcomer, row["kill_to_next_step_s"])
         log(f"    live: the newcomer's seconds from the kill: {_fmt_timeline(row['newcomer'])}")
     log(f"    {mode}: killed rank {killed_rank} after step {last_done}; next trained step "
         f"{row['kill_to_next_step_s']:.1f} s after the kill (load {row['load_avg'][0]:.1f}), "
@@ -233,7 +234,7 @@ def kill_run(mode: str, storage: Path, log=print) -> dict[str, Any]:
 
 
 def _fmt_timeline(t: dict[str, Any]) -> str:
-    names = (("process_started_s", "process"), ("loop_entered_s", "loop"), ("state_received_s", "state"),
+    names = (("function_s", "training function"), ("group_s", "torchft up"), ("state_s", "state received"),
              ("loaded_s", "loaded"))
     return ", ".join(f"{label} {t[k]:+.2f}" for k, label in names if t.get(k) is not None) + (
         f", then the first step {t['first_step_s']:.2f}" if t.get("first_step_s") is not None else "")

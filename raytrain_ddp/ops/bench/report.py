@@ -178,15 +178,15 @@ def _recovery_tables(rec: dict[str, Any]) -> list[str]:
                              "-" if r.get("resumed_step") is None else r["resumed_step"], r["steps_redone"],
                              "-" if r.get("kill_to_copy_s") is None else _f(r["kill_to_copy_s"], 2),
                              "-" if r.get("kill_to_restart_s") is None else _f(r["kill_to_restart_s"], 1),
-                             "-" if t.get("process_started_s") is None else _f(t["process_started_s"], 2),
-                             "-" if t.get("loop_entered_s") is None else _f(t["loop_entered_s"], 2),
+                             "-" if t.get("function_s") is None else _f(t["function_s"], 2),
+                             "-" if t.get("group_s") is None else _f(t["group_s"], 2),
                              "-" if t.get("loaded_s") is None else _f(t["loaded_s"], 2),
                              _f(r["kill_to_next_step_s"], 1), _f(r.get("load_avg", [math.nan])[0], 1)])
-        out.append("\nOne row per run (live: the newcomer's process start, our loop entered and its state loaded, "
-                   "each in s from the kill; a negative process start is a process Ray had pooled):\n")
+        out.append("\nOne row per run (live: when the newcomer's training function started, torchft was up in it "
+                   "and its state was loaded, each in s from the kill):\n")
         out.append(_table(["run.recovery", "killed rank", "last step before the kill", "resumed from",
                            "resumed at step", "completed steps redone", "kill -> survivor's copy (s)",
-                           "kill -> new group (s)", "newcomer process (s)", "newcomer loop (s)",
+                           "kill -> new group (s)", "newcomer function (s)", "newcomer torchft (s)",
                            "newcomer loaded (s)", "kill -> next trained step (s)", "load"], rows))
     elif rec.get("kill_note"):
         out.append(f"\n**Recovery from a SIGKILLed worker**: {rec['kill_note']}")
