@@ -270,7 +270,9 @@ def _node_loss_once(state: Path, name: str, mode: str, base: dict[str, str], tim
         resumed, resumed_from = (joined[0] if joined else None), "live"
     else:
         resumed, resumed_from = attempts[-1]["resumed_step"], attempts[-1]["resumed_from"]
-    back = min(r["time"] for r in after) - killed_at
+    # live: the first step that needed the replacement (one finished while kill-node ran may come after `killed_at`)
+    back = (next(r["time"] for r in lines if r["step"] == resumed + 1) if mode == "live" and resumed is not None
+            else min(r["time"] for r in after)) - killed_at
     row = {"mode": mode, "last_step_before_kill": last, "resumed_step": resumed, "resumed_from": resumed_from,
            "steps_redone": sum(1 for r in after if r["step"] <= last), "kill_to_next_step_s": back,
            "world_sizes": [r["world_size"] for r in attempts], "attempts": summary["attempts"],
