@@ -17,6 +17,11 @@ across both nodes, one worker is SIGKILLed mid-epoch, the run resumes from the
 bucket's checkpoint, and every metrics line, the attempts and the summary are in the
 bucket -- and nothing of the run on any local disk.
 
+A node lost under `run.recovery=live` (issue #28): 2 workers of 1 CPU spread over the
+nodes (`scaling.placement_strategy=SPREAD`), the second node SIGKILLed mid-epoch; the
+survivor keeps its process and the lost worker is replaced on the head; the second node is
+then started again (`local-two-node.sh revive-node`) for the elastic node-loss test, the last.
+
 Waiting for resources (issue #17): a worker no node can hold is reported while it waits,
 ends as `unschedulable` at `scaling.placement_timeout_s`, is withdrawn on Ctrl-C, and
 fails at once when the cluster publishes node types (as an autoscaler does) none of which
