@@ -31,6 +31,7 @@ live's step time over replica's, so each ratio compares runs that shared the mac
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import statistics
@@ -71,15 +72,17 @@ def workers_by_rank() -> dict[int, int]:
 
 
 class _Watcher(threading.Thread):
-    """Kills rank 1 once step `kill_at` is logged; notes the pids before and after."""
+    """Kills rank 1 once step `kill_at` is logged; follows the run until the recovered group
+    trains (`first_recovered`), noting the pids before the kill and then, and the last step
+    the first attempt completed (lines the driver later drops are seen here only)."""
 
-    def __init__(self, run_dir: Path, kill_at: int) -> None:
+    def __init__(self, run_dir: Path, kill_at: int, console: "_Console") -> None:
         super().__init__(name="live-recovery-watcher", daemon=True)
-        self.run_dir, self.kill_at, self.stop = run_dir, kill_at, threading.Event()
+        self.run_dir, self.kill_at, self.console, self.stop = run_dir, kill_at, console, threading.Event()
         self.killed: dict[str, Any] = {}
         self.before: dict[int, int] = {}
         self.after: dict[int, int] = {}
-        self.last_done = 0
+        self.last_done = 0  # the newest step of attempt 1's lines seen, including one that finished as the kill landed
         self.copy_at: Optional[float] = None  # when a survivor's copy had its manifest (written last)
         self.error: Optional[str] = None
 
@@ -102,12 +105,30 @@ class _Watcher(threading.Thread):
             while not self.stop.is_set() and time.monotonic() < deadline:
                 if self.copy_at is None and any(self.run_dir.glob("checkpoint_*_r[0-9]*/manifest.json")):
                     self.copy_at = time.time()
-                if any(r["time"] > self.killed["time"] for r in self._steps()):
+                lines = self._steps()
+                self.last_done = max([self.last_done] + [r["step"] for r in lines if r.get("attempt", 1) == 1
+                                                         and first_recovered(lines, self.console.newcomer) is None])
+                if first_recovered(lines, self.console.newcomer) is not None:
                     self.after = workers_by_rank()
                     return
                 self.stop.wait(0.02)
         except Exception as exc:  # noqa: BLE001 - reported by the section
             self.error = f"{type(exc).__name__}: {exc}"
+
+
+_JOINED = re.compile(r"live: replacement rank \d+ continues at step (\d+)")
+
+
+def first_recovered(lines: list[dict[str, Any]], newcomer: list[str]) -> Optional[dict[str, Any]]:
+    """The first train line of a step trained after the recovery: a restarted group's first
+    line (attempt > 1), or in live mode the line of the step after the one the replacement
+    joined at (a line made after the kill can be of a step both workers finished just before
+    it landed). None until there is one."""
+    restarted = [r for r in lines if r.get("attempt", 1) > 1]
+    if restarted:
+        return restarted[0]
+    joined = next((int(m.group(1)) for ln in newcomer if (m := _JOINED.search(ln))), None)
+    return None if joined is None else next((r for r in lines if r["step"] == joined + 1), None)
 
 
 def _cfg(mode: str, storage: Path, name: str) -> Any:
@@ -187,7 +208,8 @@ def kill_run(mode: str, storage: Path, log=print) -> dict[str, Any]:
     from raytrain_ddp.worker.live import tensor_bytes
 
     cfg = _cfg(mode, storage, f"kill-{mode}")
-    watcher, console = _Watcher(storage / cfg.name, KILL_AT), _Console()
+    console = _Console()
+    watcher = _Watcher(storage / cfg.name, KILL_AT, console)
     watcher.start()
     try:
         summary = _train(cfg, console)
@@ -200,16 +222,17 @@ def kill_run(mode: str, storage: Path, log=print) -> dict[str, Any]:
     run_dir = Path(summary["run_dir"])
     lines = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
     last_done = max([watcher.last_done] + [r["step"] for r in lines if r["time"] < killed_at])
-    after = [r for r in lines if r["time"] > killed_at]
-    if not after:
-        raise RuntimeError(f"{mode}: no step was trained after the kill")
+    recovered = first_recovered(lines, console.newcomer)
+    if recovered is None:
+        raise RuntimeError(f"{mode}: no step was trained after the recovery")
+    after = lines[lines.index(recovered):]
     attempts = [a for a in read_jsonl(run_dir / "attempts.jsonl") if a.get("fit_id") == summary["fit_id"]]
     restart = attempts[-1] if len(attempts) > 1 else {}
     final = ckpt.load_checkpoint(summary["checkpoint"])
     row = {
         "mode": mode, "killed_rank": killed_rank, "last_step_before_kill": last_done,
-        "kill_to_next_step_s": min(r["time"] for r in after) - killed_at,
-        "steps_redone": sum(1 for r in after if r["step"] <= last_done),
+        "kill_to_next_step_s": recovered["time"] - killed_at,
+        "steps_redone": sum(1 for r in after if r["step"] <= last_done),  # live: a step after the join is new
         "survivors_kept": bool(watcher.after) and all(watcher.after.get(r) == p for r, p in watcher.before.items()
                                                       if r != killed_rank),
         "pids_before": watcher.before, "pids_after": watcher.after, "attempts": summary["attempts"],
@@ -253,8 +276,11 @@ def step_time_run(mode: str, storage: Path) -> float:
 
     summary = _train(_cfg(mode, storage, f"steady-{mode}"))
     lines = [r for r in read_metrics(Path(summary["run_dir"]) / "metrics.jsonl") if "loss" in r]
-    gaps = [b["time"] - a["time"] for a, b in zip(lines, lines[1:])
-            if b["step"] == a["step"] + 1 and a["epoch"] == b["epoch"] and b["step"] % CHECKPOINT_EVERY != 1]
+    gaps = [b["time"] - a["time"] for a, b in zip(lines, lines[1:])  # `epoch` counts fractions: whole epochs compared
+            if b["step"] == a["step"] + 1 and math.floor(a["epoch"]) == math.floor(b["epoch"])
+            and b["step"] % CHECKPOINT_EVERY != 1]
+    if not gaps:
+        raise RuntimeError(f"{mode}: no two consecutive train lines to time")
     return statistics.median(gaps)
 
 
