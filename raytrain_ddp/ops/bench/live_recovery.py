@@ -76,9 +76,10 @@ class _Watcher(threading.Thread):
     trains (`first_recovered`), noting the pids before the kill and then, and the last step
     the first attempt completed (lines the driver later drops are seen here only)."""
 
-    def __init__(self, run_dir: Path, kill_at: int, console: "_Console") -> None:
+    def __init__(self, run_dir: Path, kill_at: int, console: "_Console", mode: str) -> None:
         super().__init__(name="live-recovery-watcher", daemon=True)
         self.run_dir, self.kill_at, self.console, self.stop = run_dir, kill_at, console, threading.Event()
+        self.mode = mode
         self.killed: dict[str, Any] = {}
         self.before: dict[int, int] = {}
         self.after: dict[int, int] = {}
@@ -106,8 +107,8 @@ class _Watcher(threading.Thread):
                 if self.copy_at is None and any(self.run_dir.glob("checkpoint_*_r[0-9]*/manifest.json")):
                     self.copy_at = time.time()
                 lines = self._steps()
-                self.last_done = max([self.last_done] + [r["step"] for r in lines if r.get("attempt", 1) == 1
-                                                         and first_recovered(lines, self.console.newcomer) is None])
+                if self.mode != "live":  # attempt 1's last step: the driver drops it once a new group resumes before it
+                    self.last_done = max([self.last_done] + [r["step"] for r in lines if r.get("attempt", 1) == 1])
                 if first_recovered(lines, self.console.newcomer) is not None:
                     self.after = workers_by_rank()
                     return
@@ -209,7 +210,7 @@ def kill_run(mode: str, storage: Path, log=print) -> dict[str, Any]:
 
     cfg = _cfg(mode, storage, f"kill-{mode}")
     console = _Console()
-    watcher = _Watcher(storage / cfg.name, KILL_AT, console)
+    watcher = _Watcher(storage / cfg.name, KILL_AT, console, mode)
     watcher.start()
     try:
         summary = _train(cfg, console)
@@ -225,6 +226,8 @@ def kill_run(mode: str, storage: Path, log=print) -> dict[str, Any]:
     recovered = first_recovered(lines, console.newcomer)
     if recovered is None:
         raise RuntimeError(f"{mode}: no step was trained after the recovery")
+    if mode == "live":  # every step the group completed before the kill landed is in the state the replacement got
+        last_done = max(last_done, recovered["step"] - 1)
     after = lines[lines.index(recovered):]
     attempts = [a for a in read_jsonl(run_dir / "attempts.jsonl") if a.get("fit_id") == summary["fit_id"]]
     restart = attempts[-1] if len(attempts) > 1 else {}
@@ -232,7 +235,7 @@ def kill_run(mode: str, storage: Path, log=print) -> dict[str, Any]:
     row = {
         "mode": mode, "killed_rank": killed_rank, "last_step_before_kill": last_done,
         "kill_to_next_step_s": recovered["time"] - killed_at,
-        "steps_redone": sum(1 for r in after if r["step"] <= last_done),  # live: a step after the join is new
+        "steps_redone": sum(1 for r in after if r["step"] <= last_done),
         "survivors_kept": bool(watcher.after) and all(watcher.after.get(r) == p for r, p in watcher.before.items()
                                                       if r != killed_rank),
         "pids_before": watcher.before, "pids_after": watcher.after, "attempts": summary["attempts"],
