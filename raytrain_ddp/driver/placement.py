@@ -10,12 +10,12 @@ outcome).
 Why a probe placement group before `fit`: Ray Train waits for its worker group
 silently and forever (a group that does not fit is retried every minute, and the
 autoscaler's "No available node types can fulfill resource request" repeats in the
-log). Reserving the same bundles (`[resources per worker] x scaling.num_workers`,
-`scaling.placement_strategy`, PACK by default as Ray Train's; an elastic run's minimum) ourselves first puts the
-waiting where we can see it, say what is missing and stop it: a pending probe is
-removed on timeout or Ctrl-C, and nothing else of the run has started yet. Once the
-probe is placed it is removed and Ray Train places the real group on the same
-resources (an autoscaler has started the nodes by then).
+log). Reserving the same bundles (`[resources per worker] x scaling.num_workers`, an
+elastic run's minimum, placed by `scaling.placement_strategy`, PACK by default as in Ray
+Train) ourselves first puts the waiting where we can see it, say what is missing and
+stop it: a pending probe is removed on timeout or Ctrl-C, and nothing else of the run
+has started yet. Once the probe is placed it is removed and Ray Train places the real
+group on the same resources (an autoscaler has started the nodes by then).
 
 A request no node type can ever hold fails at once when the cluster publishes its
 node types (an autoscaler's cluster config); without one (a fixed cluster such as

@@ -347,7 +347,8 @@ def table(result: dict[str, Any]) -> list[str]:
     def step_ms(m: dict[str, Any]) -> str:
         return f"{1e3 * m['step_time_median_s']:.2f}" if "step_time_median_s" in m else "-"
 
-    rows = [("kill -> next trained step, median of runs (s)", [f"{m['kill_to_next_step_s']['median']:.1f}" for m in by]),
+    rows = [("kill -> next trained step, median of runs (s)",
+             [f"{m['kill_to_next_step_s']['median']:.1f}" for m in by]),
             ("... min / max (s)", [spread(m) for m in by]),
             ("runs (failed)", [f"{len(m['runs'])} ({len(m['failures'])})" for m in by]),
             ("completed steps redone (max)", [str(m["steps_redone_max"]) for m in by]),
@@ -364,7 +365,8 @@ def table(result: dict[str, Any]) -> list[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """`python -m raytrain_ddp.ops.bench.live_recovery [--kills N] [--rounds N] [--compare N] [--only MODE] [--out FILE]`."""
+    """`python -m raytrain_ddp.ops.bench.live_recovery [--kills N] [--rounds N] [--compare N] [--only MODE]
+    [--out FILE]`."""
     import argparse
     import json
 
@@ -375,8 +377,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--only", choices=MODES + (COMPARE,), default=None, help="one mode's kill runs alone")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    result = side_by_side(args.kills, args.rounds, args.compare, log=lambda line: print(line, file=sys.stderr, flush=True),
-                          only=args.only)
+    result = side_by_side(args.kills, args.rounds, args.compare, only=args.only,
+                          log=lambda line: print(line, file=sys.stderr, flush=True))
     print("\n".join(table(result)))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n")

@@ -47,7 +47,8 @@ TARGETS = [
     ("completed steps redone after a worker SIGKILL (live)",
      lambda r: r["recovery"]["kill"]["live"]["steps_redone_max"], 0, "<="),
     ("survivors keep their processes (live, every run: 1 = yes)",
-     lambda r: float(r["recovery"]["kill"]["live"]["survivors_kept_all"] and bool(r["recovery"]["kill"]["live"]["runs"])),
+     lambda r: float(r["recovery"]["kill"]["live"]["survivors_kept_all"]
+                     and bool(r["recovery"]["kill"]["live"]["runs"])),
      1.0, "=="),
     ("live's step time over replica's, no failure (median of paired runs, %)",
      lambda r: r["recovery"]["kill"]["live_overhead_pct"], 2.0, "<="),
