@@ -19,8 +19,8 @@ bucket -- and nothing of the run on any local disk.
 
 A node lost under `run.recovery=live` (issue #28): 2 workers of 1 CPU spread over the
 nodes (`scaling.placement_strategy=SPREAD`), the second node SIGKILLed mid-epoch; the
-survivor keeps its process and the lost worker is replaced on the head; the second node is
-then started again (`local-two-node.sh revive-node`) for the elastic node-loss test, the last.
+survivor keeps its process and the lost worker is replaced on the head. It runs last, after
+the elastic node-loss test, on the second node started again (`local-two-node.sh revive-node`).
 
 Waiting for resources (issue #17): a worker no node can hold is reported while it waits,
 ends as `unschedulable` at `scaling.placement_timeout_s`, is withdrawn on Ctrl-C, and
@@ -333,78 +333,8 @@ def test_a_worker_no_node_can_hold_is_unschedulable_not_a_silent_wait(two_nodes,
     assert elapsed < 120, f"{elapsed:.0f}s: not at once"
 
 
-# ------------------------------------------------------------------ issue #28: a node lost, live recovery
-# The second node is brought back afterwards (`revive-node`) for the elastic node-loss test below.
-
-LIVE = ("train.epochs=2", "run.log_every_steps=1", "scaling.cpus_per_worker=1", "scaling.num_workers=2",
-        "scaling.placement_strategy=SPREAD", "run.recovery=live", "run.resume=never")
-
-
-@pytest.mark.timeout(400)
-def test_live_recovery_replaces_a_lost_nodes_worker_on_the_capacity_left(two_nodes, s3, tmp_path):
-    """`run.recovery=live`, 2 workers of 1 CPU spread over the two nodes; the second node is
-    SIGKILLed mid-epoch. The survivor keeps its process and waits; once the GCS declares the
-    node dead it moves the lost worker's placement-group bundle to the head (3 CPUs: room for
-    both), Ray's controller starts the replacement there, and the survivor sends it the state:
-    0 completed steps redone, every metrics line once, the reference run's final parameters.
-    """
-    state = two_nodes
-    reference = state / "runs" / "tiny"
-    _reference_run(state)
-    runs = tmp_path / "runs"
-    log_path = tmp_path / "train.log"
-    try:
-        with open(log_path, "wb") as log:
-            train = subprocess.Popen(
-                [sys.executable, "-m", "raytrain_ddp", "train", str(REPO / "examples/configs/tiny.yaml"),
-                 "name=live-lost", *LIVE, f"run.storage_path={runs}"],
-                env={**_cluster_env(state), "PYTHONUNBUFFERED": "1"}, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True)
-            try:
-                metrics, deadline = runs / "live-lost" / "metrics.jsonl", time.monotonic() + 300
-                seen = wait_for_step(metrics, train, 8, deadline)
-                assert 8 <= seen < 44, log_path.read_text()[-4000:]
-                killed_at = time.time()
-                kill = subprocess.run([str(SCRIPT), "kill-node", str(state)], env=_base_env(), capture_output=True,
-                                      text=True, timeout=60)
-                assert kill.returncode == 0, kill.stderr
-                train.wait(timeout=max(1.0, deadline - time.monotonic()))
-            finally:
-                if train.poll() is None:
-                    os.killpg(train.pid, signal.SIGKILL)  # the group this test started
-                    train.wait(timeout=30)
-        out = log_path.read_text()
-        assert train.returncode == 0, out[-4000:]
-    finally:  # the elastic node-loss test below needs the second node again
-        revive = subprocess.run([str(SCRIPT), "revive-node", str(state)], env={**_base_env(), **s3},
-                                capture_output=True, text=True, timeout=200)
-        assert revive.returncode == 0, revive.stderr[-3000:]
-
-    summary = json.loads((runs / "live-lost" / "summary.json").read_text())
-    assert summary["status"] == "ok" and summary["steps"] == 44, summary
-    assert "falls back to run.recovery=replica" not in out, out[-4000:]
-    replaced = re.findall(r"live: replacement rank (\d) continues at step (\d+)", out)
-    assert len(replaced) == 1, out[-4000:]  # the lost node's worker, replaced once; the other kept its process
-    lines = [r for r in read_metrics(runs / "live-lost" / "metrics.jsonl") if "loss" in r]
-    assert [r["step"] for r in lines] == list(range(1, 45)), lines  # every step once
-    before, joined = [r["step"] for r in lines if r["time"] < killed_at], int(replaced[0][1])
-    assert joined >= max(before), (replaced, before)  # 0 completed steps redone
-    # The first step that needed the replacement (a step finished while kill-node ran may come after `killed_at`)
-    back = next(r["time"] for r in lines if r["step"] == joined + 1) - killed_at
-    print(f"live: node lost after step {max(before)}; rank {replaced[0][0]} replaced at step {joined}, "
-          f"next trained step {back:.1f}s after the kill")
-    print(next(line for line in out.splitlines() if "live: replacement rank" in line))
-    assert back < 45, f"{back:.1f}s from the node loss to the next trained step (target 15 s: the bench's)"
-
-    final, _ = ckpt.load_latest_valid(ckpt.find_checkpoints(Location.parse(str(runs / "live-lost"))))
-    expected, _ = ckpt.load_latest_valid(ckpt.find_checkpoints(Location.parse(str(reference))))
-    assert final["progress"]["step"] == expected["progress"]["step"] == 44
-    for name, value in expected["model"].items():
-        assert (final["model"][name] - value).abs().max().item() <= 1e-6, name
-
-
 # ------------------------------------------------------------------ issue #15: a whole node lost
-# Must stay the module's last test: the second node does not come back.
+# Kills the second node: only the live node-loss test (which starts it again) comes after it.
 
 
 @pytest.mark.timeout(400)
@@ -467,6 +397,77 @@ def test_a_lost_node_costs_at_most_one_step_and_the_run_goes_on_with_the_survivo
 
     # The same optimisation as the uninterrupted run on both nodes (exact sharding, fp32).
     final, _ = ckpt.load_latest_valid(ckpt.find_checkpoints(Location.parse(str(runs / "lost"))))
+    expected, _ = ckpt.load_latest_valid(ckpt.find_checkpoints(Location.parse(str(reference))))
+    assert final["progress"]["step"] == expected["progress"]["step"] == 44
+    for name, value in expected["model"].items():
+        assert (final["model"][name] - value).abs().max().item() <= 1e-6, name
+
+
+# ------------------------------------------------------------------ issue #28: a node lost, live recovery
+# After the elastic node-loss test: it starts the second node again (`revive-node`) when that
+# test left it dead. (Before it, the revived node was not yet in the cluster view Ray Data's
+# autoscaling coordinator refreshes every 20 s, and the elastic run started with one worker.)
+
+LIVE = ("train.epochs=2", "run.log_every_steps=1", "scaling.cpus_per_worker=1", "scaling.num_workers=2",
+        "scaling.placement_strategy=SPREAD", "run.recovery=live", "run.resume=never")
+
+
+@pytest.mark.timeout(400)
+def test_live_recovery_replaces_a_lost_nodes_worker_on_the_capacity_left(two_nodes, s3, tmp_path):
+    """`run.recovery=live`, 2 workers of 1 CPU spread over the two nodes; the second node is
+    SIGKILLed mid-epoch. The survivor keeps its process and waits; once the GCS declares the
+    node dead it moves the lost worker's placement-group bundle to the head (3 CPUs: room for
+    both), Ray's controller starts the replacement there, and the survivor sends it the state:
+    0 completed steps redone, every metrics line once, the reference run's final parameters.
+    """
+    state = two_nodes
+    reference = state / "runs" / "tiny"
+    _reference_run(state)
+    if not _alive_members(int((state / "node.pgid").read_text())):  # the elastic node-loss test killed it
+        revive = subprocess.run([str(SCRIPT), "revive-node", str(state)], env={**_base_env(), **s3},
+                                capture_output=True, text=True, timeout=200)
+        assert revive.returncode == 0, revive.stderr[-3000:]
+    runs = tmp_path / "runs"
+    log_path = tmp_path / "train.log"
+    with open(log_path, "wb") as log:
+        train = subprocess.Popen(
+            [sys.executable, "-m", "raytrain_ddp", "train", str(REPO / "examples/configs/tiny.yaml"),
+             "name=live-lost", *LIVE, f"run.storage_path={runs}"],
+            env={**_cluster_env(state), "PYTHONUNBUFFERED": "1"}, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            metrics, deadline = runs / "live-lost" / "metrics.jsonl", time.monotonic() + 300
+            seen = wait_for_step(metrics, train, 8, deadline)
+            assert 8 <= seen < 44, log_path.read_text()[-4000:]
+            killed_at = time.time()
+            kill = subprocess.run([str(SCRIPT), "kill-node", str(state)], env=_base_env(), capture_output=True,
+                                  text=True, timeout=60)
+            assert kill.returncode == 0, kill.stderr
+            train.wait(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            if train.poll() is None:
+                os.killpg(train.pid, signal.SIGKILL)  # the group this test started
+                train.wait(timeout=30)
+    out = log_path.read_text()
+    assert train.returncode == 0, out[-4000:]
+
+    summary = json.loads((runs / "live-lost" / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["steps"] == 44, summary
+    assert "falls back to run.recovery=replica" not in out, out[-4000:]
+    replaced = re.findall(r"live: replacement rank (\d) continues at step (\d+)", out)
+    assert len(replaced) == 1, out[-4000:]  # the lost node's worker, replaced once; the other kept its process
+    lines = [r for r in read_metrics(runs / "live-lost" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in lines] == list(range(1, 45)), lines  # every step once
+    before, joined = [r["step"] for r in lines if r["time"] < killed_at], int(replaced[0][1])
+    assert joined >= max(before), (replaced, before)  # 0 completed steps redone
+    # The first step that needed the replacement (a step finished while kill-node ran may come after `killed_at`)
+    back = next(r["time"] for r in lines if r["step"] == joined + 1) - killed_at
+    print(f"live: node lost after step {max(before)}; rank {replaced[0][0]} replaced at step {joined}, "
+          f"next trained step {back:.1f}s after the kill")
+    print(next(line for line in out.splitlines() if "live: replacement rank" in line))
+    assert back < 45, f"{back:.1f}s from the node loss to the next trained step (target 15 s: the bench's)"
+
+    final, _ = ckpt.load_latest_valid(ckpt.find_checkpoints(Location.parse(str(runs / "live-lost"))))
     expected, _ = ckpt.load_latest_valid(ckpt.find_checkpoints(Location.parse(str(reference))))
     assert final["progress"]["step"] == expected["progress"]["step"] == 44
     for name, value in expected["model"].items():
