@@ -64,8 +64,11 @@ class StepNotCommitted(Exception):
 class NoLive:
     """Every other recovery mode: the loop's calls do what they always did."""
 
-    group = None
     train_step = staticmethod(train_step)
+
+    def wrapper_group(self) -> None:
+        """The wrapper's process group: torch's default one."""
+        return None
 
     def __init__(self, runtime: Any) -> None:
         self.runtime = runtime
@@ -103,7 +106,17 @@ def live_group_class() -> type:
 
     class LiveGroup(ProcessGroupGloo):
         """Our rank is the quorum's (torch asks the default group for it); an all-reduce without
-        options is a sum (our bucketed wrapper calls the group's method directly)."""
+        options is a sum (our bucketed wrapper calls the group's method directly).
+
+        `dist.new_group` on it (torch calls a default group's `new_group`) gives a plain c10d
+        gloo group of the current quorum, which torch registers like any group: torch DDP
+        (`native`) runs on one, since its C++ reducer reads the group's size from the C++ base,
+        and torchft's is built once with size 1. Its store keys are numbered per quorum (every
+        member re-wraps in the same order after a reconfiguration), and each reconfiguration
+        or abort ends the sub-groups of the quorum before."""
+
+        _store: Any = None
+        _subgroups: list = []
 
         def rank(self) -> int:
             return self.parent.rank()
@@ -112,6 +125,49 @@ def live_group_class() -> type:
             if opts is None:
                 opts = torch.distributed.AllreduceOptions()
             return super().allreduce(tensors, opts)
+
+        def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
+            import torch.distributed.distributed_c10d as c10d
+
+            self._store, self._subgroups = store, []
+            if self in c10d._world.pg_map:  # torch's new_group prefixes the default group's store
+                c10d._world.pg_map[self] = ("gloo", store)
+            return super()._create_pg(store, rank, world_size)
+
+        def new_group(self, ranks: list, timeout: Any = None, pg_options: Any = None, group_name: Any = None,
+                      group_desc: Any = None) -> Any:
+            if list(ranks) != list(range(self.size())):
+                raise NotImplementedError(f"run.recovery=live: a sub-group of ranks {list(ranks)} of the "
+                                          f"{self.size()}-rank reconfigurable group (only all of them)")
+            store = torch.distributed.PrefixStore(f"raytrain/sub{len(self._subgroups)}/", self._store)
+            group = ProcessGroupGloo._create_pg(self, store, self.rank(), self.size())
+            self._subgroups.append(group)
+            return group
+
+        def configure(self, *args: Any, **kwargs: Any) -> None:
+            self._end_subgroups()
+            super().configure(*args, **kwargs)
+
+        def abort(self, errored: bool = True) -> None:
+            for group in self._subgroups:  # a peer waiting in a sub-group's collective fails at once
+                with contextlib.suppress(Exception):
+                    group.abort()
+            super().abort(errored)
+
+        def _end_subgroups(self) -> None:
+            import torch.distributed.distributed_c10d as c10d
+
+            for group in self._subgroups:
+                with contextlib.suppress(Exception):
+                    group.abort()
+                name = c10d._world.pg_names.get(group)
+                if group in c10d._world.pg_map:
+                    with contextlib.suppress(Exception):
+                        torch.distributed.destroy_process_group(group)
+                if name is not None:  # destroy leaves a sub-group in torch's registry by name
+                    with contextlib.suppress(Exception):
+                        c10d._unregister_process_group(name)
+            self._subgroups = []
 
     return LiveGroup
 
@@ -161,10 +217,17 @@ class LiveSession:
             _say(rank, f"live: joined the running group at step {self.received['progress']['step']}: "
                      f"received {self.bytes_received} bytes from a survivor in {time.perf_counter() - started:.2f}s")
 
-    @property
-    def group(self) -> Any:
-        """The group `build_state` wraps on: none for a newcomer until its state is loaded."""
-        return self._group if self._previous_default is not None else None
+    def wrapper_group(self) -> Any:
+        """The group the wrapper runs on: none (local) for a newcomer until its state is loaded;
+        then the reconfigurable group, or for a wrapper that needs a group torch's c10d knows
+        (the registry's `live_subgroup`: torch DDP) a sub-group of the current quorum."""
+        from raytrain_ddp.parallel import registry
+
+        if self._previous_default is None:
+            return None
+        if registry.get(self.cfg.parallel.strategy).live_subgroup:
+            return torch.distributed.new_group(timeout=timedelta(seconds=self.cfg.parallel.collective_timeout_s))
+        return self._group
 
     def _install(self) -> None:
         self._previous_default = _install_default_group(self._group)
@@ -293,7 +356,7 @@ class LiveSession:
 
         if hasattr(state.wrapper, "close"):
             state.wrapper.close()
-        state.wrapper = wrap(state.module, self.cfg, self.rank, self._group)
+        state.wrapper = wrap(state.module, self.cfg, self.rank, self.wrapper_group())
         self.wrapped_quorum = self.manager._quorum_id
         if self.log is not None:  # the new wrapper counts its all-reduces from zero
             self.log.meter._comm_start = dict(state.wrapper.comm_stats)
@@ -423,8 +486,8 @@ def _install_default_group(group: Any) -> Any:
 
     previous = c10d._world.default_pg
     c10d._update_default_pg(group)
-    if group not in c10d._world.pg_map:  # torch's error paths ask the map for the backend's name
-        c10d._world.pg_map[group] = ("gloo", None)
+    if group not in c10d._world.pg_map:  # torch asks the map for the backend's name, new_group for the store
+        c10d._world.pg_map[group] = ("gloo", getattr(group, "_store", None))
     return previous
 
 

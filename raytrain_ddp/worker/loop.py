@@ -50,7 +50,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 def _train(job: Job, cfg: Any, rank: Any, hooks: Any, live: Any, runtime: Any) -> None:
     data = WorkerData(cfg, job.spec, rank.world_rank, rank.world_size, rank.device, shards=runtime.shards())
     total_steps = total_steps_of(cfg, data.steps_per_epoch)  # as the driver computes it (data/steps.py)
-    state = build_state(job, rank, total_steps, live.group)
+    state = build_state(job, rank, total_steps, live.wrapper_group())
     log = RunLog(job, rank, state, data, total_steps)  # records this attempt
     hooks.on_attempt(rank, log.attempt, state.module)
     checkpointer = live.resume(job, rank, state, log, hooks, data.accumulation_steps)

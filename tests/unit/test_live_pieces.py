@@ -1,8 +1,11 @@
 """`run.recovery: live` (#28) pieces without Ray: who gets it, what a failed step is put back to.
 
-- `driver.live.resolve`: zero1 / fsdp / native, elastic ranges, one worker and streaming
-  data fall back to `replica` with one line naming why; naive / bucketed with a fixed count
+- `driver.live.resolve`: zero1 / fsdp, elastic ranges, one worker and streaming data fall
+  back to `replica` with one line naming why; naive / bucketed / native with a fixed count
   keep `live`; without torchft, a `ConfigError` naming `run.recovery`.
+- `replica.is_peer_loss`: torch DDP's reducer re-raises our comm hook's
+  `CollectiveTimeoutError` through autograd as a plain RuntimeError with no frame of ours;
+  its text still makes it a lost peer.
 - `worker.live.rewind`: after a forward pass that moved BatchNorm's statistics and the RNG
   streams, the step's boundary comes back (and the gradients are dropped).
 - `ray_compat.serve_partial_groups_whole_datasets`: a partial group (a replacement) gets the full
@@ -33,7 +36,6 @@ QUICKSTART = "examples/configs/quickstart.yaml"
 @pytest.mark.parametrize("overrides, reason", [
     (["parallel.strategy=zero1"], "parallel.strategy=zero1 keeps 1/W of the state"),
     (["parallel.strategy=fsdp"], "parallel.strategy=fsdp keeps 1/W of the state"),
-    (["parallel.strategy=native"], "C++ reducer reads the group's size"),
     (["scaling.num_workers=[1,2]"], "scaling.num_workers is a range"),
     (["scaling.num_workers=1"], "one worker has no survivor"),
     (["data.sharding=streaming"], "data.sharding=streaming splits one Ray Data stream"),
@@ -47,7 +49,7 @@ def test_what_live_cannot_cover_falls_back_to_replica_in_one_line(overrides, rea
     assert reason in said[0]
 
 
-@pytest.mark.parametrize("strategy", ["naive", "bucketed"])
+@pytest.mark.parametrize("strategy", ["naive", "bucketed", "native"])
 def test_replicated_strategies_keep_live(strategy):
     import torchft  # noqa: F401 - in the dev extra: a missing one fails here, never skips
     said: list[str] = []
@@ -117,7 +119,23 @@ def test_a_worker_without_rays_torchft_backend_recovers_as_replica(monkeypatch, 
     runtime = SimpleNamespace(rank=lambda: Rank(0, 2, 0, torch.device("cpu")))
     job = SimpleNamespace(cfg=load_config(QUICKSTART, ["run.recovery=live"]))
     session = session_for(job, runtime)
-    assert isinstance(session, NoLive) and session.runtime is runtime and session.group is None
+    assert isinstance(session, NoLive) and session.runtime is runtime and session.wrapper_group() is None
     assert "TORCHFT_LIGHTHOUSE is not set" in capsys.readouterr().out
     local = SimpleNamespace(cfg=load_config(QUICKSTART, ["run.recovery=live", "scaling.num_workers=0"]))
     assert isinstance(session_for(local, runtime), NoLive) and capsys.readouterr().out == ""
+
+
+def test_a_collective_error_that_torch_ddp_re_raised_is_a_peer_loss():
+    from raytrain_ddp.worker.replica import is_peer_loss
+
+    def raised(message: str) -> RuntimeError:
+        try:
+            raise RuntimeError(message)  # from no frame of torch.distributed or of our wrappers
+        except RuntimeError as exc:
+            return exc
+
+    ddp = raised("Got the following error when running the callback: CollectiveTimeoutError: all-reduce of "
+                 "DDP bucket 1 (232 B, params: 1.bias) did not complete within 10s on rank 0 of 2 "
+                 "(RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:21379)")
+    assert is_peer_loss(ddp)
+    assert not is_peer_loss(raised("mat1 and mat2 shapes cannot be multiplied (3x4 and 5x2)"))
