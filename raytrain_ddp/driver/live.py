@@ -65,10 +65,19 @@ def resolve(cfg: Config, say: Callable[[str], None] = lambda line: print(line, f
 
 
 def torch_config(cfg: Config, timeout_s: int) -> Any:
-    """Ray Train's torchft backend: one replica group per worker, a lighthouse for all of them."""
+    """Ray Train's torchft backend: one replica group per worker, a lighthouse for all of them.
+
+    The lighthouse runs on this node (Ray places it with the controller, which Ray Train puts
+    on the driver's node) and listens on this node's address as Ray knows it only: 127.0.0.1
+    in the embedded instance, the node's IP on a cluster (Ray's default binds every interface;
+    it serves quorums without any token, docs/security.md)."""
+    import ray
     from ray.train.v2.torch.torchft_config import TorchftConfig
 
-    lighthouse = {"bind": "[::]:0", "min_replicas": int(cfg.scaling.num_workers),
+    from raytrain_ddp.worker.live import bracketed
+
+    lighthouse = {"bind": f"{bracketed(ray.util.get_node_ip_address())}:0",
+                  "min_replicas": int(cfg.scaling.num_workers),
                   "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS, "quorum_tick_ms": QUORUM_TICK_MS}
     return TorchftConfig(lighthouse_kwargs=lighthouse, backend="nccl" if cfg.scaling.use_gpu else "gloo",
                          timeout_s=timeout_s)

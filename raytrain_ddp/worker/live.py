@@ -172,6 +172,40 @@ def live_group_class() -> type:
     return LiveGroup
 
 
+def node_address() -> str:
+    """This worker's node address as Ray knows it: Ray's torch backend sets `MASTER_ADDR` to it
+    for each replica group, and in live mode every worker is the first rank of its own group
+    (127.0.0.1 in the embedded instance, the node's IP on a cluster)."""
+    return os.environ.get("MASTER_ADDR") or "127.0.0.1"
+
+
+def bound_manager(host: str, **kwargs: Any) -> Any:
+    """A torchft `Manager` whose server listens on `host` only (advertised as `host` too).
+
+    torchft 0.2.0 binds the manager's gRPC server to `[::]` (every interface) with no way to
+    say otherwise; it serves quorum and commit calls without any token. The `ManagerServer`
+    that `Manager.__init__` builds is given `host` in its bind address for that call only
+    (`tests/unit/test_live_pieces.py` checks the listening socket)."""
+    import torchft.manager as torchft_manager
+
+    server = torchft_manager.ManagerServer
+
+    def bound_server(*, bind: str, **options: Any) -> Any:
+        port = bind.rsplit(":", 1)[1]
+        return server(bind=f"{bracketed(host)}:{port}", **options)
+
+    torchft_manager.ManagerServer = bound_server
+    try:
+        return torchft_manager.Manager(hostname=host, **kwargs)
+    finally:
+        torchft_manager.ManagerServer = server
+
+
+def bracketed(host: str) -> str:
+    """`host` as the host part of an address: an IPv6 literal in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 class NoReplacement(RuntimeError):
     """The survivors waited `JOIN_TIMEOUT_S` for a full quorum and none formed."""
 
@@ -180,7 +214,6 @@ class LiveSession:
     """One worker's side of live recovery (see the module docstring)."""
 
     def __init__(self, job: Any, rank: Rank, runtime: Any) -> None:
-        from torchft import Manager
         from torchft.checkpointing.pg_transport import PGTransport
 
         cfg = job.cfg
@@ -191,8 +224,8 @@ class LiveSession:
         self.received: Optional[dict[str, Any]] = None  # a newcomer's state, until loaded
         self.bytes_sent = self.bytes_received = 0
         self.write_copy: Callable[[str], None] = lambda why: None
-        self.manager = Manager(
-            pg=self._group, min_replica_size=rank.world_size, load_state_dict=self._receive,
+        self.manager = bound_manager(
+            node_address(), pg=self._group, min_replica_size=rank.world_size, load_state_dict=self._receive,
             state_dict=self._send, use_async_quorum=False, init_sync=False, rank=0, world_size=1,
             replica_id=f"rank{rank.world_rank:05d}", timeout=timeout,
             quorum_timeout=timedelta(seconds=JOIN_TIMEOUT_S), connect_timeout=timedelta(seconds=30),

@@ -139,3 +139,33 @@ def test_a_collective_error_that_torch_ddp_re_raised_is_a_peer_loss():
                  "(RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:21379)")
     assert is_peer_loss(ddp)
     assert not is_peer_loss(raised("mat1 and mat2 shapes cannot be multiplied (3x4 and 5x2)"))
+
+
+def test_torchfts_lighthouse_and_manager_listen_on_the_given_address_only():
+    """torchft binds both to every interface unless told; ours give the node's address (here loopback)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torchft.coordination import LighthouseServer
+    from torchft.process_group import ProcessGroupGloo
+
+    from _procs import listening_sockets
+    from raytrain_ddp.driver.live import HEARTBEAT_TIMEOUT_MS
+    from raytrain_ddp.worker.live import bound_manager
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    manager = bound_manager("127.0.0.1", pg=ProcessGroupGloo(), min_replica_size=1, load_state_dict=None,
+                            state_dict=None, use_async_quorum=False, rank=0, world_size=1, store_addr="127.0.0.1",
+                            store_port=store.port, lighthouse_addr=lighthouse.address(), replica_id="r",
+                            connect_timeout=timedelta(seconds=10))
+    try:
+        import os
+
+        ports = {int(lighthouse.address().rsplit(":", 1)[1]), int(manager._manager.address().rsplit(":", 1)[1])}
+        assert "127.0.0.1" in manager._manager.address()  # advertised as bound
+        mine = {port: addr for addr, port, _, _ in listening_sockets([os.getpid()]) if port in ports}
+        assert set(mine) == ports and set(mine.values()) == {"127.0.0.1"}, mine
+    finally:
+        manager.shutdown(wait=False)
+        lighthouse.shutdown()
