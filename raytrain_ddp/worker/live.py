@@ -231,6 +231,9 @@ class LiveSession:
             quorum_timeout=timedelta(seconds=JOIN_TIMEOUT_S), connect_timeout=timedelta(seconds=30),
             checkpoint_transport=PGTransport(self._group, timeout=timeout, device=torch.device("cpu")),
         )
+        server = getattr(self.manager, "_manager", None)  # torchft's ManagerServer (the first rank's)
+        _say(rank, f"live: torchft's manager listens on {server.address() if server else '?'}, the lighthouse on "
+                   f"{os.environ.get(LIGHTHOUSE_ENV)} (this node's address only; no token: docs/security.md)")
         self.log: Any = None
         self.hooks: Any = None
         self.checkpointer: Any = None

@@ -40,6 +40,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     job: Job = loop_config["job"]
     runtime = loop_config.get("runtime") or RayTrainRuntime()  # a Ray Train worker, or local mode
     cfg, rank, hooks = job.cfg, runtime.rank(), load_hooks()
+    hooks.on_start(rank)
     live = session_for(job, runtime)  # run.recovery=live: survivors stay, a newcomer heals (live.py)
     try:
         _train(job, cfg, rank, hooks, live, live.runtime)

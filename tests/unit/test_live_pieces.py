@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 from types import SimpleNamespace
@@ -160,8 +161,6 @@ def test_torchfts_lighthouse_and_manager_listen_on_the_given_address_only():
                             store_port=store.port, lighthouse_addr=lighthouse.address(), replica_id="r",
                             connect_timeout=timedelta(seconds=10))
     try:
-        import os
-
         ports = {int(lighthouse.address().rsplit(":", 1)[1]), int(manager._manager.address().rsplit(":", 1)[1])}
         assert "127.0.0.1" in manager._manager.address()  # advertised as bound
         mine = {port: addr for addr, port, _, _ in listening_sockets([os.getpid()]) if port in ports}
@@ -169,3 +168,24 @@ def test_torchfts_lighthouse_and_manager_listen_on_the_given_address_only():
     finally:
         manager.shutdown(wait=False)
         lighthouse.shutdown()
+
+
+def test_a_start_fault_kills_only_replacements_of_its_rank_and_only_as_often_as_asked(tmp_path, monkeypatch):
+    """`RAYTRAIN_DDP_FAULT_AT_START` (the live test's replacement that dies before joining)."""
+    import signal
+    import subprocess
+
+    died, mark = tmp_path / "died_at", tmp_path / "newcomers"
+    spec = f"rank=1,after={died},times=1,mark={mark}"
+    start = ("import sys; from types import SimpleNamespace as N; from raytrain_ddp.testing.hooks import from_env; "
+             "from_env().on_start(N(world_rank=int(sys.argv[1]))); print('alive')")
+
+    def run(rank: int) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", start, str(rank)], env={**os.environ, "RAYTRAIN_DDP_FAULT_AT_START": spec},
+                              capture_output=True, text=True, timeout=60)
+
+    assert run(1).returncode == 0 and not mark.exists()  # the first process of rank 1: no fault yet
+    died.write_text("1.0")
+    assert run(0).returncode == 0  # another rank
+    assert run(1).returncode == -signal.SIGKILL and len(mark.read_text().splitlines()) == 1
+    assert run(1).returncode == 0  # times=1: the next replacement lives
