@@ -60,12 +60,14 @@ class SocketWatch(threading.Thread):
     def __init__(self) -> None:
         super().__init__(daemon=True)
         self.seen: dict[int, set[str]] = {}
+        self.owners: dict[int, str] = {}  # port -> the command line of its process
         self.done = threading.Event()
 
     def run(self) -> None:
         while not self.done.wait(0.5):
-            for addr, port, _, _ in listening_sockets(descendants(os.getpid())):
+            for addr, port, _, cmd in listening_sockets(descendants(os.getpid())):
                 self.seen.setdefault(port, set()).add(addr)
+                self.owners[port] = cmd
 
 
 def test_survivor_keeps_its_process_through_a_replacement_that_dies_and_torch_ddp_ends_on_the_reference(
@@ -118,3 +120,6 @@ def test_survivor_keeps_its_process_through_a_replacement_that_dies_and_torch_dd
     for port in ports:
         assert watch.seen.get(port), f"torchft's port {port} was never seen listening"
         assert all(loopback(addr) for addr in watch.seen[port]), (port, watch.seen[port])
+    beyond = sorted((port, sorted(addrs), watch.owners[port][:40]) for port, addrs in watch.seen.items()
+                    if not all(loopback(a) for a in addrs))
+    print(f"listening beyond loopback during the run (Ray's own services, torch's rendezvous stores): {beyond}")

@@ -10,7 +10,8 @@ group's `new_group`). One spawn checks, in order:
   `is_peer_loss` says it is a lost peer (a dead peer fails it at once:
   `tests/elastic/test_live_recovery.py`);
 - a reconfiguration ends the old quorum's sub-groups (gone from torch's registry), and a
-  wrapper on the new quorum's sub-group gives the mean gradient again.
+  wrapper on the new quorum's sub-group gives the mean gradient again;
+- `naive` and `bucketed`, which run on the reconfigurable group itself, give it too.
 """
 
 from __future__ import annotations
@@ -82,6 +83,12 @@ def _native_over_live_group(world_rank, world_size):
     group.configure(f"{address}/quorum2", "r", world_rank, world_size)  # the next quorum
     out["registered"] = len(set(c10d._world.pg_map) - before)
     out["second"], _, _ = train_once()
+    for strategy in ("naive", "bucketed"):  # these run on the reconfigurable group itself
+        model = _model()
+        wrapper = wrap_model(model, strategy, process_group=group, collective_timeout_s=TIMEOUT_S, shm=False)
+        wrapper(_batch(world_rank)).sum().backward()
+        out[strategy] = _grads(model)
+        wrapper.close()
     return out
 
 
@@ -94,7 +101,7 @@ def test_native_runs_over_the_reconfigurable_group_and_a_silent_peer_is_a_peer_l
     mean = [(a + b) / 2 for a, b in zip(*reference)]
     outs = run_ranks(_native_over_live_group, 2, timeout_s=100)
     for rank, out in enumerate(outs):
-        for key in ("first", "second"):
+        for key in ("first", "second", "naive", "bucketed"):
             assert max((g - m).abs().max().item() for g, m in zip(out[key], mean)) < 1e-12, (rank, key)
         assert out["subgroups"] == 2 and out["registered"] == 0  # the old quorum's groups are gone
     message, peer_loss = outs[0]["error"]
