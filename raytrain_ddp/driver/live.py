@@ -64,19 +64,31 @@ def resolve(cfg: Config, say: Callable[[str], None] = lambda line: print(line, f
     return cfg
 
 
-def torch_config(cfg: Config, timeout_s: int) -> Any:
-    """Ray Train's torchft backend: one replica group per worker, a lighthouse for all of them.
-
-    The lighthouse runs on this node (Ray places it with the controller, which Ray Train puts
-    on the driver's node) and listens on this node's address as Ray knows it only: 127.0.0.1
-    in the embedded instance, the node's IP on a cluster (Ray's default binds every interface;
-    it serves quorums without any token, docs/security.md)."""
+def lighthouse_host() -> str:
+    """This node's address as Ray knows it (127.0.0.1 in the embedded instance, the node's IP on a
+    cluster): the lighthouse runs here (Ray places it with the controller, which Ray Train puts
+    on the driver's node) and listens on this address only, not on every interface (Ray's
+    default; it serves quorums without any token, docs/security.md)."""
     import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def worker_env(host: str) -> dict[str, str]:
+    """What the workers need to reach a lighthouse bound to `host` (it advertises the host name)."""
+    from raytrain_ddp.worker.live import LIGHTHOUSE_HOST_ENV
+
+    return {LIGHTHOUSE_HOST_ENV: host}
+
+
+def torch_config(cfg: Config, timeout_s: int, host: str) -> Any:
+    """Ray Train's torchft backend: one replica group per worker, a lighthouse for all of them,
+    listening on `host` (`lighthouse_host`)."""
     from ray.train.v2.torch.torchft_config import TorchftConfig
 
     from raytrain_ddp.worker.live import bracketed
 
-    lighthouse = {"bind": f"{bracketed(ray.util.get_node_ip_address())}:0",
+    lighthouse = {"bind": f"{bracketed(host)}:0",
                   "min_replicas": int(cfg.scaling.num_workers),
                   "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS, "quorum_tick_ms": QUORUM_TICK_MS}
     return TorchftConfig(lighthouse_kwargs=lighthouse, backend="nccl" if cfg.scaling.use_gpu else "gloo",

@@ -53,6 +53,7 @@ from raytrain_ddp.worker.step import train_step
 
 JOIN_TIMEOUT_S = 120.0  # survivors wait this long for a replacement, then fail by name
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # set on every worker by Ray's torchft backend
+LIGHTHOUSE_HOST_ENV = "RAYTRAIN_DDP_LIGHTHOUSE_HOST"  # the address our launcher bound the lighthouse to
 MAX_TRIES = 10  # a step not committed this many times in a row ends the worker, by name
 _TORCHFT_FRAMES = "torchft/"
 
@@ -179,6 +180,18 @@ def node_address() -> str:
     return os.environ.get("MASTER_ADDR") or "127.0.0.1"
 
 
+def lighthouse_address() -> str:
+    """Where the lighthouse is: Ray's `TORCHFT_LIGHTHOUSE`, at the address our launcher bound it
+    to. torchft's lighthouse advertises this machine's host name whatever it is bound to, and
+    the name may resolve elsewhere (127.0.1.1 in many /etc/hosts) than the bound address."""
+    address, host = os.environ[LIGHTHOUSE_ENV], os.environ.get(LIGHTHOUSE_HOST_ENV)
+    if not host:
+        return address
+    scheme, _, rest = address.rpartition("://")
+    port = rest.rsplit(":", 1)[1]
+    return f"{scheme + '://' if scheme else ''}{bracketed(host)}:{port}"
+
+
 def bound_manager(host: str, **kwargs: Any) -> Any:
     """A torchft `Manager` whose server listens on `host` only (advertised as `host` too).
 
@@ -225,7 +238,7 @@ class LiveSession:
         self.bytes_sent = self.bytes_received = 0
         self.write_copy: Callable[[str], None] = lambda why: None
         self.manager = bound_manager(
-            node_address(), pg=self._group, min_replica_size=rank.world_size, load_state_dict=self._receive,
+            node_address(), lighthouse_addr=lighthouse_address(), pg=self._group, min_replica_size=rank.world_size, load_state_dict=self._receive,
             state_dict=self._send, use_async_quorum=False, init_sync=False, rank=0, world_size=1,
             replica_id=f"rank{rank.world_rank:05d}", timeout=timeout,
             quorum_timeout=timedelta(seconds=JOIN_TIMEOUT_S), connect_timeout=timedelta(seconds=30),
@@ -233,7 +246,7 @@ class LiveSession:
         )
         server = getattr(self.manager, "_manager", None)  # torchft's ManagerServer (the first rank's)
         _say(rank, f"live: torchft's manager listens on {server.address() if server else '?'}, the lighthouse on "
-                   f"{os.environ.get(LIGHTHOUSE_ENV)} (this node's address only; no token: docs/security.md)")
+                   f"{lighthouse_address()} (this node's address only; no token: docs/security.md)")
         self.log: Any = None
         self.hooks: Any = None
         self.checkpointer: Any = None

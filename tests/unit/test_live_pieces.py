@@ -189,3 +189,17 @@ def test_a_start_fault_kills_only_replacements_of_its_rank_and_only_as_often_as_
     assert run(0).returncode == 0  # another rank
     assert run(1).returncode == -signal.SIGKILL and len(mark.read_text().splitlines()) == 1
     assert run(1).returncode == 0  # times=1: the next replacement lives
+
+
+def test_workers_reach_the_lighthouse_at_the_address_it_is_bound_to(monkeypatch):
+    """torchft's lighthouse advertises the host name; our launcher names the bound address."""
+    from raytrain_ddp.worker.live import LIGHTHOUSE_ENV, LIGHTHOUSE_HOST_ENV, lighthouse_address
+
+    monkeypatch.setenv(LIGHTHOUSE_ENV, "http://head-node:29510")
+    monkeypatch.delenv(LIGHTHOUSE_HOST_ENV, raising=False)
+    assert lighthouse_address() == "http://head-node:29510"  # not our launcher: as Ray said
+    monkeypatch.setenv(LIGHTHOUSE_HOST_ENV, "10.0.0.7")
+    assert lighthouse_address() == "http://10.0.0.7:29510"
+    monkeypatch.setenv(LIGHTHOUSE_HOST_ENV, "fd00::7")
+    assert lighthouse_address() == "http://[fd00::7]:29510"
+    assert driver_live.worker_env("10.0.0.7") == {LIGHTHOUSE_HOST_ENV: "10.0.0.7"}
