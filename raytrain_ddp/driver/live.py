@@ -9,7 +9,8 @@ the others keep running. Must not touch: what the workers do (`worker/live.py`),
 rest of the trainer's construction (`launcher.py`).
 
 The lighthouse (torchft's quorum server) runs in an actor on the driver's node, created by
-Ray's `_TorchftBackend`; its `min_replicas` is the worker count, so a quorum never forms
+Ray's `_TorchftBackend`, listening on that node's address only (`lighthouse_host`; the
+workers are told it, `worker_env`); its `min_replicas` is the worker count, so a quorum never forms
 without every worker: the survivors wait for the replacement instead of shrinking the
 global batch (docs/reliability.md#live-recovery). Its heartbeat timeout is short (1 s)
 so a dead worker stops counting as a member soon after its death, never later than the

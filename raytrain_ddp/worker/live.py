@@ -1,7 +1,8 @@
 """`run.recovery: live` on a worker (issue #28): the survivors keep their processes; only the lost worker is replaced.
 
 Owns: one torchft `Manager` per worker (each worker is its own replica group in Ray's
-`TorchftConfig`), the reconfigurable gloo group every collective of the run goes through
+`TorchftConfig`), listening on this node's address only (`bound_manager`), the
+reconfigurable gloo group every collective of the run goes through
 (`LiveGroup`, installed as torch's default group), the step's commit decision, putting a
 failed step back to its boundary and retrying it, re-wrapping the model after each
 reconfiguration, and loading the state a newcomer receives from a survivor. Must not
