@@ -66,13 +66,16 @@ def resolve(cfg: Config, say: Callable[[str], None] = lambda line: print(line, f
 
 
 def lighthouse_host() -> str:
-    """This node's address as Ray knows it (127.0.0.1 in the embedded instance, the node's IP on a
-    cluster): the lighthouse runs here (Ray places it with the controller, which Ray Train puts
-    on the driver's node) and listens on this address only, not on every interface (Ray's
-    default; it serves quorums without any token, docs/security.md)."""
+    """Where torchft's servers listen: 127.0.0.1 in an instance this process started (embedded:
+    one node, this machine), else this node's address as Ray knows it (its IP on a cluster).
+    Not every interface (torchft's default): they serve without any token (docs/security.md).
+    Not Ray's node address in the embedded instance either: Ray 2.60 rewrites a node address
+    of 127.0.0.1 to the machine's primary one (measured: 192.0.2.2 here). The lighthouse runs on
+    this node (Ray places it with the controller, which Ray Train puts on the driver's node);
+    the workers bind their managers to the same answer for their node (`worker_env`)."""
     import ray
 
-    return ray.util.get_node_ip_address()
+    return "127.0.0.1" if ray_compat.started_here() else ray.util.get_node_ip_address()
 
 
 def worker_env(host: str) -> dict[str, str]:

@@ -175,9 +175,13 @@ def live_group_class() -> type:
 
 
 def node_address() -> str:
-    """This worker's node address as Ray knows it: Ray's torch backend sets `MASTER_ADDR` to it
-    for each replica group, and in live mode every worker is the first rank of its own group
-    (127.0.0.1 in the embedded instance, the node's IP on a cluster)."""
+    """Where this worker's manager listens: on loopback when the lighthouse does (our launcher's
+    embedded instance: one machine), else on this worker's node address as Ray knows it (Ray's
+    torch backend sets `MASTER_ADDR` to it for each replica group, and in live mode every worker
+    is the first rank of its own group): the node's IP on a cluster."""
+    lighthouse = os.environ.get(LIGHTHOUSE_HOST_ENV, "")
+    if lighthouse in ("127.0.0.1", "::1"):
+        return lighthouse
     return os.environ.get("MASTER_ADDR") or "127.0.0.1"
 
 

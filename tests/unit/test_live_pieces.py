@@ -203,3 +203,15 @@ def test_workers_reach_the_lighthouse_at_the_address_it_is_bound_to(monkeypatch)
     monkeypatch.setenv(LIGHTHOUSE_HOST_ENV, "fd00::7")
     assert lighthouse_address() == "http://[fd00::7]:29510"
     assert driver_live.worker_env("10.0.0.7") == {LIGHTHOUSE_HOST_ENV: "10.0.0.7"}
+
+
+def test_managers_listen_on_loopback_with_an_embedded_lighthouse_else_on_their_node(monkeypatch):
+    from raytrain_ddp.worker.live import LIGHTHOUSE_HOST_ENV, node_address
+
+    monkeypatch.setenv("MASTER_ADDR", "192.0.2.2")  # Ray's node address (it rewrites 127.0.0.1 to it)
+    monkeypatch.setenv(LIGHTHOUSE_HOST_ENV, "127.0.0.1")
+    assert node_address() == "127.0.0.1"
+    monkeypatch.setenv(LIGHTHOUSE_HOST_ENV, "10.0.0.7")  # a cluster: the head's IP; this worker's node
+    assert node_address() == "192.0.2.2"
+    monkeypatch.delenv(LIGHTHOUSE_HOST_ENV)
+    assert node_address() == "192.0.2.2"
