@@ -170,25 +170,26 @@ def test_torchfts_lighthouse_and_manager_listen_on_the_given_address_only():
         lighthouse.shutdown()
 
 
-def test_a_start_fault_kills_only_replacements_of_its_rank_and_only_as_often_as_asked(tmp_path, monkeypatch):
+def test_a_start_fault_kills_only_replacements_of_its_rank_and_only_as_often_as_asked(tmp_path):
     """`RAYTRAIN_DDP_FAULT_AT_START` (the live test's replacement that dies before joining)."""
     import signal
     import subprocess
 
+    from raytrain_ddp.testing.hooks import START_FAULT_ENV, StartFault
+
     died, mark = tmp_path / "died_at", tmp_path / "newcomers"
-    spec = f"rank=1,after={died},times=1,mark={mark}"
-    start = ("import sys; from types import SimpleNamespace as N; from raytrain_ddp.testing.hooks import from_env; "
-             "from_env().on_start(N(world_rank=int(sys.argv[1]))); print('alive')")
-
-    def run(rank: int) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-c", start, str(rank)], env={**os.environ, "RAYTRAIN_DDP_FAULT_AT_START": spec},
-                              capture_output=True, text=True, timeout=60)
-
-    assert run(1).returncode == 0 and not mark.exists()  # the first process of rank 1: no fault yet
+    fault = StartFault(rank=1, after=str(died), mark=str(mark), times=1)
+    fault.strike_if_due(1)  # the first process of rank 1: nothing has died yet, it lives
     died.write_text("1.0")
-    assert run(0).returncode == 0  # another rank
-    assert run(1).returncode == -signal.SIGKILL and len(mark.read_text().splitlines()) == 1
-    assert run(1).returncode == 0  # times=1: the next replacement lives
+    fault.strike_if_due(0)  # another rank lives
+    assert not mark.exists()
+    start = ("from types import SimpleNamespace as N; from raytrain_ddp.testing.hooks import from_env; "
+             "from_env().on_start(N(world_rank=1)); print('alive')")
+    env = {**os.environ, START_FAULT_ENV: f"rank=1,after={died},times=1,mark={mark}"}
+    killed = subprocess.run([sys.executable, "-c", start], env=env, capture_output=True, text=True, timeout=60)
+    assert killed.returncode == -signal.SIGKILL and "alive" not in killed.stdout  # a replacement of rank 1
+    assert len(mark.read_text().splitlines()) == 1
+    fault.strike_if_due(1)  # times=1: the next replacement lives
 
 
 def test_workers_reach_the_lighthouse_at_the_address_it_is_bound_to(monkeypatch):
