@@ -18,12 +18,14 @@ non-finite path; `midstep` SIGKILLs the rank from inside the first forward pass 
 and `midstep` first write the time of death (`time.time()`) to `mark=PATH` if given,
 which the recovery tests and `raytrain-ddp bench`'s recovery section measure from.
 
-    RAYTRAIN_DDP_FAULT_AT_START="rank=1,after=PATH,times=1,mark=PATH"
+    RAYTRAIN_DDP_FAULT_AT_START="rank=1,after=PATH,when=start+joined,mark=PATH"
 
-SIGKILLs a process of rank `rank` as its loop starts, before it joins any group (in live
-recovery: a replacement dying before the quorum), once the file `after` exists (the first
-fault's `mark`: so only replacements die) and while fewer than `times` have died so:
-each appends its time of death to `mark`, which counts them.
+SIGKILLs processes of rank `rank` that start once the file `after` exists (the first
+fault's `mark`: so only replacements die), the n-th of them at the n-th phase of `when`:
+`start`, as its loop starts, before it joins any group (in live recovery: before the
+quorum), or `joined`, once it has joined (live: after the quorum and the survivor's state,
+before its first step). Each appends its time of death to `mark`, which counts them; once
+every phase of `when` has had its death, replacements live.
 
     RAYTRAIN_DDP_PREEMPT="step=6,attempt=1,ranks=1,deadline_s=none"
 
@@ -117,23 +119,25 @@ class StartFault:
     rank: int
     after: str
     mark: str
-    times: int = 1
+    when: tuple[str, ...] = ("start",)
 
     @classmethod
     def from_env(cls) -> Optional["StartFault"]:
         fields = read_env_spec(START_FAULT_ENV, required=("rank", "after", "mark"))
         if fields is None:
             return None
-        return cls(rank=int(fields["rank"]), after=fields["after"], mark=fields["mark"],
-                   times=int(fields.get("times", 1)))
+        when = tuple(fields.get("when", "start").split("+"))
+        if set(when) - {"start", "joined"}:
+            raise ValueError(f"{START_FAULT_ENV}: when must be phases start|joined joined by '+', got {when}")
+        return cls(rank=int(fields["rank"]), after=fields["after"], mark=fields["mark"], when=when)
 
-    def strike_if_due(self, world_rank: int) -> None:
+    def strike_if_due(self, world_rank: int, phase: str) -> None:
         if world_rank != self.rank or not os.path.exists(self.after):
             return
-        done = Path(self.mark).read_text().splitlines() if os.path.exists(self.mark) else []
-        if len(done) >= self.times:
+        done = len(Path(self.mark).read_text().splitlines()) if os.path.exists(self.mark) else 0
+        if done >= len(self.when) or self.when[done] != phase:
             return
-        print(f"[fault injection] rank {world_rank} killed as it starts ({len(done) + 1} of {self.times})", flush=True)
+        print(f"[fault injection] rank {world_rank} killed at {phase} ({done + 1} of {len(self.when)})", flush=True)
         with open(self.mark, "a") as handle:
             handle.write(f"{time.time()!r}\n")
             handle.flush()
@@ -192,9 +196,11 @@ class TestHooks(Hooks):
 
     def on_start(self, rank: Any) -> None:
         if self.start_fault is not None:
-            self.start_fault.strike_if_due(rank.world_rank)
+            self.start_fault.strike_if_due(rank.world_rank, "start")
 
     def on_attempt(self, rank: Any, attempt: int, module: Any) -> None:
+        if self.start_fault is not None:
+            self.start_fault.strike_if_due(rank.world_rank, "joined")
         self.world_rank, self.attempt = rank.world_rank, attempt
         self.world_size, self.rows = rank.world_size, []
         if self.fault is not None and self.fault.mode == "nan":

@@ -48,6 +48,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from raytrain_ddp.parallel import registry
 from raytrain_ddp.worker.context import Rank
 from raytrain_ddp.worker.replica import is_peer_loss
 from raytrain_ddp.worker.step import train_step
@@ -118,7 +119,9 @@ def live_group_class() -> type:
         or abort ends the sub-groups of the quorum before."""
 
         _store: Any = None
-        _subgroups: list = []
+        _subgroups: list = []  # this quorum's, handed out or not
+        _ready: list = []  # made with the quorum, not handed out yet
+        ahead = 0  # sub-groups to make with each quorum (the registry's `live_subgroups`)
 
         def rank(self) -> int:
             return self.parent.rank()
@@ -141,14 +144,20 @@ def live_group_class() -> type:
             if list(ranks) != list(range(self.size())):
                 raise NotImplementedError(f"run.recovery=live: a sub-group of ranks {list(ranks)} of the "
                                           f"{self.size()}-rank reconfigurable group (only all of them)")
+            return self._ready.pop(0) if self._ready else self._subgroup()
+
+        def _subgroup(self) -> Any:
             store = torch.distributed.PrefixStore(f"raytrain/sub{len(self._subgroups)}/", self._store)
             group = ProcessGroupGloo._create_pg(self, store, self.rank(), self.size())
             self._subgroups.append(group)
             return group
 
         def configure(self, *args: Any, **kwargs: Any) -> None:
+            """Made with the quorum, while every member is there: a member lost before the re-wrap
+            then fails the wrap's first collective at once, not a rendezvous at its timeout."""
             self._end_subgroups()
             super().configure(*args, **kwargs)
+            self._ready = [self._subgroup() for _ in range(self.ahead)]
 
         def abort(self, errored: bool = True) -> None:
             for group in self._subgroups:  # a peer waiting in a sub-group's collective fails at once
@@ -169,7 +178,7 @@ def live_group_class() -> type:
                 if name is not None:  # destroy leaves a sub-group in torch's registry by name
                     with contextlib.suppress(Exception):
                         c10d._unregister_process_group(name)
-            self._subgroups = []
+            self._subgroups, self._ready = [], []
 
     return LiveGroup
 
@@ -238,6 +247,7 @@ class LiveSession:
         self.rank, self.cfg, self.runtime = rank, cfg, LiveRuntime(runtime)
         timeout = timedelta(seconds=cfg.parallel.collective_timeout_s)
         self._group = live_group_class()(timeout=timeout)
+        self._group.ahead = registry.get(cfg.parallel.strategy).live_subgroups
         self.state: Any = None
         self.received: Optional[dict[str, Any]] = None  # a newcomer's state, until loaded
         self.bytes_sent = self.bytes_received = 0
@@ -274,12 +284,10 @@ class LiveSession:
     def wrapper_group(self) -> Any:
         """The group the wrapper runs on: none (local) for a newcomer until its state is loaded;
         then the reconfigurable group, or for a wrapper that needs a group torch's c10d knows
-        (the registry's `live_subgroup`: torch DDP) a sub-group of the current quorum."""
-        from raytrain_ddp.parallel import registry
-
+        (the registry's `live_subgroups`: torch DDP) a sub-group of the current quorum."""
         if self._previous_default is None:
             return None
-        if registry.get(self.cfg.parallel.strategy).live_subgroup:
+        if registry.get(self.cfg.parallel.strategy).live_subgroups:
             return torch.distributed.new_group(timeout=timedelta(seconds=self.cfg.parallel.collective_timeout_s))
         return self._group
 
@@ -359,9 +367,9 @@ class LiveSession:
                 self.manager.should_commit()  # no: the manager's step stays where it is
                 return f"the group could not be re-formed: {self.manager.errored().original_exception}"
             self._vote_due = True
-        if self.manager._quorum_id != self.wrapped_quorum:
-            self._rewrap(state)
         try:
+            if self.manager._quorum_id != self.wrapped_quorum:  # a member lost while wrapping: a failed try too
+                self._rewrap(state)
             result = train_step(state, window, accumulation_steps, train, rank,
                                 commit=self._commit if self._vote_due else None)
             self._vote_due = False

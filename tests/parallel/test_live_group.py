@@ -3,7 +3,8 @@
 Two gloo ranks install torchft's reconfigurable group (`worker/live.py`'s `LiveGroup`) as
 torch's default group, as a live worker does, and wrap a model with `native` on the
 sub-group a live worker gives it (`dist.new_group`, which torch hands to the default
-group's `new_group`). One spawn checks, in order:
+group's `new_group`; made with the quorum, while every member is there). One spawn
+checks, in order:
 - the gradient after backward is the mean of both ranks' (float64, against one process);
 - a peer that stops taking part fails this rank's next DDP collective at the group's
   timeout (torch DDP syncs its rebuilt bucket order at the second forward), and
@@ -51,24 +52,25 @@ def _native_over_live_group(world_rank, world_size):
     from raytrain_ddp.worker.live import _install_default_group, live_group_class
     from raytrain_ddp.worker.replica import is_peer_loss
 
-    native = next(s.name for s in registry.STRATEGIES.values() if s.live_subgroup)
+    native = next(s for s in registry.STRATEGIES.values() if s.live_subgroups)
     address = f"127.0.0.1:{os.environ['MASTER_PORT']}"
     group = live_group_class()(timeout=timedelta(seconds=TIMEOUT_S))
+    group.ahead = native.live_subgroups  # as LiveSession sets it
     group.configure(f"{address}/quorum1", "r", world_rank, world_size)
+    out = {"made_with_the_quorum": len(group._ready)}
     _install_default_group(group)
     before = set(c10d._world.pg_map)
-    out = {}
 
     def train_once() -> list[torch.Tensor]:
         model = _model()
         sub = dist.new_group(timeout=timedelta(seconds=TIMEOUT_S))  # what LiveSession.wrapper_group gives
-        wrapper = wrap_model(model, native, process_group=sub, collective_timeout_s=TIMEOUT_S)
+        wrapper = wrap_model(model, native.name, process_group=sub, collective_timeout_s=TIMEOUT_S)
         wrapper(_batch(world_rank)).sum().backward()
         return _grads(model), wrapper, sub
 
     grads, wrapper, _ = train_once()
     out["first"] = grads
-    out["subgroups"] = len(group._subgroups)  # DDP's group and native's side group
+    out["subgroups"] = (len(group._subgroups), len(group._ready))  # DDP's group and native's side group, both used
     # Rank 1 stops taking part: rank 0's next collective fails at the group's timeout.
     if world_rank == 0:
         try:
@@ -103,6 +105,7 @@ def test_native_runs_over_the_reconfigurable_group_and_a_silent_peer_is_a_peer_l
     for rank, out in enumerate(outs):
         for key in ("first", "second", "naive", "bucketed"):
             assert max((g - m).abs().max().item() for g, m in zip(out[key], mean)) < 1e-12, (rank, key)
-        assert out["subgroups"] == 2 and out["registered"] == 0  # the old quorum's groups are gone
+        assert out["made_with_the_quorum"] == 2 and out["subgroups"] == (2, 0)
+        assert out["registered"] == 0  # the old quorum's groups are gone
     message, peer_loss = outs[0]["error"]
     assert peer_loss, message

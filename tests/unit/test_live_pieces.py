@@ -170,26 +170,29 @@ def test_torchfts_lighthouse_and_manager_listen_on_the_given_address_only():
         lighthouse.shutdown()
 
 
-def test_a_start_fault_kills_only_replacements_of_its_rank_and_only_as_often_as_asked(tmp_path):
-    """`RAYTRAIN_DDP_FAULT_AT_START` (the live test's replacement that dies before joining)."""
+def test_a_start_fault_kills_only_replacements_of_its_rank_at_the_phases_asked(tmp_path):
+    """`RAYTRAIN_DDP_FAULT_AT_START` (the live test's replacements that die before and after joining)."""
     import signal
     import subprocess
 
     from raytrain_ddp.testing.hooks import START_FAULT_ENV, StartFault
 
     died, mark = tmp_path / "died_at", tmp_path / "newcomers"
-    fault = StartFault(rank=1, after=str(died), mark=str(mark), times=1)
-    fault.strike_if_due(1)  # the first process of rank 1: nothing has died yet, it lives
+    fault = StartFault(rank=1, after=str(died), mark=str(mark), when=("start", "joined"))
+    fault.strike_if_due(1, "start")  # the first process of rank 1: nothing has died yet, it lives
     died.write_text("1.0")
-    fault.strike_if_due(0)  # another rank lives
+    fault.strike_if_due(0, "start")  # another rank lives
+    fault.strike_if_due(1, "joined")  # the first replacement is due at its start, not later
     assert not mark.exists()
-    start = ("from types import SimpleNamespace as N; from raytrain_ddp.testing.hooks import from_env; "
-             "from_env().on_start(N(world_rank=1)); print('alive')")
-    env = {**os.environ, START_FAULT_ENV: f"rank=1,after={died},times=1,mark={mark}"}
-    killed = subprocess.run([sys.executable, "-c", start], env=env, capture_output=True, text=True, timeout=60)
-    assert killed.returncode == -signal.SIGKILL and "alive" not in killed.stdout  # a replacement of rank 1
-    assert len(mark.read_text().splitlines()) == 1
-    fault.strike_if_due(1)  # times=1: the next replacement lives
+    env = {**os.environ, START_FAULT_ENV: f"rank=1,after={died},when=start+joined,mark={mark}"}
+    for call in ("on_start(N(world_rank=1))", "on_attempt(N(world_rank=1), 1, None)"):
+        start = f"from types import SimpleNamespace as N; from raytrain_ddp.testing.hooks import from_env; from_env().{call}"
+        killed = subprocess.run([sys.executable, "-c", start + "; print('alive')"], env=env, capture_output=True,
+                                text=True, timeout=60)
+        assert killed.returncode == -signal.SIGKILL and "alive" not in killed.stdout, (call, killed.stderr[-500:])
+        fault.strike_if_due(1, "start")  # after the death at start, the next is due only once joined
+    assert len(mark.read_text().splitlines()) == 2
+    fault.strike_if_due(1, "start"), fault.strike_if_due(1, "joined")  # every phase had its death: replacements live
 
 
 def test_workers_reach_the_lighthouse_at_the_address_it_is_bound_to(monkeypatch):
