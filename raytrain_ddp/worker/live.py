@@ -115,8 +115,11 @@ def live_group_class() -> type:
         gloo group of the current quorum, which torch registers like any group: torch DDP
         (`native`) runs on one, since its C++ reducer reads the group's size from the C++ base,
         and torchft's is built once with size 1. Its store keys are numbered per quorum (every
-        member re-wraps in the same order after a reconfiguration), and each reconfiguration
-        or abort ends the sub-groups of the quorum before."""
+        member re-wraps in the same order after a reconfiguration); `ahead` of them are made
+        with the quorum, and each reconfiguration ends the previous quorum's. gloo closes a
+        group's connections only when the group is freed (its `abort` does not, measured), and
+        a wrapper holds its sub-group until the re-wrap: a member whose own collectives
+        completed is stopped by the step's commit vote, which every member reaches."""
 
         _store: Any = None
         _subgroups: list = []  # this quorum's, handed out or not
@@ -160,7 +163,7 @@ def live_group_class() -> type:
             self._ready = [self._subgroup() for _ in range(self.ahead)]
 
         def abort(self, errored: bool = True) -> None:
-            for group in self._subgroups:  # a peer waiting in a sub-group's collective fails at once
+            for group in self._subgroups:  # what a backend that can abort does (NCCL); gloo: nothing
                 with contextlib.suppress(Exception):
                     group.abort()
             super().abort(errored)
@@ -253,7 +256,8 @@ class LiveSession:
         self.bytes_sent = self.bytes_received = 0
         self.write_copy: Callable[[str], None] = lambda why: None
         self.manager = bound_manager(
-            node_address(), lighthouse_addr=lighthouse_address(), pg=self._group, min_replica_size=rank.world_size, load_state_dict=self._receive,
+            node_address(), lighthouse_addr=lighthouse_address(), pg=self._group,
+            min_replica_size=rank.world_size, load_state_dict=self._receive,
             state_dict=self._send, use_async_quorum=False, init_sync=False, rank=0, world_size=1,
             replica_id=f"rank{rank.world_rank:05d}", timeout=timeout,
             quorum_timeout=timedelta(seconds=JOIN_TIMEOUT_S), connect_timeout=timedelta(seconds=30),
