@@ -185,6 +185,15 @@ def local_instance_kwargs(ip: str) -> dict[str, Any]:
     return {"_node_ip_address": ip}
 
 
+def started_here() -> bool:
+    """Whether this process started the Ray instance it is connected to (an embedded one: `ray.init`
+    without an address), not joined a cluster: the node of a connected driver is the head only then."""
+    import ray._private.worker as ray_worker
+
+    node = ray_worker._global_node
+    return bool(node is not None and node.is_head())
+
+
 def job_config(environ: Any = None) -> Optional[dict[str, Any]]:
     """The job config Ray's job supervisor hands a `ray job submit` entrypoint (runtime_env,
     metadata), None outside a job; {} when it does not parse."""

@@ -29,3 +29,50 @@ def descendants(root: int) -> list[int]:
             out.append(child)
             todo.append(child)
     return out
+
+
+def listening_sockets(pids) -> list[tuple[str, int, int, str]]:
+    """(address, port, pid, command line) of every listening TCP socket the processes `pids` hold."""
+    import os
+    import socket
+
+    owners: dict[str, tuple[int, str]] = {}
+    for pid in pids:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    owners[link[8:-1]] = (pid, cmd)
+        except OSError:
+            continue
+    found = []
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in owners:  # 0A: LISTEN
+                continue
+            hex_addr, hex_port = fields[1].split(":")
+            raw = bytes.fromhex(hex_addr)
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # per-word little endian
+            found.append((socket.inet_ntop(family, raw), int(hex_port, 16), *owners[fields[9]]))
+    return found
+
+
+def in_session(session_id: int) -> list[int]:
+    """Every process of session `session_id`, now."""
+    import os
+
+    out = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if os.getsid(int(proc.name)) == session_id:
+                    out.append(int(proc.name))
+            except OSError:
+                continue
+    return out
+
+
+def loopback(address: str) -> bool:
+    return address in ("127.0.0.1", "::1", "::ffff:127.0.0.1")

@@ -429,7 +429,7 @@ class RunConfig(_Section):
         "redone; strategies naive, bucketed, native), live (the survivors keep their processes and "
         "wait at the step boundary; only the lost worker is replaced, and it receives the state from "
         "a survivor over the network: Ray's replica groups and torchft, needs the torchft package; "
-        "naive and bucketed, the others fall back to replica) or checkpoint (resume from the newest "
+        "naive, bucketed and native, the others fall back to replica) or checkpoint (resume from the newest "
         "durable checkpoint only). See docs/reliability.md.",
     )
     num_to_keep: int = Field(2, ge=1, description="Checkpoints kept on disk.")

@@ -330,10 +330,12 @@ def build_trainer(cfg: Config, run_dir: Location, job: Job, prepared: Any) -> An
     pg_timeout_s = process_group_timeout_s(cfg.parallel.collective_timeout_s, cfg.scaling.use_gpu)
     env_vars = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}
     env_vars.update(nccl_env(cfg.scaling.use_gpu, os.environ))
+    lighthouse = live.lighthouse_host() if cfg.run.recovery == "live" else None
+    env_vars.update(live.worker_env(lighthouse) if lighthouse else {})
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"job": job},
-        torch_config=(live.torch_config(cfg, pg_timeout_s) if cfg.run.recovery == "live" else
+        torch_config=(live.torch_config(cfg, pg_timeout_s, lighthouse) if lighthouse else
                       TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo", timeout_s=pg_timeout_s)),
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,

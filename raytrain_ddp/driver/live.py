@@ -9,7 +9,8 @@ the others keep running. Must not touch: what the workers do (`worker/live.py`),
 rest of the trainer's construction (`launcher.py`).
 
 The lighthouse (torchft's quorum server) runs in an actor on the driver's node, created by
-Ray's `_TorchftBackend`; its `min_replicas` is the worker count, so a quorum never forms
+Ray's `_TorchftBackend`, listening on that node's address only (`lighthouse_host`; the
+workers are told it, `worker_env`); its `min_replicas` is the worker count, so a quorum never forms
 without every worker: the survivors wait for the replacement instead of shrinking the
 global batch (docs/reliability.md#live-recovery). Its heartbeat timeout is short (1 s)
 so a dead worker stops counting as a member soon after its death, never later than the
@@ -64,11 +65,35 @@ def resolve(cfg: Config, say: Callable[[str], None] = lambda line: print(line, f
     return cfg
 
 
-def torch_config(cfg: Config, timeout_s: int) -> Any:
-    """Ray Train's torchft backend: one replica group per worker, a lighthouse for all of them."""
+def lighthouse_host() -> str:
+    """Where torchft's servers listen: 127.0.0.1 in an instance this process started (embedded:
+    one node, this machine), else this node's address as Ray knows it (its IP on a cluster).
+    Not every interface (torchft's default): they serve without any token (docs/security.md).
+    Not Ray's node address in the embedded instance either: Ray 2.60 rewrites a node address
+    of 127.0.0.1 to the machine's primary one (measured: 192.0.2.2 here). The lighthouse runs on
+    this node (Ray places it with the controller, which Ray Train puts on the driver's node);
+    the workers bind their managers to the same answer for their node (`worker_env`)."""
+    import ray
+
+    return "127.0.0.1" if ray_compat.started_here() else ray.util.get_node_ip_address()
+
+
+def worker_env(host: str) -> dict[str, str]:
+    """What the workers need to reach a lighthouse bound to `host` (it advertises the host name)."""
+    from raytrain_ddp.worker.live import LIGHTHOUSE_HOST_ENV
+
+    return {LIGHTHOUSE_HOST_ENV: host}
+
+
+def torch_config(cfg: Config, timeout_s: int, host: str) -> Any:
+    """Ray Train's torchft backend: one replica group per worker, a lighthouse for all of them,
+    listening on `host` (`lighthouse_host`)."""
     from ray.train.v2.torch.torchft_config import TorchftConfig
 
-    lighthouse = {"bind": "[::]:0", "min_replicas": int(cfg.scaling.num_workers),
+    from raytrain_ddp.worker.live import bracketed
+
+    lighthouse = {"bind": f"{bracketed(host)}:0",
+                  "min_replicas": int(cfg.scaling.num_workers),
                   "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS, "quorum_tick_ms": QUORUM_TICK_MS}
     return TorchftConfig(lighthouse_kwargs=lighthouse, backend="nccl" if cfg.scaling.use_gpu else "gloo",
                          timeout_s=timeout_s)

@@ -39,6 +39,11 @@ class Strategy:
     # run.recovery=live (worker/live.py): "" if the wrapper all-reduces over torchft's
     # reconfigurable group, else why not (a sharded layout is refused by `live_refusal`)
     live: str = ""
+    # ... and the group it gets there: 0, the reconfigurable group itself; N, a plain c10d
+    # sub-group of the current quorum, N of them made with the quorum (torch DDP's C++ reducer
+    # reads the group's size from its C++ base, which torchft builds once with size 1; native
+    # takes its DDP group and the side group of its unused-parameter check)
+    live_subgroups: int = 0
 
     @property
     def replicated(self) -> bool:
@@ -59,9 +64,7 @@ _TABLE = (
              options=("bucket_cap_mb", "compress", "first_bucket_mb", "shm"), tunes=True),
     Strategy("native", "raytrain_ddp.parallel.native:NativeDDP", "replicated",
              options=("bucket_cap_mb", "compress", "first_bucket_mb", "device_ids"),
-             local="raytrain_ddp.parallel.native:LocalModel",
-             live="is torch DDP, whose C++ reducer reads the group's size from the C++ base of torchft's "
-                  "reconfigurable group, which is always 1 (docs/reliability.md#live-recovery)"),
+             local="raytrain_ddp.parallel.native:LocalModel", live_subgroups=2),
     Strategy("zero1", "raytrain_ddp.parallel.zero1:Zero1DDP", "sharded",
              options=("bucket_cap_mb", "compress", "first_bucket_mb")),
     Strategy("fsdp", "raytrain_ddp.parallel.fsdp:FullyShardedDP", "sharded",

@@ -1,7 +1,7 @@
 """Test hooks: kill, poison or stall one rank at one step; fake Ray's preemption signal.
 
-Owns: the fault plan (`RAYTRAIN_DDP_FAULT`) and the simulated preemption signal
-(`RAYTRAIN_DDP_PREEMPT`), both read on the worker, and `from_env`, the factory a test
+Owns: the fault plans (`RAYTRAIN_DDP_FAULT`, `RAYTRAIN_DDP_FAULT_AT_START`) and the simulated
+preemption signal (`RAYTRAIN_DDP_PREEMPT`), all read on the worker, and `from_env`, the factory a test
 names in `RAYTRAIN_DDP_HOOKS=raytrain_ddp.testing.hooks:from_env`. Must not touch:
 anything but the `Hooks` interface — the product never imports this module.
 
@@ -17,6 +17,15 @@ non-finite path; `midstep` SIGKILLs the rank from inside the first forward pass 
 `step + 1` (also a forward hook), so its peers lose it in the middle of a step. `exit`
 and `midstep` first write the time of death (`time.time()`) to `mark=PATH` if given,
 which the recovery tests and `raytrain-ddp bench`'s recovery section measure from.
+
+    RAYTRAIN_DDP_FAULT_AT_START="rank=1,after=PATH,when=start+joined,mark=PATH"
+
+SIGKILLs processes of rank `rank` that start once the file `after` exists (the first
+fault's `mark`: so only replacements die), the n-th of them at the n-th phase of `when`:
+`start`, as its loop starts, before it joins any group (in live recovery: before the
+quorum), or `joined`, once it has joined (live: after the quorum and the survivor's state,
+before its first step). Each appends its time of death to `mark`, which counts them; once
+every phase of `when` has had its death, replacements live.
 
     RAYTRAIN_DDP_PREEMPT="step=6,attempt=1,ranks=1,deadline_s=none"
 
@@ -54,6 +63,7 @@ from raytrain_ddp.worker.hooks import HOOKS_ENV, Hooks
 from raytrain_ddp.worker.preemption import Signal
 
 FAULT_ENV = "RAYTRAIN_DDP_FAULT"
+START_FAULT_ENV = "RAYTRAIN_DDP_FAULT_AT_START"
 PREEMPT_ENV = "RAYTRAIN_DDP_PREEMPT"
 SAMPLE_LOG_ENV = "RAYTRAIN_DDP_SAMPLE_LOG"
 STEP_DELAY_ENV = "RAYTRAIN_DDP_STEP_DELAY_S"
@@ -102,6 +112,39 @@ class FaultPlan:
         raise RuntimeError(f"injected fault on rank {world_rank} after step {step} ({FAULT_ENV})")
 
 
+@dataclass(frozen=True)
+class StartFault:
+    """`RAYTRAIN_DDP_FAULT_AT_START`: replacements of one rank die as they start (module docstring)."""
+
+    rank: int
+    after: str
+    mark: str
+    when: tuple[str, ...] = ("start",)
+
+    @classmethod
+    def from_env(cls) -> Optional["StartFault"]:
+        fields = read_env_spec(START_FAULT_ENV, required=("rank", "after", "mark"))
+        if fields is None:
+            return None
+        when = tuple(fields.get("when", "start").split("+"))
+        if set(when) - {"start", "joined"}:
+            raise ValueError(f"{START_FAULT_ENV}: when must be phases start|joined joined by '+', got {when}")
+        return cls(rank=int(fields["rank"]), after=fields["after"], mark=fields["mark"], when=when)
+
+    def strike_if_due(self, world_rank: int, phase: str) -> None:
+        if world_rank != self.rank or not os.path.exists(self.after):
+            return
+        done = len(Path(self.mark).read_text().splitlines()) if os.path.exists(self.mark) else 0
+        if done >= len(self.when) or self.when[done] != phase:
+            return
+        print(f"[fault injection] rank {world_rank} killed at {phase} ({done + 1} of {len(self.when)})", flush=True)
+        with open(self.mark, "a") as handle:
+            handle.write(f"{time.time()!r}\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _write_atomically(path: str, text: str) -> None:
     Path(f"{path}.tmp").write_text(text)
     os.replace(f"{path}.tmp", path)
@@ -145,12 +188,19 @@ class TestHooks(Hooks):
 
     __test__ = False  # not a pytest class
 
-    def __init__(self, fault: Optional[FaultPlan] = None, preemption: Optional[SimulatedPreemption] = None) -> None:
-        self.fault, self.preemption = fault, preemption
+    def __init__(self, fault: Optional[FaultPlan] = None, preemption: Optional[SimulatedPreemption] = None,
+                 start_fault: Optional[StartFault] = None) -> None:
+        self.fault, self.preemption, self.start_fault = fault, preemption, start_fault
         self.world_rank, self.attempt, self.next_step = 0, 1, 1
         self.world_size, self.rows = 1, []  # RAYTRAIN_DDP_SAMPLE_LOG
 
+    def on_start(self, rank: Any) -> None:
+        if self.start_fault is not None:
+            self.start_fault.strike_if_due(rank.world_rank, "start")
+
     def on_attempt(self, rank: Any, attempt: int, module: Any) -> None:
+        if self.start_fault is not None:
+            self.start_fault.strike_if_due(rank.world_rank, "joined")
         self.world_rank, self.attempt = rank.world_rank, attempt
         self.world_size, self.rows = rank.world_size, []
         if self.fault is not None and self.fault.mode == "nan":
@@ -208,4 +258,4 @@ class TestHooks(Hooks):
 
 def from_env() -> Hooks:
     """`RAYTRAIN_DDP_HOOKS=raytrain_ddp.testing.hooks:from_env`: the plans set in the environment."""
-    return TestHooks(FaultPlan.from_env(), SimulatedPreemption.from_env())
+    return TestHooks(FaultPlan.from_env(), SimulatedPreemption.from_env(), StartFault.from_env())

@@ -20,6 +20,9 @@ HOOKS_ENV = "RAYTRAIN_DDP_HOOKS"
 class Hooks:
     """Called by every rank; each method is a no-op here."""
 
+    def on_start(self, rank: Any) -> None:
+        """This worker's loop starts (a live replacement's too), before it joins any group."""
+
     def on_attempt(self, rank: Any, attempt: int, module: Any) -> None:
         """A worker group started (attempt 1, 2, ...); `module` is the bare model."""
 

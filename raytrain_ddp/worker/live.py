@@ -1,7 +1,8 @@
 """`run.recovery: live` on a worker (issue #28): the survivors keep their processes; only the lost worker is replaced.
 
 Owns: one torchft `Manager` per worker (each worker is its own replica group in Ray's
-`TorchftConfig`), the reconfigurable gloo group every collective of the run goes through
+`TorchftConfig`), listening on this node's address only (`bound_manager`), the
+reconfigurable gloo group every collective of the run goes through
 (`LiveGroup`, installed as torch's default group), the step's commit decision, putting a
 failed step back to its boundary and retrying it, re-wrapping the model after each
 reconfiguration, and loading the state a newcomer receives from a survivor. Must not
@@ -47,12 +48,14 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from raytrain_ddp.parallel import registry
 from raytrain_ddp.worker.context import Rank
 from raytrain_ddp.worker.replica import is_peer_loss
 from raytrain_ddp.worker.step import train_step
 
 JOIN_TIMEOUT_S = 120.0  # survivors wait this long for a replacement, then fail by name
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # set on every worker by Ray's torchft backend
+LIGHTHOUSE_HOST_ENV = "RAYTRAIN_DDP_LIGHTHOUSE_HOST"  # the address our launcher bound the lighthouse to
 MAX_TRIES = 10  # a step not committed this many times in a row ends the worker, by name
 _TORCHFT_FRAMES = "torchft/"
 
@@ -64,8 +67,11 @@ class StepNotCommitted(Exception):
 class NoLive:
     """Every other recovery mode: the loop's calls do what they always did."""
 
-    group = None
     train_step = staticmethod(train_step)
+
+    def wrapper_group(self) -> None:
+        """The wrapper's process group: torch's default one."""
+        return None
 
     def __init__(self, runtime: Any) -> None:
         self.runtime = runtime
@@ -104,7 +110,22 @@ def live_group_class() -> type:
 
     class LiveGroup(ProcessGroupGloo):
         """Our rank is the quorum's (torch asks the default group for it); an all-reduce without
-        options is a sum (our bucketed wrapper calls the group's method directly)."""
+        options is a sum (our bucketed wrapper calls the group's method directly).
+
+        `dist.new_group` on it (torch calls a default group's `new_group`) gives a plain c10d
+        gloo group of the current quorum, which torch registers like any group: torch DDP
+        (`native`) runs on one, since its C++ reducer reads the group's size from the C++ base,
+        and torchft's is built once with size 1. Its store keys are numbered per quorum (every
+        member re-wraps in the same order after a reconfiguration); `ahead` of them are made
+        with the quorum, and each reconfiguration ends the previous quorum's. gloo closes a
+        group's connections only when the group is freed (its `abort` does not, measured), and
+        a wrapper holds its sub-group until the re-wrap: a member whose own collectives
+        completed is stopped by the step's commit vote, which every member reaches."""
+
+        _store: Any = None
+        _subgroups: list = []  # this quorum's, handed out or not
+        _ready: list = []  # made with the quorum, not handed out yet
+        ahead = 0  # sub-groups to make with each quorum (the registry's `live_subgroups`)
 
         def rank(self) -> int:
             return self.parent.rank()
@@ -114,7 +135,106 @@ def live_group_class() -> type:
                 opts = torch.distributed.AllreduceOptions()
             return super().allreduce(tensors, opts)
 
+        def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
+            import torch.distributed.distributed_c10d as c10d
+
+            self._store, self._subgroups = store, []
+            if self in c10d._world.pg_map:  # torch's new_group prefixes the default group's store
+                c10d._world.pg_map[self] = ("gloo", store)
+            return super()._create_pg(store, rank, world_size)
+
+        def new_group(self, ranks: list, timeout: Any = None, pg_options: Any = None, group_name: Any = None,
+                      group_desc: Any = None) -> Any:
+            if list(ranks) != list(range(self.size())):
+                raise NotImplementedError(f"run.recovery=live: a sub-group of ranks {list(ranks)} of the "
+                                          f"{self.size()}-rank reconfigurable group (only all of them)")
+            return self._ready.pop(0) if self._ready else self._subgroup()
+
+        def _subgroup(self) -> Any:
+            store = torch.distributed.PrefixStore(f"raytrain/sub{len(self._subgroups)}/", self._store)
+            group = ProcessGroupGloo._create_pg(self, store, self.rank(), self.size())
+            self._subgroups.append(group)
+            return group
+
+        def configure(self, *args: Any, **kwargs: Any) -> None:
+            """Made with the quorum, while every member is there: a member lost before the re-wrap
+            then fails the wrap's first collective at once, not a rendezvous at its timeout."""
+            self._end_subgroups()
+            super().configure(*args, **kwargs)
+            self._ready = [self._subgroup() for _ in range(self.ahead)]
+
+        def abort(self, errored: bool = True) -> None:
+            for group in self._subgroups:  # what a backend that can abort does (NCCL); gloo: nothing
+                with contextlib.suppress(Exception):
+                    group.abort()
+            super().abort(errored)
+
+        def _end_subgroups(self) -> None:
+            import torch.distributed.distributed_c10d as c10d
+
+            for group in self._subgroups:
+                with contextlib.suppress(Exception):
+                    group.abort()
+                name = c10d._world.pg_names.get(group)
+                if group in c10d._world.pg_map:
+                    with contextlib.suppress(Exception):
+                        torch.distributed.destroy_process_group(group)
+                if name is not None:  # destroy leaves a sub-group in torch's registry by name
+                    with contextlib.suppress(Exception):
+                        c10d._unregister_process_group(name)
+            self._subgroups, self._ready = [], []
+
     return LiveGroup
+
+
+def node_address() -> str:
+    """Where this worker's manager listens: on loopback when the lighthouse does (our launcher's
+    embedded instance: one machine), else on this worker's node address as Ray knows it (Ray's
+    torch backend sets `MASTER_ADDR` to it for each replica group, and in live mode every worker
+    is the first rank of its own group): the node's IP on a cluster."""
+    lighthouse = os.environ.get(LIGHTHOUSE_HOST_ENV, "")
+    if lighthouse in ("127.0.0.1", "::1"):
+        return lighthouse
+    return os.environ.get("MASTER_ADDR") or "127.0.0.1"
+
+
+def lighthouse_address() -> str:
+    """Where the lighthouse is: Ray's `TORCHFT_LIGHTHOUSE`, at the address our launcher bound it
+    to. torchft's lighthouse advertises this machine's host name whatever it is bound to, and
+    the name may resolve elsewhere (127.0.1.1 in many /etc/hosts) than the bound address."""
+    address, host = os.environ[LIGHTHOUSE_ENV], os.environ.get(LIGHTHOUSE_HOST_ENV)
+    if not host:
+        return address
+    scheme, _, rest = address.rpartition("://")
+    port = rest.rsplit(":", 1)[1]
+    return f"{scheme + '://' if scheme else ''}{bracketed(host)}:{port}"
+
+
+def bound_manager(host: str, **kwargs: Any) -> Any:
+    """A torchft `Manager` whose server listens on `host` only (advertised as `host` too).
+
+    torchft 0.2.0 binds the manager's gRPC server to `[::]` (every interface) with no way to
+    say otherwise; it serves quorum and commit calls without any token. The `ManagerServer`
+    that `Manager.__init__` builds is given `host` in its bind address for that call only
+    (`tests/unit/test_live_pieces.py` checks the listening socket)."""
+    import torchft.manager as torchft_manager
+
+    server = torchft_manager.ManagerServer
+
+    def bound_server(*, bind: str, **options: Any) -> Any:
+        port = bind.rsplit(":", 1)[1]
+        return server(bind=f"{bracketed(host)}:{port}", **options)
+
+    torchft_manager.ManagerServer = bound_server
+    try:
+        return torchft_manager.Manager(hostname=host, **kwargs)
+    finally:
+        torchft_manager.ManagerServer = server
+
+
+def bracketed(host: str) -> str:
+    """`host` as the host part of an address: an IPv6 literal in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 class NoReplacement(RuntimeError):
@@ -125,24 +245,28 @@ class LiveSession:
     """One worker's side of live recovery (see the module docstring)."""
 
     def __init__(self, job: Any, rank: Rank, runtime: Any, entered: Optional[float] = None) -> None:
-        from torchft import Manager
         from torchft.checkpointing.pg_transport import PGTransport
 
         cfg = job.cfg
         self.rank, self.cfg, self.runtime = rank, cfg, LiveRuntime(runtime)
         timeout = timedelta(seconds=cfg.parallel.collective_timeout_s)
         self._group = live_group_class()(timeout=timeout)
+        self._group.ahead = registry.get(cfg.parallel.strategy).live_subgroups
         self.state: Any = None
         self.received: Optional[dict[str, Any]] = None  # a newcomer's state, until loaded
         self.bytes_sent = self.bytes_received = 0
         self.write_copy: Callable[[str], None] = lambda why: None
-        self.manager = Manager(
-            pg=self._group, min_replica_size=rank.world_size, load_state_dict=self._receive,
+        self.manager = bound_manager(
+            node_address(), lighthouse_addr=lighthouse_address(), pg=self._group,
+            min_replica_size=rank.world_size, load_state_dict=self._receive,
             state_dict=self._send, use_async_quorum=False, init_sync=False, rank=0, world_size=1,
             replica_id=f"rank{rank.world_rank:05d}", timeout=timeout,
             quorum_timeout=timedelta(seconds=JOIN_TIMEOUT_S), connect_timeout=timedelta(seconds=30),
             checkpoint_transport=PGTransport(self._group, timeout=timeout, device=torch.device("cpu")),
         )
+        server = getattr(self.manager, "_manager", None)  # torchft's ManagerServer (the first rank's)
+        _say(rank, f"live: torchft's manager listens on {server.address() if server else '?'}, the lighthouse on "
+                   f"{lighthouse_address()} (this node's address only; no token: docs/security.md)")
         self.log: Any = None
         self.hooks: Any = None
         self.checkpointer: Any = None
@@ -162,10 +286,15 @@ class LiveSession:
             _say(rank, f"live: joined the running group at step {self.received['progress']['step']}: "
                      f"received {self.bytes_received} bytes from a survivor in {time.perf_counter() - started:.2f}s")
 
-    @property
-    def group(self) -> Any:
-        """The group `build_state` wraps on: none for a newcomer until its state is loaded."""
-        return self._group if self._previous_default is not None else None
+    def wrapper_group(self) -> Any:
+        """The group the wrapper runs on: none (local) for a newcomer until its state is loaded;
+        then the reconfigurable group, or for a wrapper that needs a group torch's c10d knows
+        (the registry's `live_subgroups`: torch DDP) a sub-group of the current quorum."""
+        if self._previous_default is None:
+            return None
+        if registry.get(self.cfg.parallel.strategy).live_subgroups:
+            return torch.distributed.new_group(timeout=timedelta(seconds=self.cfg.parallel.collective_timeout_s))
+        return self._group
 
     def _install(self) -> None:
         self._previous_default = _install_default_group(self._group)
@@ -244,9 +373,9 @@ class LiveSession:
                 self.manager.should_commit()  # no: the manager's step stays where it is
                 return f"the group could not be re-formed: {self.manager.errored().original_exception}"
             self._vote_due = True
-        if self.manager._quorum_id != self.wrapped_quorum:
-            self._rewrap(state)
         try:
+            if self.manager._quorum_id != self.wrapped_quorum:  # a member lost while wrapping: a failed try too
+                self._rewrap(state)
             result = train_step(state, window, accumulation_steps, train, rank,
                                 commit=self._commit if self._vote_due else None)
             self._vote_due = False
@@ -295,7 +424,7 @@ class LiveSession:
 
         if hasattr(state.wrapper, "close"):
             state.wrapper.close()
-        state.wrapper = wrap(state.module, self.cfg, self.rank, self._group)
+        state.wrapper = wrap(state.module, self.cfg, self.rank, self.wrapper_group())
         self.wrapped_quorum = self.manager._quorum_id
         if self.log is not None:  # the new wrapper counts its all-reduces from zero
             self.log.meter._comm_start = dict(state.wrapper.comm_stats)
@@ -425,8 +554,8 @@ def _install_default_group(group: Any) -> Any:
 
     previous = c10d._world.default_pg
     c10d._update_default_pg(group)
-    if group not in c10d._world.pg_map:  # torch's error paths ask the map for the backend's name
-        c10d._world.pg_map[group] = ("gloo", None)
+    if group not in c10d._world.pg_map:  # torch asks the map for the backend's name, new_group for the store
+        c10d._world.pg_map[group] = ("gloo", getattr(group, "_store", None))
     return previous
 
 

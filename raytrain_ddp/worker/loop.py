@@ -40,6 +40,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     job: Job = loop_config["job"]
     runtime = loop_config.get("runtime") or RayTrainRuntime()  # a Ray Train worker, or local mode
     cfg, rank, hooks = job.cfg, runtime.rank(), load_hooks()
+    hooks.on_start(rank)
     live = session_for(job, runtime)  # run.recovery=live: survivors stay, a newcomer heals (live.py)
     try:
         _train(job, cfg, rank, hooks, live, live.runtime)
@@ -50,7 +51,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 def _train(job: Job, cfg: Any, rank: Any, hooks: Any, live: Any, runtime: Any) -> None:
     data = WorkerData(cfg, job.spec, rank.world_rank, rank.world_size, rank.device, shards=runtime.shards())
     total_steps = total_steps_of(cfg, data.steps_per_epoch)  # as the driver computes it (data/steps.py)
-    state = build_state(job, rank, total_steps, live.group)
+    state = build_state(job, rank, total_steps, live.wrapper_group())
     log = RunLog(job, rank, state, data, total_steps)  # records this attempt
     hooks.on_attempt(rank, log.attempt, state.module)
     checkpointer = live.resume(job, rank, state, log, hooks, data.accumulation_steps)

@@ -57,6 +57,7 @@ import torch
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp import ray_compat  # a leaf: Ray Train's private hook, named in one room
 from raytrain_ddp.errors import UserError
+from raytrain_ddp.parallel.errors import CollectiveTimeoutError
 from raytrain_ddp.parallel import registry
 from raytrain_ddp.rundir import CHECKPOINT_PREFIX, Location
 
@@ -227,10 +228,15 @@ def is_peer_loss(exc: BaseException) -> bool:
     collective: raised in `torch.distributed`, or from a `Work.wait()` in our wrappers
     (`raytrain_ddp.parallel`). An error of the user's code, a non-finite abort or an
     interrupt is not a lost peer: this rank itself failed, and its state is the
-    restarted group's concern only through the durable checkpoint.
+    restarted group's concern only through the durable checkpoint. torch DDP (`native`)
+    waits for its buckets inside autograd, whose engine re-raises our comm hook's
+    `CollectiveTimeoutError` as a plain `RuntimeError` from `loss.backward()`, with no
+    frame of ours: there the type's name in the text says it.
     """
     if not isinstance(exc, RuntimeError) or isinstance(exc, UserError):
         return False
+    if isinstance(exc, CollectiveTimeoutError) or f"{CollectiveTimeoutError.__name__}: " in str(exc):
+        return True
     frames = traceback.extract_tb(exc.__traceback__)
     return any(_COLLECTIVES in frame.filename.replace(os.sep, "/") or _WRAPPERS in frame.filename.replace(os.sep, "/")
                for frame in frames)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import select
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from _procs import in_session, listening_sockets, loopback
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
@@ -51,33 +52,11 @@ ray.shutdown()
 
 def _listeners(session_id: int) -> list[tuple[str, int, str]]:
     """(address, port, command line) of every LISTEN socket of processes in `session_id`."""
-    owners: dict[str, str] = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.getsid(int(pid)) != session_id:
-                continue
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if link.startswith("socket:["):
-                    owners[link[8:-1]] = cmd
-        except OSError:
-            continue
-    found = []
-    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] != "0A" or fields[9] not in owners:  # 0A: LISTEN
-                continue
-            hex_addr, hex_port = fields[1].split(":")
-            raw = bytes.fromhex(hex_addr)
-            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # per-word little endian
-            found.append((socket.inet_ntop(family, raw), int(hex_port, 16), owners[fields[9]]))
-    return found
+    return [(addr, port, cmd) for addr, port, _, cmd in listening_sockets(in_session(session_id))]
 
 
 def _loopback(address: str) -> bool:
-    return address in ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+    return loopback(address)
 
 
 def test_embedded_ray_exposes_only_loopback_http_and_token_protected_services(tmp_path):

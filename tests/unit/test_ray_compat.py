@@ -194,6 +194,12 @@ def test_local_instance_kwargs():
         assert f'kwargs.pop("{name}"' in source, _gone("local_instance_kwargs", f"ray.init({name}=...)")
 
 
+def test_started_here():
+    _attr("started_here", "ray._private.worker:_global_node")
+    assert "is_head" in dir(_attr("started_here", "ray._private.node:Node")), _gone("started_here", "Node.is_head")
+    assert ray_compat.started_here() is ray.is_initialized()  # this session starts its own Ray, or none yet
+
+
 def test_job_config():
     name = _attr("job_config", "ray._private.runtime_env.constants:RAY_JOB_CONFIG_JSON_ENV_VAR")
     assert ray_compat.JOB_CONFIG_ENV == name
