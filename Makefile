@@ -23,11 +23,14 @@ demo: $(STAMP)
 	$(VENV)/bin/raytrain-ddp train examples/configs/quickstart.yaml
 	$(VENV)/bin/raytrain-ddp plot runs/quickstart
 
+# Two test processes (pytest-xdist), one file at a time each (tests/conftest.py); TEST_JOBS=0 runs
+# in this process, as a debugger wants. The slowest tests and every failure land in CI's log too.
+TEST_JOBS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=30 -rfE tests  # the slowest tests and every failure, in CI's log too
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadgroup --durations=30 -rfE tests
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q --durations=15 -m "not ray" tests  # the slowest of the tier in the log (issue #29)
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadgroup --durations=15 -m "not ray" tests
 
 # Not in CI's default path: one venv per torch version (the declared floor first, then the
 # newest this project allows), `test-fast` in each; then one venv per Ray version (floor,

@@ -58,3 +58,18 @@ def _no_leaked_process_group():
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
         pytest.fail("test left a torch.distributed process group initialised (call destroy_process_group)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`make test`: `-n 2 --dist loadgroup`), one group per test file,
+    so a module's fixtures (a finished run, a two-node cluster) are built once, and one for
+    tests/elastic, whose session fixture (the reference run) is built once. The Ray tier goes
+    first: its files are the long ones, and starting them early keeps both processes busy to
+    the end. Without xdist the marks do nothing and only the order changes."""
+    def group(item) -> str:
+        path = Path(str(item.fspath)).relative_to(REPO).as_posix()
+        return "tests/elastic" if path.startswith("tests/elastic/") else path
+
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group(item)))
+    items.sort(key=lambda item: item.get_closest_marker("ray") is None)  # stable: file order kept within each tier

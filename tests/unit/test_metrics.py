@@ -89,20 +89,33 @@ def test_final_metrics_overlays_last_validation_on_last_train_line():
     assert final_metrics([]) == {}
 
 
-def test_step_meter_averages_over_the_window_and_ignores_paused_time():
+class _Clock:
+    """A perf_counter that moves only when told (the meter's arithmetic, not the machine's load)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_step_meter_averages_over_the_window_and_ignores_paused_time(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr("raytrain_ddp.worker.meter.time.perf_counter", clock)
     meter = StepMeter(global_batch_size=64, wait_seconds=0.0, comm={"allreduce_calls": 0, "allreduce_bytes": 0})
-    time.sleep(0.02)
+    clock.now += 0.020
     meter.step_done()
     meter.pause(wait_seconds=0.005)
-    time.sleep(0.05)  # validation: neither step time nor data wait
+    clock.now += 0.050  # validation: neither step time nor data wait
     meter.resume(wait_seconds=0.5)
-    time.sleep(0.02)
+    clock.now += 0.020
     meter.step_done()
     out = meter.summarize(wait_seconds=0.51, comm={"allreduce_calls": 4, "allreduce_bytes": 400})
     assert out["allreduce_calls"] == 2 and out["allreduce_bytes"] == 200
-    # two steps of ~20 ms each: ~3,200 samples/s; the 50 ms pause is not counted
-    assert 64 * 2 / 0.2 < out["samples_per_s"] < 64 * 2 / 0.035
-    assert 0.0 < out["data_wait_fraction"] < 1.0  # 15 ms of the ~40 ms, paused wait excluded
+    # two steps of 20 ms each: 3,200 samples/s; the 50 ms pause is not counted
+    assert out["samples_per_s"] == pytest.approx(64 * 2 / 0.040)
+    # 15 ms of the 40 ms waited for data; the 495 ms waited while paused is excluded
+    assert out["data_wait_fraction"] == pytest.approx(0.015 / 0.040)
     again = meter.summarize(wait_seconds=0.51, comm={"allreduce_calls": 4, "allreduce_bytes": 400})
     assert again["allreduce_calls"] == 0 and again["samples_per_s"] == 0
 
