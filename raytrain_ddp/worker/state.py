@@ -164,8 +164,9 @@ def seed_everything(seed: int) -> None:
 
 def wrap(module: torch.nn.Module, cfg: Any, rank: Rank, process_group: Any = None) -> Any:
     """`module` wrapped for `cfg.parallel`. `process_group`: run.recovery=live's reconfigurable
-    group (worker/live.py), which also re-wraps with this after each reconfiguration; shared
-    memory is off there, since a dead peer must fail the all-reduce at once."""
+    group (worker/live.py), which also re-wraps with this after each reconfiguration (shared
+    memory works there too: its barrier is the group's all-reduce, so a dead peer fails it
+    at once, and every re-wrap opens fresh segments with the new members)."""
     from raytrain_ddp.parallel import wrap_model
 
     return wrap_model(
@@ -180,7 +181,7 @@ def wrap(module: torch.nn.Module, cfg: Any, rank: Rank, process_group: Any = Non
         param_dtype={"bf16": torch.bfloat16}.get(cfg.train.precision),  # fsdp's mixed precision
         broadcast_buffers=cfg.parallel.broadcast_buffers,
         find_unused_parameters=cfg.parallel.find_unused_parameters,
-        shm=cfg.parallel.shm and process_group is None,
+        shm=cfg.parallel.shm,
     )
 
 

@@ -85,11 +85,13 @@ def _native_over_live_group(world_rank, world_size):
     group.configure(f"{address}/quorum2", "r", world_rank, world_size)  # the next quorum
     out["registered"] = len(set(c10d._world.pg_map) - before)
     out["second"], _, _ = train_once()
-    for strategy in ("naive", "bucketed"):  # these run on the reconfigurable group itself
+    for key, strategy, shm in (("naive", "naive", False), ("bucketed", "bucketed", False),
+                               ("bucketed_shm", "bucketed", True)):  # these run on the reconfigurable group itself
         model = _model()
-        wrapper = wrap_model(model, strategy, process_group=group, collective_timeout_s=TIMEOUT_S, shm=False)
+        wrapper = wrap_model(model, strategy, process_group=group, collective_timeout_s=TIMEOUT_S, shm=shm)
         wrapper(_batch(world_rank)).sum().backward()
-        out[strategy] = _grads(model)
+        out[key] = _grads(model)
+        out[key + "_transport"] = getattr(wrapper, "transport", "process_group")
         wrapper.close()
     return out
 
@@ -103,9 +105,10 @@ def test_native_runs_over_the_reconfigurable_group_and_a_silent_peer_is_a_peer_l
     mean = [(a + b) / 2 for a, b in zip(*reference)]
     outs = run_ranks(_native_over_live_group, 2, timeout_s=100)
     for rank, out in enumerate(outs):
-        for key in ("first", "second", "naive", "bucketed"):
+        for key in ("first", "second", "naive", "bucketed", "bucketed_shm"):
             assert max((g - m).abs().max().item() for g, m in zip(out[key], mean)) < 1e-12, (rank, key)
         assert out["made_with_the_quorum"] == 2 and out["subgroups"] == (2, 0)
         assert out["registered"] == 0  # the old quorum's groups are gone
+        assert (out["bucketed_transport"], out["bucketed_shm_transport"]) == ("process_group", "shm"), rank
     message, peer_loss = outs[0]["error"]
     assert peer_loss, message

@@ -22,9 +22,10 @@ the first `COMPARE_KILLS` rounds only. Per run:
 - restart modes: `resumed_from` / `resumed_step` and `kill_to_restart_s` from
   attempts.jsonl, `kill_to_copy_s` (a survivor's copy complete, seen from outside);
 - live: `newcomer`, where the replacement's seconds went (`newcomer_timeline`).
-`no_failure`: `rounds` pairs of uninterrupted runs (replica, live; the order alternates);
-the step time is the median gap between consecutive train lines (epoch ends and the
-steps after a checkpoint left out); `live_overhead_pct` is the median over the pairs of
+`no_failure`: `rounds` pairs of uninterrupted runs of `STEADY_STEPS` (replica, live; the
+order alternates); the step time is the median gap between consecutive train lines (epoch
+ends, the steps after a checkpoint and the first `STEADY_WARMUP` left out: a 40-step run
+timed mostly its start-up); `live_overhead_pct` is the median over the pairs of
 live's step time over replica's, so each ratio compares runs that shared the machine's load.
 """
 
@@ -50,6 +51,7 @@ MODES = ("replica", "live")
 COMPARE = "checkpoint"  # the mode without a survivor's copy, for comparison
 COMPARE_KILLS = 2
 KILL_AT, MAX_STEPS, CHECKPOINT_EVERY, RUN_TIMEOUT_S = 14, 40, 10, 300.0
+STEADY_STEPS, STEADY_WARMUP = 200, 20  # the no-failure runs: steps timed after the warm-up (start-up transients)
 KILLS, ROUNDS = 5, 3  # the full preset: the median of 5 kills per mode, 3 pairs for the step time
 TARGETS = {"kill_to_next_step_s": 5.0, "steps_redone": 0, "live_overhead_pct": 2.0}
 _SURVIVOR = re.compile(r"_r(\d+)$")
@@ -132,12 +134,12 @@ def first_recovered(lines: list[dict[str, Any]], newcomer: list[str]) -> Optiona
     return None if joined is None else next((r for r in lines if r["step"] == joined + 1), None)
 
 
-def _cfg(mode: str, storage: Path, name: str) -> Any:
+def _cfg(mode: str, storage: Path, name: str, steps: int = MAX_STEPS) -> Any:
     from raytrain_ddp.config import load_config
 
     return load_config(QUICKSTART, [
         f"run.storage_path={storage}", f"name={name}", f"run.recovery={mode}", "run.log_every_steps=1",
-        f"run.checkpoint_every_steps={CHECKPOINT_EVERY}", f"train.max_steps={MAX_STEPS}", "run.max_failures=1"])
+        f"run.checkpoint_every_steps={CHECKPOINT_EVERY}", f"train.max_steps={steps}", "run.max_failures=1"])
 
 
 class _Console:
@@ -274,11 +276,13 @@ def _size(path: Path) -> int:
 
 
 def step_time_run(mode: str, storage: Path) -> float:
-    """Median seconds between consecutive train lines of an uninterrupted run (epoch ends left out)."""
+    """Median seconds between consecutive train lines of an uninterrupted run of `STEADY_STEPS`
+    (epoch ends, the steps after a checkpoint and the first `STEADY_WARMUP` left out)."""
     from raytrain_ddp.rundir import read_metrics
 
-    summary = _train(_cfg(mode, storage, f"steady-{mode}"))
-    lines = [r for r in read_metrics(Path(summary["run_dir"]) / "metrics.jsonl") if "loss" in r]
+    summary = _train(_cfg(mode, storage, f"steady-{mode}", STEADY_STEPS))
+    lines = [r for r in read_metrics(Path(summary["run_dir"]) / "metrics.jsonl")
+             if "loss" in r and r["step"] > STEADY_WARMUP]
     gaps = [b["time"] - a["time"] for a, b in zip(lines, lines[1:])  # `epoch` counts fractions: whole epochs compared
             if b["step"] == a["step"] + 1 and math.floor(a["epoch"]) == math.floor(b["epoch"])
             and b["step"] % CHECKPOINT_EVERY != 1]
@@ -316,6 +320,7 @@ def side_by_side(kills: int = KILLS, rounds: int = ROUNDS, compare: int = 0, log
     finally:
         os.environ.update(saved)
     out: dict[str, Any] = {"kill_at": KILL_AT, "max_steps": MAX_STEPS, "checkpoint_every_steps": CHECKPOINT_EVERY,
+                           "steady_steps": STEADY_STEPS, "steady_warmup": STEADY_WARMUP,
                            "world_size": 2, "config": "examples/configs/quickstart.yaml", "killed": "rank 1",
                            "modes": list(modes), "targets": dict(TARGETS)}
     for mode in modes:
