@@ -129,7 +129,10 @@ class ProgressPrinter:
         self.out = out if out is not None else sys.stdout  # at construction: honours redirect_stdout
 
     def record(self, record: dict[str, Any]) -> None:
-        print(format_record(record, self.total_steps), file=self.out, flush=True)
+        # One write per line: Ray's worker lines arrive on another thread (`ray_console`), and
+        # print's separate write of the newline let one land between (seen in test_console).
+        self.out.write(format_record(record, self.total_steps) + "\n")
+        self.out.flush()
 
     def flush(self) -> None:
         pass

@@ -77,7 +77,9 @@ class WorkerLines:
                 if text in self._seen:
                     continue
                 self._seen.add(text)
-            print(text, file=sys.stderr if data.get("is_err") else sys.stdout, flush=True)
+            out = sys.stderr if data.get("is_err") else sys.stdout
+            out.write(text + "\n")  # one write: the progress lines are printed from another thread
+            out.flush()
 
 
 def after_init() -> None:
