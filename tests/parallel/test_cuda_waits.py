@@ -18,6 +18,7 @@ import torch
 from raytrain_ddp.driver.launcher import nccl_env, process_group_timeout_s
 from raytrain_ddp.parallel import base, watch as watch_module
 from raytrain_ddp.parallel.base import CollectiveTimeoutError, CollectiveWatch, wait_work
+from _clock import FakeClock
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -35,14 +36,6 @@ class _Work:
 
     def is_completed(self) -> bool:
         return self.done
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_cuda_waits_are_stream_waits_and_go_to_the_watch(monkeypatch):
@@ -70,7 +63,7 @@ def test_cuda_waits_are_stream_waits_and_go_to_the_watch(monkeypatch):
 
 def test_the_watch_names_the_oldest_unfinished_collective_once():
     said: list[str] = []
-    clock = _Clock()
+    clock = FakeClock(100.0)
     watch = CollectiveWatch(report=said.append, poll_s=0, clock=clock)
     first, second, third = _Work(), _Work(), _Work()
     watch.track(first, "all-reduce of bucket 1/2", 10.0, 3, 4)

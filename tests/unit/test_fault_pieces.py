@@ -19,6 +19,7 @@ from raytrain_ddp.driver.stream import Mailbox, Recorder
 from raytrain_ddp.rundir import Location
 from raytrain_ddp.worker.meter import Outbox
 from raytrain_ddp.worker.preemption import PreemptionGuard
+from _clock import FakeClock
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,16 +37,8 @@ def test_a_fit_hands_ray_an_empty_history(tmp_path):
     assert (tmp_path / "config.yaml").exists()  # ours are untouched
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_ctrl_c_is_agreed_at_the_next_poll_and_sticks_until_the_loop_stops():
-    clock, asked = _Clock(), []
+    clock, asked = FakeClock(1000.0), []
     stop = {"now": False}
 
     def stop_source() -> bool:

@@ -15,6 +15,7 @@ from raytrain_ddp.driver.stream import Mailbox
 from raytrain_ddp.rundir import JsonlFile, Location
 from raytrain_ddp.worker.meter import Outbox, StepMeter
 from raytrain_ddp.ops.plot import plot_run
+from _clock import FakeClock
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -89,18 +90,8 @@ def test_final_metrics_overlays_last_validation_on_last_train_line():
     assert final_metrics([]) == {}
 
 
-class _Clock:
-    """A perf_counter that moves only when told (the meter's arithmetic, not the machine's load)."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_step_meter_averages_over_the_window_and_ignores_paused_time(monkeypatch):
-    clock = _Clock()
+    clock = FakeClock(100.0)
     monkeypatch.setattr("raytrain_ddp.worker.meter.time.perf_counter", clock)
     meter = StepMeter(global_batch_size=64, wait_seconds=0.0, comm={"allreduce_calls": 0, "allreduce_bytes": 0})
     clock.now += 0.020

@@ -7,6 +7,7 @@ import socket
 import pytest
 
 from raytrain_ddp.driver.node_loss import NodeLossWatch, raylet_answers, unreachable_nodes, wait_until_declared
+from _clock import FakeClock
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,19 +30,8 @@ def test_a_listening_raylet_answers_and_a_closed_port_does_not():
         assert [n["NodeID"] for n in unreachable_nodes(nodes)] == ["b"]  # dead ones are not probed
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, dt: float) -> None:
-        self.now += dt
-
-
 def test_waits_until_the_gcs_declares_the_lost_node_dead_and_no_longer():
-    clock = _Clock()
+    clock = FakeClock(0.0)
     lost = [_node("b", 1)]
     views = iter([[_node("a", 2), _node("b", 1)]] * 4 + [[_node("a", 2), _node("b", 1, alive=False)]])
     declared, pending = wait_until_declared(lost, lambda: next(views), lambda a, p: False, timeout_s=30,
@@ -50,7 +40,7 @@ def test_waits_until_the_gcs_declares_the_lost_node_dead_and_no_longer():
 
 
 def test_a_node_that_answers_again_or_never_is_declared_is_not_waited_for_without_bound():
-    clock = _Clock()
+    clock = FakeClock(0.0)
     lost = [_node("b", 1), _node("c", 3)]
     alive = [_node("a", 2), _node("b", 1), _node("c", 3)]
     declared, pending = wait_until_declared(lost, lambda: alive, lambda a, p: p == 1, timeout_s=5, poll_s=0.5,
