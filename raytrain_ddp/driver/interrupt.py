@@ -20,7 +20,10 @@ STOP_WAIT_S = 30.0  # after a Ctrl-C, how long the workers get to save their ste
 
 
 class Interrupt:
-    """Ctrl-C while `fit` runs: first a stop at the next step boundary, saved; then an abort.
+    """Ctrl-C from the placement wait to the end of `fit`: while the cluster has not placed
+    the workers, the wait ends (`listen` installs the handler before it; Python's own
+    KeyboardInterrupt was seen lost inside Ray's blocking calls, so the wait polls `fired`);
+    once `fit` runs, first a stop at the next step boundary, saved; then an abort.
 
     The first Ctrl-C asks the workers, through the mailbox, to save the step they are at
     and return (rank 0 polls about once a second: `worker/preemption.py`), so what was
@@ -34,18 +37,35 @@ class Interrupt:
         self.presses = 0
         self.controller: Any = None
         self._previous: Any = None
+        self._listening = False
         self._timer: Optional[threading.Timer] = None
 
     @property
     def fired(self) -> bool:
         return self.presses > 0
 
+    def listen(self) -> None:
+        """Take SIGINT from now on (before the placement wait); idempotent."""
+        if not self._listening:
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._listening = True
+
     def register(self, controller: Any) -> None:
+        """Called by `TorchTrainer.fit` with its controller (`ray_compat.install_sigint_handler`)."""
         self.controller = controller
-        self._previous = signal.signal(signal.SIGINT, self._handle)
+        self.listen()
+        if self.presses and self.mailbox is not None:  # Ctrl-C between the placement wait and now
+            self.mailbox.request_stop.remote()
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.presses += 1
+        if self.controller is None:  # no worker started yet: the placement wait sees `fired` and ends
+            if self.presses == 1:
+                print("raytrain-ddp: interrupted while waiting for the cluster to place the workers",
+                      file=sys.stderr, flush=True)
+            elif self.presses > 2:
+                raise KeyboardInterrupt
+            return
         if self.presses == 1 and self.mailbox is not None:
             print("raytrain-ddp: interrupted: the workers save the step they are at and stop "
                   "(Ctrl-C again to stop at once, from the newest checkpoint)", file=sys.stderr, flush=True)
@@ -71,6 +91,6 @@ class Interrupt:
     def restore(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        if self._listening:
+            signal.signal(signal.SIGINT, self._previous if self._previous is not None else signal.default_int_handler)
+            self._previous, self._listening = None, False

@@ -368,8 +368,11 @@ def run_fit(cfg: Config, trainer: Any, recorder: Recorder, interrupt: Interrupt)
     try:
         with recorder:
             try:
-                if (unplaced := wait_for_placement(cfg)) is not None:  # bounded wait, status lines
+                interrupt.listen()  # a Ctrl-C while waiting for placement ends the wait
+                if (unplaced := wait_for_placement(cfg, stop=lambda: interrupt.fired)) is not None:
                     raise Unschedulable(unplaced)
+                if interrupt.fired:  # Ctrl-C as the wait ended: no worker is started
+                    raise KeyboardInterrupt
                 result = trainer.fit()
                 if result.error is not None:  # pragma: no cover - fit raises in V2, kept for safety
                     raise result.error

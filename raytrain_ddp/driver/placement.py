@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any, Optional, TextIO
+from typing import Any, Callable, Optional, TextIO
 
 from raytrain_ddp.config import Config
 from raytrain_ddp.errors import UserError
@@ -98,11 +98,14 @@ def check_machine(cfg: Config) -> None:
         )
 
 
-def wait_for_placement(cfg: Config, out: TextIO = sys.stdout) -> Optional[str]:
+def wait_for_placement(cfg: Config, out: TextIO = sys.stdout,
+                       stop: Callable[[], bool] = lambda: False) -> Optional[str]:
     """Block until the cluster can place the worker group; None when it can, else why not.
 
     Prints a status line after FIRST_STATUS_S and then every STATUS_EVERY_S while waiting.
-    `scaling.placement_timeout_s` bounds the wait (0: forever). Ctrl-C removes the probe.
+    `scaling.placement_timeout_s` bounds the wait (0: forever). `stop()` true (a Ctrl-C
+    taken by the driver's handler) ends it within POLL_S with KeyboardInterrupt; either way
+    the probe is removed.
     """
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
@@ -125,6 +128,8 @@ def wait_for_placement(cfg: Config, out: TextIO = sys.stdout) -> Optional[str]:
         # KeyboardInterrupt through.
         ready = pg.ready()
         while not ray.wait([ready], timeout=POLL_S)[0]:
+            if stop():
+                raise KeyboardInterrupt
             waited = time.monotonic() - started
             if timeout and waited >= timeout:
                 return (f"the cluster did not place {workers} worker{'s' if workers > 1 else ''} x "

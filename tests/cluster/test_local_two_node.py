@@ -314,6 +314,7 @@ def test_a_worker_no_node_can_hold_is_unschedulable_not_a_silent_wait(two_nodes,
             proc.kill()
             proc.wait(timeout=30)
     assert proc.returncode == 130, f"{seen}{out}\n{err}"
+    assert "interrupted while waiting for the cluster to place the workers" in err, err[-3000:]
     assert _placement_state(env) == {"pending_or_created": [], "train_actors": []}
 
     # 3. Node types published (as an autoscaler does) and none can hold a worker: fails at once.

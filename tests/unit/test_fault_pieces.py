@@ -4,17 +4,26 @@
   relies on are checked by name in `test_ray_compat.py`);
 - the driver's Ctrl-C rides on the preemption poll: rank 0 asks, all ranks agree, and
   every boundary after it says "save and stop";
-- the mailbox carries the stop request, and the summary counts only what this fit made.
+- the mailbox carries the stop request, and the summary counts only what this fit made;
+- a Ctrl-C while the cluster has not placed the workers ends the wait (a flag the wait
+  polls: Python's KeyboardInterrupt was once lost inside Ray's blocking calls, and the
+  two-node test waited 120 s for an exit), and one just before the fit still stops it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from raytrain_ddp.config import Config
+from raytrain_ddp.driver import placement
+from raytrain_ddp.driver.interrupt import Interrupt
 from raytrain_ddp.driver.stream import Mailbox, Recorder
 from raytrain_ddp.rundir import Location
 from raytrain_ddp.worker.meter import Outbox
@@ -126,3 +135,45 @@ def test_a_staging_copy_whose_upload_died_is_uploaded_by_the_next_rank0(tmp_path
     assert ckpt.load_checkpoint(run_dir / "checkpoint_00000010_fit-a")["progress"]["step"] == 10
     assert not ours.exists() and not broken.exists()  # uploaded, or unusable: gone either way
     assert theirs.exists()  # another fit's is not ours to touch
+
+
+class _Remote:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def remote(self) -> None:
+        self.calls += 1
+
+
+def test_ctrl_c_before_the_workers_start_ends_the_placement_wait_and_still_stops_the_fit(monkeypatch, capsys):
+    import sys
+
+    import ray
+    import ray.util.placement_group  # noqa: F401 - the module, which `ray.util` shadows with its function
+
+    ray_pg = sys.modules["ray.util.placement_group"]
+
+    removed, polls = [], []
+    monkeypatch.setattr(ray_pg, "placement_group", lambda bundles, strategy: SimpleNamespace(ready=lambda: "ready"))
+    monkeypatch.setattr(ray_pg, "remove_placement_group", removed.append)
+    monkeypatch.setattr(ray, "wait", lambda refs, timeout: polls.append(timeout) or ([], refs))
+    monkeypatch.setattr(placement, "node_types", lambda: None)
+    monkeypatch.setattr(placement, "FIRST_STATUS_S", 1e9)
+
+    mailbox = SimpleNamespace(request_stop=_Remote())
+    interrupt = Interrupt(mailbox)
+    before = signal.getsignal(signal.SIGINT)
+    interrupt.listen()
+    interrupt.listen()  # idempotent: restore still gives back the handler from before
+    try:
+        os.kill(os.getpid(), signal.SIGINT)  # taken by our handler: no KeyboardInterrupt here
+        assert interrupt.fired and mailbox.request_stop.calls == 0  # no worker to ask yet
+        with pytest.raises(KeyboardInterrupt):
+            placement.wait_for_placement(Config(), stop=lambda: interrupt.fired)
+        assert len(polls) == 1 and len(removed) == 1  # one poll, and the probe withdrawn
+        interrupt.register("controller")  # a fit started anyway (Ctrl-C just as the wait ended)
+        assert mailbox.request_stop.calls == 1
+    finally:
+        interrupt.restore()
+    assert signal.getsignal(signal.SIGINT) is before
+    assert "interrupted while waiting for the cluster to place the workers" in capsys.readouterr().err
