@@ -27,10 +27,10 @@ demo: $(STAMP)
 # in this process, as a debugger wants. The slowest tests and every failure land in CI's log too.
 TEST_JOBS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadgroup --durations=30 -rfE tests
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=30 -rfE tests
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadgroup --durations=15 -m "not ray" tests
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=15 -m "not ray" tests
 
 # Not in CI's default path: one venv per torch version (the declared floor first, then the
 # newest this project allows), `test-fast` in each; then one venv per Ray version (floor,

@@ -60,16 +60,29 @@ def _no_leaked_process_group():
         pytest.fail("test left a torch.distributed process group initialised (call destroy_process_group)")
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`make test`: `-n 2 --dist loadgroup`), one group per test file,
-    so a module's fixtures (a finished run, a two-node cluster) are built once, and one for
-    tests/elastic, whose session fixture (the reference run) is built once. The Ray tier goes
-    first: its files are the long ones, and starting them early keeps both processes busy to
-    the end. Without xdist the marks do nothing and only the order changes."""
-    def group(item) -> str:
-        path = Path(str(item.fspath)).relative_to(REPO).as_posix()
-        return "tests/elastic" if path.startswith("tests/elastic/") else path
+def _group(nodeid: str) -> str:
+    """The unit `make test` hands one test process: a test file, or all of tests/elastic
+    (its session fixture, the reference run, is built once)."""
+    path = nodeid.split("::", 1)[0]
+    return "tests/elastic" if path.startswith("tests/elastic/") else path
 
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group(item)))
-    items.sort(key=lambda item: item.get_closest_marker("ray") is None)  # stable: file order kept within each tier
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (`make test`: `-n 2`), whole groups (`_group`) go to one process,
+    so a module's fixtures (a finished run, the two-node cluster, a CLI run with its
+    Ctrl-C) are built once. xdist's own `--dist loadgroup` reads `xdist_group` marks by
+    rewriting `item._nodeid`, which pytest 9.2 no longer reads: every module fixture was
+    built in both processes when the file's tests split between them."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    return FileGroups(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The Ray tier goes first: its files are the long ones, and starting them early keeps
+    both test processes busy to the end. Stable: file order kept within each tier."""
+    items.sort(key=lambda item: item.get_closest_marker("ray") is None)

@@ -1,0 +1,67 @@
+"""`make test`'s two test processes take whole files (tests/elastic as one group), so a
+module's fixture -- a CLI run, a cluster, a reference fit -- is built once.
+
+Checked with the real pytest-xdist and this suite's own conftest on a few generated test
+files: xdist's `--dist loadgroup` had silently stopped grouping under pytest 9.2 (it
+rewrites `item._nodeid`, which pytest no longer reads), and the suite built fixtures such
+as test_interrupt's CLI run twice.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+TESTS = Path(__file__).resolve().parents[1]
+
+BODY = '''
+import json, os, time
+from pathlib import Path
+import pytest
+
+LOG = Path(os.environ["GROUPS_LOG"])
+
+@pytest.fixture(scope="module")
+def built():
+    with LOG.open("a") as f:
+        f.write(json.dumps({{"fixture": __name__}}) + "\\n")
+
+@pytest.mark.parametrize("i", range(4))
+def test_one(built, i):
+    time.sleep(0.05)
+    with LOG.open("a") as f:
+        f.write(json.dumps({{"file": "{name}", "worker": os.environ["PYTEST_XDIST_WORKER"]}}) + "\\n")
+'''
+
+
+def test_each_file_and_tests_elastic_run_in_one_process_with_one_module_fixture(tmp_path):
+    suite = tmp_path / "tests"
+    files = ["tests/elastic/test_e1.py", "tests/elastic/test_e2.py", "tests/a/test_a.py", "tests/b/test_b.py",
+             "tests/c/test_c.py"]
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(BODY.format(name=name))
+    shutil.copy(TESTS / "conftest.py", suite / "conftest.py")
+    log = tmp_path / "log.jsonl"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile", "-p",
+                           "no:cacheprovider", "--rootdir", str(tmp_path), "tests"], cwd=tmp_path,
+                          env={**__import__("os").environ, "GROUPS_LOG": str(log)},
+                          capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    workers = {}
+    for line in lines:
+        if "file" in line:
+            workers.setdefault(line["file"], set()).add(line["worker"])
+    assert sorted(workers) == sorted(files) and all(len(w) == 1 for w in workers.values()), workers
+    assert workers["tests/elastic/test_e1.py"] == workers["tests/elastic/test_e2.py"], workers
+    assert len({w for ws in workers.values() for w in ws}) == 2, workers  # both processes had work
+    fixtures = [line["fixture"] for line in lines if "fixture" in line]
+    assert len(fixtures) == len(files) == len(set(fixtures)), fixtures  # each module's fixture once
