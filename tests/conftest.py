@@ -67,22 +67,37 @@ def _group(nodeid: str) -> str:
     return "tests/elastic" if path.startswith("tests/elastic/") else path
 
 
+# The longest groups (minutes each on 2 cores), started first so that neither process is
+# left with one of them at the end while the other idles. Only a scheduling hint;
+# tests/unit/test_suite_groups.py checks that each still exists.
+LONGEST_FIRST = ("tests/e2e/test_byo.py", "tests/elastic", "tests/cluster/test_local_two_node.py",
+                 "tests/reliability/test_fault_sequences.py", "tests/reliability/test_hard_faults.py",
+                 "tests/e2e/test_job_submit.py")
+
+
 def pytest_xdist_make_scheduler(config, log):
     """Under pytest-xdist (`make test`: `-n 2`), whole groups (`_group`) go to one process,
     so a module's fixtures (a finished run, the two-node cluster, a CLI run with its
-    Ctrl-C) are built once. xdist's own `--dist loadgroup` reads `xdist_group` marks by
-    rewriting `item._nodeid`, which pytest 9.2 no longer reads: every module fixture was
-    built in both processes when the file's tests split between them."""
+    Ctrl-C) are built once, in the order `pytest_collection_modifyitems` leaves them.
+    xdist's own `--dist loadgroup` reads `xdist_group` marks by rewriting `item._nodeid`,
+    which pytest 9.2 no longer reads, and its scope reordering (most tests first) would put
+    the many quick unit files before the few long Ray ones."""
     from xdist.scheduler import LoadScopeScheduling
 
     class FileGroups(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return _group(nodeid)
 
+    config.option.loadscopereorder = False
     return FileGroups(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
-    """The Ray tier goes first: its files are the long ones, and starting them early keeps
-    both test processes busy to the end. Stable: file order kept within each tier."""
-    items.sort(key=lambda item: item.get_closest_marker("ray") is None)
+    """The Ray tier goes first, its longest groups (`LONGEST_FIRST`) at its head: starting
+    them early keeps both test processes busy to the end. Stable: file order otherwise."""
+    def key(item) -> tuple[bool, int]:
+        group = _group(item.nodeid)
+        return (item.get_closest_marker("ray") is None,
+                LONGEST_FIRST.index(group) if group in LONGEST_FIRST else len(LONGEST_FIRST))
+
+    items.sort(key=key)

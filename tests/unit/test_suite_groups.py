@@ -65,3 +65,10 @@ def test_each_file_and_tests_elastic_run_in_one_process_with_one_module_fixture(
     assert len({w for ws in workers.values() for w in ws}) == 2, workers  # both processes had work
     fixtures = [line["fixture"] for line in lines if "fixture" in line]
     assert len(fixtures) == len(files) == len(set(fixtures)), fixtures  # each module's fixture once
+
+
+def test_the_longest_groups_named_for_the_schedule_still_exist():
+    import conftest
+
+    missing = [group for group in conftest.LONGEST_FIRST if not (TESTS.parent / group).exists()]
+    assert not missing, f"tests/conftest.py LONGEST_FIRST names what is gone: {missing}"
