@@ -45,8 +45,9 @@ class Interrupt:
         return self.presses > 0
 
     def listen(self) -> None:
-        """Take SIGINT from now on (before the placement wait); idempotent."""
-        if not self._listening:
+        """Take SIGINT from now on (before the placement wait); idempotent. Only the main
+        thread can (a fit run from another thread, as Ray's own handler, takes none)."""
+        if not self._listening and threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGINT, self._handle)
             self._listening = True
 

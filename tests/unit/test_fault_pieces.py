@@ -177,3 +177,23 @@ def test_ctrl_c_before_the_workers_start_ends_the_placement_wait_and_still_stops
         interrupt.restore()
     assert signal.getsignal(signal.SIGINT) is before
     assert "interrupted while waiting for the cluster to place the workers" in capsys.readouterr().err
+
+
+def test_a_fit_run_from_another_thread_takes_no_signal_handler():
+    import threading
+
+    before, errors = signal.getsignal(signal.SIGINT), []
+
+    def fit_in_a_thread() -> None:  # what a test or a notebook's background fit does
+        try:
+            interrupt = Interrupt()
+            interrupt.listen()
+            interrupt.register("controller")
+            interrupt.restore()
+        except Exception as exc:  # noqa: BLE001 - the failure this test is about
+            errors.append(exc)
+
+    thread = threading.Thread(target=fit_in_a_thread)
+    thread.start()
+    thread.join(timeout=10)
+    assert not errors and signal.getsignal(signal.SIGINT) is before, errors
