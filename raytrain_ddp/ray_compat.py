@@ -180,6 +180,15 @@ def autoscaler_config_checks() -> tuple[Callable[[dict], dict], Callable[[dict],
     return prepare_config, validate_config
 
 
+STARTUP_TIMEOUT_TEXT = "timed out during startup"  # ray/_private/node.py: its raylet did not register in 30 s
+
+
+def startup_timed_out(exc: BaseException) -> bool:
+    """Whether `ray.init` of an embedded instance failed because Ray's own wait for its
+    raylet to register (30 s, not configurable) ran out: a busy machine, worth one retry."""
+    return STARTUP_TIMEOUT_TEXT in str(exc)
+
+
 def local_instance_kwargs(ip: str) -> dict[str, Any]:
     """`ray.init` arguments that pin an embedded instance's node address to `ip` (private argument)."""
     return {"_node_ip_address": ip}

@@ -70,13 +70,14 @@ from raytrain_ddp.driver import hold, ray_console
 from raytrain_ddp.driver.interrupt import Interrupt
 from raytrain_ddp.ray_compat import (
     CONTROLLER_POLL_ENV, install_sigint_handler, job_config,
-    local_instance_kwargs, preemption_grace,
+    local_instance_kwargs, preemption_grace, startup_timed_out,
 )
 from raytrain_ddp.driver.placement import Unschedulable, wait_for_placement, worker_resources
 from raytrain_ddp.driver.preflight import preflight
 from raytrain_ddp.driver.resume import check_something_to_train, resolve_resume
 from raytrain_ddp.driver.sinks import check_loggers, make_sinks
 from raytrain_ddp.driver.stream import Recorder, open_mailbox
+from raytrain_ddp.errors import UserError
 from raytrain_ddp.job import Job
 from raytrain_ddp.rundir import Location, is_object_store, run_dir_of
 
@@ -205,10 +206,35 @@ def connect_ray(cfg: Config, runtime_env: Optional[dict[str, Any]] = None) -> bo
     # The dashboard stays on (bound to 127.0.0.1): Ray Train's placement-group cleaner
     # polls the state API it serves, and warns every few seconds without it.
     # address="local": a new instance even if an address file or another cluster is around.
-    ray.init(address="local", num_cpus=max(cores, needed), include_dashboard=True, dashboard_host="127.0.0.1",
-             **local_instance_kwargs("127.0.0.1"), log_to_driver=True, logging_level=level, runtime_env=runtime_env)
+    _init_local(address="local", num_cpus=max(cores, needed), include_dashboard=True, dashboard_host="127.0.0.1",
+                **local_instance_kwargs("127.0.0.1"), log_to_driver=True, logging_level=level,
+                runtime_env=runtime_env)
     ray_console.after_init()
     return True
+
+
+class LocalRayDidNotStart(UserError):
+    """The embedded Ray instance did not start, twice (one line, not Ray's traceback)."""
+
+
+def _init_local(**kwargs: Any) -> None:
+    """`ray.init` of the embedded instance, once more if Ray's own 30 s wait for its raylet
+    ran out (seen at load 18 on 2 cores). What the first try started is fate-shared with
+    this process by Ray and ends with it."""
+    import ray
+
+    for attempt in (1, 2):
+        try:
+            ray.init(**kwargs)
+            return
+        except Exception as exc:  # noqa: BLE001 - only Ray's start-up timeout is retried
+            if not startup_timed_out(exc):
+                raise
+            if attempt == 2:
+                raise LocalRayDidNotStart(f"the local Ray instance did not start, twice: {exc} Is the machine "
+                                          "busy? Run the same command again") from None
+            print("raytrain-ddp: the local Ray instance did not start within Ray's 30 s (is the machine busy?); "
+                  "starting it once more", file=sys.stderr, flush=True)
 
 
 def warn_local_storage(cfg: Config) -> None:

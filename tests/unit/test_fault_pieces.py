@@ -197,3 +197,36 @@ def test_a_fit_run_from_another_thread_takes_no_signal_handler():
     thread.start()
     thread.join(timeout=10)
     assert not errors and signal.getsignal(signal.SIGINT) is before, errors
+
+
+def test_the_embedded_ray_is_started_once_more_when_its_startup_wait_ran_out(monkeypatch, capsys):
+    import ray
+
+    from raytrain_ddp.driver import launcher
+
+    timed_out = Exception("The current node timed out during startup. This could happen because some of the "
+                          "raylet failed to startup or the GCS has become overloaded.")
+    tries = []
+
+    def init(**kwargs):
+        tries.append(kwargs)
+        if len(tries) <= failures:
+            raise timed_out
+
+    monkeypatch.setattr(ray, "init", init)
+    failures = 1
+    launcher._init_local(address="local", num_cpus=4)
+    assert tries == [{"address": "local", "num_cpus": 4}] * 2
+    assert "did not start within Ray's 30 s (is the machine busy?); starting it once more" in capsys.readouterr().err
+
+    tries.clear()
+    failures = 2
+    with pytest.raises(launcher.LocalRayDidNotStart, match="did not start, twice: The current node timed out"):
+        launcher._init_local(address="local")
+    assert len(tries) == 2
+
+    tries.clear()
+    monkeypatch.setattr(ray, "init", lambda **kw: tries.append(kw) or (_ for _ in ()).throw(ValueError("bad")))
+    with pytest.raises(ValueError, match="bad"):  # anything else is Ray's own error, not retried
+        launcher._init_local(address="local")
+    assert len(tries) == 1

@@ -339,3 +339,14 @@ def test_serve_partial_groups_whole_datasets():
         _gone("serve_partial_groups_whole_datasets", "DatasetsCallback.before_init_train_context(workers)")
     assert "_dataset_shard_provider" in inspect.getsource(callback), \
         _gone("serve_partial_groups_whole_datasets", "DatasetsCallback._dataset_shard_provider")
+
+
+def test_startup_timed_out():
+    import inspect
+
+    import ray._private.node as node
+
+    assert ray_compat.STARTUP_TIMEOUT_TEXT in inspect.getsource(node), \
+        _gone("startup_timed_out", f"the message {ray_compat.STARTUP_TIMEOUT_TEXT!r} of ray/_private/node.py")
+    assert ray_compat.startup_timed_out(Exception("The current node timed out during startup. This could ..."))
+    assert not ray_compat.startup_timed_out(ValueError("anything else"))
