@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -101,7 +102,8 @@ def test_a_holder_on_this_host_whose_pid_is_gone_is_taken_over_at_once(cfg, caps
             _write(cfg, host=me.host, **record)
             started = time.monotonic()
             held = hold.take(cfg, "b" * 32)
-            assert time.monotonic() - started < hold.SETTLE_S + 1.0
+            # at once: not after the STALE_S a holder elsewhere gets (a bucket on a loaded machine took 3.4 s)
+            assert time.monotonic() - started < hold.STALE_S / 2
             assert _holder(cfg)["fit_id"] == "b" * 32
             held.release()
             assert "taking over" in capsys.readouterr().err
@@ -111,13 +113,14 @@ def test_a_holder_on_this_host_whose_pid_is_gone_is_taken_over_at_once(cfg, caps
 
 def test_another_hosts_holder_is_refused_while_fresh_and_taken_over_once_stale(cfg, capsys):
     _write(cfg, heartbeat=time.time() - hold.STALE_S + 5)
-    with pytest.raises(hold.RunHeld, match="host elsewhere, pid 4242, fit aaaaaaaa, .* last heartbeat 15 s ago"):
+    # 15 s when read at once; a bucket on a loaded machine has taken a second more
+    with pytest.raises(hold.RunHeld, match="host elsewhere, pid 4242, fit aaaaaaaa, .* last heartbeat 1[5-7] s ago"):
         hold.take(cfg, "b" * 32)
     assert _holder(cfg)["host"] == "elsewhere"
     _write(cfg, heartbeat=time.time() - hold.STALE_S - 1)
     held = hold.take(cfg, "b" * 32)
     assert _holder(cfg)["fit_id"] == "b" * 32
-    assert "its last heartbeat is 21 s old (stale after 20 s)" in capsys.readouterr().err
+    assert re.search(r"its last heartbeat is 2[1-3] s old \(stale after 20 s\)", capsys.readouterr().err)
     held.release()
 
 

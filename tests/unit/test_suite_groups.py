@@ -68,7 +68,10 @@ def test_each_file_and_tests_elastic_run_in_one_process_with_one_module_fixture(
 
 
 def test_the_longest_groups_named_for_the_schedule_still_exist():
-    import conftest
+    import importlib.util
 
+    spec = importlib.util.spec_from_file_location("suite_conftest", TESTS / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)  # by path: under xdist another module may be `conftest`
     missing = [group for group in conftest.LONGEST_FIRST if not (TESTS.parent / group).exists()]
     assert not missing, f"tests/conftest.py LONGEST_FIRST names what is gone: {missing}"
