@@ -225,8 +225,12 @@ def test_the_embedded_ray_is_started_once_more_when_its_startup_wait_ran_out(mon
         launcher._init_local(address="local")
     assert len(tries) == 2
 
+    def init_fails(**kwargs):
+        tries.append(kwargs)
+        raise ValueError("bad")
+
     tries.clear()
-    monkeypatch.setattr(ray, "init", lambda **kw: tries.append(kw) or (_ for _ in ()).throw(ValueError("bad")))
+    monkeypatch.setattr(ray, "init", init_fails)
     with pytest.raises(ValueError, match="bad"):  # anything else is Ray's own error, not retried
         launcher._init_local(address="local")
     assert len(tries) == 1
