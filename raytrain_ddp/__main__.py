@@ -2,6 +2,6 @@
 
 import sys
 
-from raytrain_ddp.driver.cli import main
+from raytrain_ddp.cli import main
 
 sys.exit(main())

@@ -167,7 +167,7 @@ def test_cuda_without_a_gpu_is_a_clear_error(tmp_path):
 @pytest.mark.timeout(120)
 def test_gpu_code_paths_dry_run_on_cpu():
     """The CUDA preset's DataParallel row and bf16 GPT section, exercised on gloo/CPU."""
-    from raytrain_ddp.ops.bench import gpu, strategies
+    from benchmarks import gpu, strategies
 
     sizes = gpu.DRYRUN_SIZES
     section = strategies.run(sizes, device="cpu", world_size=1, models=("mlp",), with_dp=True, log=lambda _: None)
@@ -184,7 +184,7 @@ def test_gpu_code_paths_dry_run_on_cpu():
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_transport_table_times_both_transports():
-    from raytrain_ddp.ops.bench import transport
+    from benchmarks import transport
 
     rows = transport.measure(sizes_mib=(0.0625, 1.0), reps=2)
     assert [row["mib"] for row in rows] == [0.0625, 1.0]
@@ -208,7 +208,7 @@ def test_gpu_sh_without_a_gpu_stops_clearly_and_installs_nothing(tmp_path):
 def test_suite_without_ray_records_the_ray_sections_and_goes_on(monkeypatch):
     import sys
 
-    from raytrain_ddp.ops.bench import suite
+    from benchmarks import suite
 
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     results: dict = {}

@@ -46,7 +46,7 @@ import pytest
 
 from _moto import s3_bucket
 from raytrain_ddp import checkpoint as ckpt
-from raytrain_ddp.ops.bench.recovery import follow_to_resume, two_node_env, wait_for_step
+from benchmarks.recovery import follow_to_resume, two_node_env, wait_for_step
 from raytrain_ddp.rundir import Location, read_jsonl, read_metrics
 from raytrain_ddp.testing.hooks import ENABLE
 
@@ -304,7 +304,7 @@ def test_a_worker_no_node_can_hold_is_unschedulable_not_a_silent_wait(two_nodes,
         try:
             out, err = proc.communicate(timeout=120)  # seen > 60 s once on a loaded CI machine
         except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGUSR1)  # every thread's stack to stderr (driver/cli.py)
+            proc.send_signal(signal.SIGUSR1)  # every thread's stack to stderr (cli.py)
             time.sleep(3)
             proc.kill()
             out, err = proc.communicate(timeout=30)

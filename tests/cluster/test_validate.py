@@ -16,7 +16,7 @@ import yaml
 
 from raytrain_ddp.ops import cluster as cv
 from raytrain_ddp.ops.cluster_storage import storage_warnings
-from raytrain_ddp.driver.cli import main as cli_main
+from raytrain_ddp.cli import main as cli_main
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -42,7 +42,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from raytrain_ddp.driver.cli import main as cli
+from raytrain_ddp.cli import main as cli
 from raytrain_ddp.rundir import read_jsonl, read_metrics
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -216,7 +216,7 @@ def test_hugging_face_classifier_trains_resumes_and_every_tracker_holds_each_ste
     assert val["step"] == 16 and 0.0 <= val["val_accuracy"] <= 1.0, story
 
     # the export loads strictly into the user's own class and scores what validation reported
-    from raytrain_ddp.driver.cli import main as cli
+    from raytrain_ddp.cli import main as cli
 
     out = tmp_path / "model.pt"
     assert cli(["export", str(run_dir), str(out)]) == 0

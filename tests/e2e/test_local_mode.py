@@ -99,7 +99,7 @@ def test_local_mode_trains_without_ray_stops_in_your_debugger_and_resumes(tmp_pa
 def test_local_mode_never_imports_ray(tmp_path):
     """No Ray module is even imported (about a second of start-up): start to first step is
     the imports of torch and the loop. The time is recorded in docs/usage.md, not asserted."""
-    code = ("import sys\nfrom raytrain_ddp.driver.cli import main\n"
+    code = ("import sys\nfrom raytrain_ddp.cli import main\n"
             f"rc = main(['train', {str(REPO / 'examples' / 'configs' / 'quickstart.yaml')!r}, 'scaling.num_workers=0', "
             f"'run.storage_path={tmp_path / 'runs'}', 'name=noray', 'train.max_steps=2'])\n"
             "loaded = sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.'))\n"

@@ -84,7 +84,7 @@ def test_assign_buckets_reverse_order_caps_and_dtypes():
 def test_buckets_are_cut_as_torch_ddp_cuts_them():
     """The bench models: torch DDP's buckets after its rebuild (`_get_ddp_logging_data()`'s
     rebuilt_bucket_sizes with default options), byte for byte."""
-    from raytrain_ddp.ops.bench.strategies import build_model
+    from benchmarks.strategies import build_model
 
     for name, torch_sizes in (("mlp", [1049600, 8396800]), ("gpt", [1187840, 694272])):
         params = list(reversed(list(build_model(name).parameters())))
@@ -138,7 +138,7 @@ def test_comm_clock_stamps_completions_when_the_training_thread_sees_them():
 
 def test_paired_ratio_compares_within_rounds_and_ignores_a_disturbed_round():
     """The bench's #19 verdict: per-round medians, then the median over rounds."""
-    from raytrain_ddp.ops.bench.strategies import paired_ratio
+    from benchmarks.strategies import paired_ratio
 
     # round 2 ran under load: both variants slower, a's ratio within every round stays 0.9
     a = [9.0, 9.0, 9.5, 18.0, 18.0, 19.0, 9.0, 9.0, 9.0]
@@ -150,7 +150,7 @@ def test_paired_ratio_compares_within_rounds_and_ignores_a_disturbed_round():
 
 
 def test_launch_interval_is_a_t_interval_of_the_log_ratios():
-    from raytrain_ddp.ops.bench.strategies import launch_interval
+    from benchmarks.strategies import launch_interval
 
     mean, low, high = launch_interval([1.02, 1.02, 1.02])
     assert mean == pytest.approx(1.02) and low == pytest.approx(1.02) and high == pytest.approx(1.02)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ddp.driver.cli import main
+from raytrain_ddp.cli import main
 from raytrain_ddp.config import config_keys
 
 pytestmark = pytest.mark.timeout(60)
@@ -89,7 +89,7 @@ def test_main_in_process_works_without_a_file_behind_stderr_and_leaves_no_signal
 def test_sigusr1_prints_every_threads_stack_and_the_driver_goes_on():
     """`kill -USR1 <pid>` on a driver that seems stuck says where it waits (docs/usage.md)."""
     code = ("import os, signal, threading, time\n"
-            "from raytrain_ddp.driver.cli import _stacks_on_sigusr1\n"
+            "from raytrain_ddp.cli import _stacks_on_sigusr1\n"
             "_stacks_on_sigusr1()\n"
             "threading.Thread(target=time.sleep, args=(5,), name='waiter', daemon=True).start()\n"
             "os.kill(os.getpid(), signal.SIGUSR1)\n"
@@ -101,7 +101,7 @@ def test_sigusr1_prints_every_threads_stack_and_the_driver_goes_on():
 
 
 def test_verbose_is_accepted_anywhere_on_the_command_line():
-    from raytrain_ddp.driver.cli import _flags_first, build_parser
+    from raytrain_ddp.cli import _flags_first, build_parser
 
     for argv in (["train", "--verbose", "c.yaml", "train.lr=0.1"], ["train", "c.yaml", "--verbose", "train.lr=0.1"],
                  ["train", "c.yaml", "train.lr=0.1", "--verbose"]):

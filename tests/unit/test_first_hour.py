@@ -24,7 +24,7 @@ from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import load_config
 from raytrain_ddp import ray_compat
 from raytrain_ddp.driver import preflight, ray_console
-from raytrain_ddp.driver.cli import main
+from raytrain_ddp.cli import main
 from raytrain_ddp.driver.resume import (
     CONFIG_HISTORY_FILE, NothingToTrain, ResumeError, check_something_to_train, prune_checkpoints, record_config,
     resolve_resume, restore_config_if_untrained,
@@ -178,7 +178,7 @@ def test_num_to_keep_holds_over_all_fits(tmp_path):
 
 
 def test_outputs_never_land_in_the_current_directory_by_surprise():
-    from raytrain_ddp.ops.bench.suite import default_out
+    from benchmarks.suite import default_out
 
     assert default_out("quick") == Path("benchmarks/bench-quick.json")
     outputs = ["benchmarks/bench-quick.json", "benchmarks/bench-quick.png", "data/digits.parquet"]

@@ -163,7 +163,7 @@ def test_a_sigkilled_holder_is_taken_over_at_once(cfg, tmp_path):
 def test_cli_and_python_api_refuse_a_held_run_before_ray(tmp_path, capsys, monkeypatch):
     """`raytrain-ddp train` and `raytrain_ddp.train(...)` of a run a live fit holds: exit 2 / `RunHeld`, no Ray."""
     import raytrain_ddp
-    from raytrain_ddp.driver.cli import main
+    from raytrain_ddp.cli import main
 
     import raytrain_ddp.driver.launcher as launcher
 

@@ -22,11 +22,11 @@ pytestmark = pytest.mark.timeout(60)
 PACKAGE = Path(__file__).resolve().parents[2] / "raytrain_ddp"
 REGISTRY = PACKAGE / "parallel" / "registry.py"
 # The benchmarks name the strategies they measure: their measurement points and the keys of
-# their results files (benchmarks/*.json, read back by ops/bench/report.py) are data about
+# their results files (benchmarks/*.json, read back by benchmarks/report.py) are data about
 # named strategies, not the list of what a strategy is (their lists of strategies do read
-# the registry: ops/bench/accumulation.py, memory.py). Nothing else may be added here.
-_NAMED_MEASUREMENTS = ("raytrain_ddp/ops/bench/gpu.py", "raytrain_ddp/ops/bench/ingest.py",
-                       "raytrain_ddp/ops/bench/report.py", "raytrain_ddp/ops/bench/strategies.py")
+# the registry: benchmarks/accumulation.py, memory.py). Nothing else may be added here.
+_NAMED_MEASUREMENTS = ("benchmarks/gpu.py", "benchmarks/ingest.py",
+                       "benchmarks/report.py", "benchmarks/strategies.py")
 
 
 

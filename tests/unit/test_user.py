@@ -1,7 +1,7 @@
 """The user's model, loss and preprocess without Ray: import paths, the batch helper, the
 driver's pipeline check, what travels with the job, and `raytrain-ddp export` files.
 
-The bad-input cases go through the real command (`driver.cli.main`) with Ray replaced by
+The bad-input cases go through the real command (`cli.main`) with Ray replaced by
 a tripwire: each is one line naming its key, exit status 2, no traceback, and Ray is
 never contacted. One case also runs as a separate `raytrain-ddp` process pointed at an
 address where nothing listens, as `tests/reliability/test_input_rejection.py` does.
@@ -23,7 +23,7 @@ from torch import nn
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.batch import BatchFormat
 from raytrain_ddp.config import ConfigError, load_config
-from raytrain_ddp.driver.cli import main
+from raytrain_ddp.cli import main
 from raytrain_ddp.errors import UserError
 from raytrain_ddp.export import export_run, load_model
 from raytrain_ddp.job import DataSpec

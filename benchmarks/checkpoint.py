@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from raytrain_ddp.ops.bench.common import Sizes, ratio, stats
+from benchmarks.common import Sizes, ratio, stats
 
 LARGE_FEATURES = 5120  # Linear(5120, 5120): 26.2 M parameters, 105 MB in fp32
 GAPS_S = {"quickstart": 0.25, "large": 2.0}  # training time between two checkpoints
@@ -160,16 +160,16 @@ def run(sizes: Sizes, world_size: int = 2, log=print) -> dict[str, Any]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """This section alone: `python -m raytrain_ddp.ops.bench.checkpoint [--quick] [--out FILE]`."""
+    """This section alone: `python -m benchmarks.checkpoint [--quick] [--out FILE]`."""
     import argparse
 
     import ray
 
-    from raytrain_ddp.ops.bench import report
-    from raytrain_ddp.ops.bench.common import FULL, QUICK
-    from raytrain_ddp.ops.bench.session import log, meta, start_ray
+    from benchmarks import report
+    from benchmarks.common import FULL, QUICK
+    from benchmarks.session import log, meta, start_ray
 
-    parser = argparse.ArgumentParser(prog="python -m raytrain_ddp.ops.bench.checkpoint")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.checkpoint")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None, help="JSON results file")
     args = parser.parse_args(argv)

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raytrain_ddp.ops.bench.common import Sizes, ratio, run_ranks, stats
+from benchmarks.common import Sizes, ratio, run_ranks, stats
 from raytrain_ddp.models import MLP, TinyGPT, cross_entropy
 
 # The articles' MLP and the config's default tiny GPT.

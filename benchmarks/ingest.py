@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
-from raytrain_ddp.ops.bench.common import Sizes, ratio, stats
+from benchmarks.common import Sizes, ratio, stats
 from raytrain_ddp.data.columns import stack_column
 
 FEATURES = 256
@@ -204,7 +204,7 @@ _RSS_PROBE = """
 import json, sys, time
 import torch
 torch.set_num_threads(1)
-from raytrain_ddp.ops.bench.ingest import sharded_reader, sharded_iter
+from benchmarks.ingest import sharded_reader, sharded_iter
 from raytrain_ddp.rundir import Location
 from raytrain_ddp.data.store import read_manifest
 
@@ -418,7 +418,7 @@ def image_training_wait(sizes: Sizes, tmp: Path, sharding: str, use_gpu: bool = 
     if not data.exists():
         write_png_parquet(data, rows)
     spec = {"source": "parquet", "path": str(data), "sharding": sharding,
-            "preprocess": "raytrain_ddp.ops.bench.ingest:decode_png", "features": "image", "label": "label"}
+            "preprocess": "benchmarks.ingest:decode_png", "features": "image", "label": "label"}
     result = _wait_run(f"bench-png-{sharding}", tmp, {"name": "mlp", "hidden_sizes": [512, 256]}, spec, steps,
                        workers, micro, use_gpu, loss="cross_entropy")
     return {**result, "rows": rows, "image": f"{IMAGE_SIDE}x{IMAGE_SIDE} PNG"}
@@ -470,11 +470,11 @@ def run(sizes: Sizes, device: str = "cpu", log=print, train_shardings: tuple[str
 
 
 if __name__ == "__main__":
-    # python -m raytrain_ddp.ops.bench.ingest --memory-rows N   one rank's RSS, a large store
-    # python -m raytrain_ddp.ops.bench.ingest --images           the PNG-decode training runs alone
+    # python -m benchmarks.ingest --memory-rows N   one rank's RSS, a large store
+    # python -m benchmarks.ingest --images           the PNG-decode training runs alone
     import argparse
 
-    from raytrain_ddp.ops.bench.common import FULL
+    from benchmarks.common import FULL
 
     parser = argparse.ArgumentParser(description="parts of the ingest section, alone")
     parser.add_argument("--memory-rows", type=int, help=f"rows of {FEATURES} float32 (1 KiB each)")

@@ -41,8 +41,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from raytrain_ddp.ops.bench.common import Sizes, stats
-from raytrain_ddp.ops.bench.kill import QUICKSTART
+from benchmarks.common import Sizes, stats
+from benchmarks.kill import QUICKSTART
 
 TARGETS = {"steps_redone": 1, "kill_to_next_step_s": 10.0, "overhead_pct": 3.0}
 
@@ -57,7 +57,7 @@ def _models() -> dict[str, Any]:
     from raytrain_ddp.config import load_config
     from raytrain_ddp.job import DataSpec
     from raytrain_ddp.models import build_model
-    from raytrain_ddp.ops.bench.checkpoint import LARGE_FEATURES
+    from benchmarks.checkpoint import LARGE_FEATURES
 
     torch.manual_seed(0)
     cfg = load_config(QUICKSTART, [])
@@ -291,7 +291,7 @@ def run(sizes: Sizes, log=print, with_kill: bool = True, with_node_loss: Optiona
         node_loss_modes: tuple[str, ...] = tuple(NODE_LOSS), node_loss_runs: int = 1) -> dict[str, Any]:
     """Needs no Ray from the caller: the kill runs start (and stop) their own; the node-loss
     run (full preset, or asked for) a two-node cluster of its own."""
-    from raytrain_ddp.ops.bench import live_recovery
+    from benchmarks import live_recovery
 
     with_node_loss = sizes.name == "full" if with_node_loss is None else with_node_loss
     rounds, steps = {"smoke": (1, 3), "quick": (4, 10)}.get(sizes.name, (8, 15))
@@ -320,15 +320,15 @@ def run(sizes: Sizes, log=print, with_kill: bool = True, with_node_loss: Optiona
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """This section alone: `python -m raytrain_ddp.ops.bench.recovery [--quick] [--out FILE] [--no-kill]
+    """This section alone: `python -m benchmarks.recovery [--quick] [--out FILE] [--no-kill]
     [--node-loss [replica|live ...]] [--node-loss-runs N]`."""
     import argparse
 
-    from raytrain_ddp.ops.bench import report
-    from raytrain_ddp.ops.bench.common import FULL, QUICK
-    from raytrain_ddp.ops.bench.session import log, meta
+    from benchmarks import report
+    from benchmarks.common import FULL, QUICK
+    from benchmarks.session import log, meta
 
-    parser = argparse.ArgumentParser(prog="python -m raytrain_ddp.ops.bench.recovery")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.recovery")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-kill", action="store_true", help="only the in-process overhead (no Ray)")
     parser.add_argument("--out", default=None, help="JSON results file")

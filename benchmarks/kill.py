@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-QUICKSTART = Path(__file__).resolve().parents[3] / "examples" / "configs" / "quickstart.yaml"
+QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "configs" / "quickstart.yaml"
 _BUNDLE = re.compile(r"_group_(\d+)_")
 
 

@@ -23,7 +23,7 @@ How it is measured:
   parameters + gradients + optimizer state fit one device of a given size at a given
   worker count. Activations and temporary buffers (fsdp's gathered units) are not in it.
 
-Part of `raytrain-ddp bench`; alone: `python -m raytrain_ddp.ops.bench.memory [--quick]`.
+Part of `raytrain-ddp bench`; alone: `python -m benchmarks.memory [--quick]`.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 
 from raytrain_ddp.models import cross_entropy
-from raytrain_ddp.ops.bench.common import Sizes, run_ranks, stats
-from raytrain_ddp.ops.bench.strategies import build_model, make_batch
+from benchmarks.common import Sizes, run_ranks, stats
+from benchmarks.strategies import build_model, make_batch
 from raytrain_ddp.parallel import registry
 
 STRATEGIES = (registry.DEFAULT,) + registry.SHARDED  # the default replicated one, then the sharded
@@ -165,15 +165,15 @@ def run(sizes: Sizes, world_size: int = 2, models: tuple[str, ...] = ("mlp", "gp
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """`python -m raytrain_ddp.ops.bench.memory [--quick] [--out PATH]`: this section alone."""
+    """`python -m benchmarks.memory [--quick] [--out PATH]`: this section alone."""
     import argparse
     import json
     from pathlib import Path
 
-    from raytrain_ddp.ops.bench import report
-    from raytrain_ddp.ops.bench.common import FULL, QUICK
+    from benchmarks import report
+    from benchmarks.common import FULL, QUICK
 
-    parser = argparse.ArgumentParser(prog="python -m raytrain_ddp.ops.bench.memory", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=main.__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer rounds (the --quick preset)")
     parser.add_argument("--out", default=None, help="also write the section's JSON here")
     args = parser.parse_args(argv)

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from raytrain_ddp.ops.bench.common import Sizes, free_port, ratio, stats
+from benchmarks.common import Sizes, free_port, ratio, stats
 from raytrain_ddp.parallel import registry
 
 
@@ -34,7 +34,7 @@ def train_fn(config: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from raytrain_ddp.ops.bench.strategies import build_model, make_batch
+    from benchmarks.strategies import build_model, make_batch
     from raytrain_ddp.models import cross_entropy
     from raytrain_ddp.parallel import wrap_model
 
@@ -79,7 +79,7 @@ def run_plain(config: dict, world_size: int, timeout_s: float = 300.0) -> dict[s
     port = free_port()
     launched = time.time()
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "raytrain_ddp.ops.bench.ray_overhead", str(r),
+    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.ray_overhead", str(r),
                                str(world_size), str(port), json.dumps(config)], env=env)
              for r in range(world_size)]
     deadline = time.monotonic() + timeout_s

@@ -1,6 +1,6 @@
 """One all-reduce alone, by size: gloo against bucketed's shared-memory exchange.
 
-Owns: `python -m raytrain_ddp.ops.bench.transport`, a markdown table of the median time
+Owns: `python -m benchmarks.transport`, a markdown table of the median time
 of one all-reduce of N MiB between 2 local ranks (each with one thread), through the
 process group (gloo, what torch DDP uses) and through `parallel.shm` (copy into the
 rank's slot, a one-element all-reduce as the barrier, the sum of the slots). The two are

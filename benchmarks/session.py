@@ -3,7 +3,7 @@
 Owns: `log` (progress lines on stderr, so stdout stays the report), `meta` (the machine,
 versions and load a result was measured under) and `start_ray` (the local Ray instance
 the Ray sections share, its workers at the driver's priority). Shared by `suite`
-(`raytrain-ddp bench`) and a section run alone (`python -m raytrain_ddp.ops.bench.checkpoint`),
+(`raytrain-ddp bench`) and a section run alone (`python -m benchmarks.checkpoint`),
 so neither imports the other. Must not touch: what a section measures, presets, where
 results go (suite owns those).
 """

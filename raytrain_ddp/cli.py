@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from raytrain_ddp.driver.ray_console import VERBOSE_ENV
@@ -109,7 +110,15 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from raytrain_ddp.ops.bench.suite import main as bench_main
+    """The benchmarks live in the checkout (`benchmarks/`), not in the installed package:
+    they measure this project, so users of a wheel get one line saying where they are."""
+    checkout = Path(__file__).resolve().parents[1]
+    if not (checkout / "benchmarks" / "suite.py").is_file():
+        raise UserError("raytrain-ddp bench runs from a checkout of raytrain_ddp (its benchmarks/ "
+                        "folder is not installed): clone the repository and run `make bench` there")
+    if str(checkout) not in sys.path:
+        sys.path.insert(0, str(checkout))
+    from benchmarks.suite import main as bench_main
 
     return bench_main(quick=args.quick, out=args.out, device=args.device)
 

@@ -24,8 +24,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from raytrain_ddp.ops.bench.common import FULL, QUICK, Sizes
-from raytrain_ddp.ops.bench.session import log, meta, start_ray
+from benchmarks.common import FULL, QUICK, Sizes
+from benchmarks.session import log, meta, start_ray
 from raytrain_ddp.errors import UserError
 
 SIZE_ENV = "RAYTRAIN_DDP_BENCH_SIZE"  # "smoke": the test suite's even smaller preset
@@ -46,7 +46,7 @@ def _section(results: dict, name: str, fn: Callable[[], dict]) -> None:
 
 
 def run_cpu(sizes: Sizes) -> dict[str, Any]:
-    from raytrain_ddp.ops.bench import accumulation, checkpoint, ingest, memory, ray_overhead, recovery, strategies
+    from benchmarks import accumulation, checkpoint, ingest, memory, ray_overhead, recovery, strategies
 
     results: dict[str, Any] = {}
     _section(results, "strategies", lambda: strategies.run(sizes, log=log))
@@ -74,7 +74,7 @@ def run_cpu(sizes: Sizes) -> dict[str, Any]:
 def run_cuda(dry: bool) -> dict[str, Any]:
     import torch
 
-    from raytrain_ddp.ops.bench import gpu, ingest, strategies
+    from benchmarks import gpu, ingest, strategies
 
     sizes = gpu.DRYRUN_SIZES if dry else gpu.GPU_SIZES
     device = "cpu" if dry else "cuda"
@@ -125,7 +125,7 @@ def default_out(preset: str) -> Path:
 def main(quick: bool, out: Optional[str], device: str) -> int:
     import torch
 
-    from raytrain_ddp.ops.bench import gpu, report
+    from benchmarks import gpu, report
 
     dry = device == "cuda" and gpu.dry_run()
     if device == "cuda" and not dry and not torch.cuda.is_available():

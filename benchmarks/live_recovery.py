@@ -43,9 +43,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from raytrain_ddp.ops.bench.common import stats
+from benchmarks.common import stats
 from raytrain_ddp.ray_compat import WORKER_NICENESS_ENV
-from raytrain_ddp.ops.bench.kill import _BUNDLE, QUICKSTART, _kill_a_worker
+from benchmarks.kill import _BUNDLE, QUICKSTART, _kill_a_worker
 
 MODES = ("replica", "live")
 COMPARE = "checkpoint"  # the mode without a survivor's copy, for comparison
@@ -370,12 +370,12 @@ def table(result: dict[str, Any]) -> list[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """`python -m raytrain_ddp.ops.bench.live_recovery [--kills N] [--rounds N] [--compare N] [--only MODE]
+    """`python -m benchmarks.live_recovery [--kills N] [--rounds N] [--compare N] [--only MODE]
     [--out FILE]`."""
     import argparse
     import json
 
-    parser = argparse.ArgumentParser(prog="python -m raytrain_ddp.ops.bench.live_recovery")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.live_recovery")
     parser.add_argument("--kills", type=int, default=KILLS)
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="pairs of uninterrupted runs for the step time")
     parser.add_argument("--compare", type=int, default=0, help="rounds that also kill a run.recovery=checkpoint run")

@@ -164,7 +164,7 @@ def _recovery_tables(rec: dict[str, Any]) -> list[str]:
     out = []
     kill = rec.get("kill")
     if kill and "modes" in kill:
-        from raytrain_ddp.ops.bench.live_recovery import table
+        from benchmarks.live_recovery import table
 
         out.append(f"\n**Recovery from a SIGKILLed worker: run.recovery side by side** ({kill['world_size']} workers, "
                    f"quickstart, {kill['max_steps']} steps, durable checkpoints every "
@@ -406,7 +406,7 @@ def plot(results: dict[str, Any], path: Path) -> Path:
 
 
 def finish_section_run(results: dict[str, Any], out: Optional[str]) -> int:
-    """A section run alone (`python -m raytrain_ddp.ops.bench.<section>`): verdicts, the JSON
+    """A section run alone (`python -m benchmarks.<section>`): verdicts, the JSON
     (when `out` is given) and the tables on stdout, as `raytrain-ddp bench` ends."""
     results["targets"] = verdicts(results)
     if out:

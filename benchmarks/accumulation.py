@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raytrain_ddp.ops.bench.common import Sizes, run_ranks, stats
-from raytrain_ddp.ops.bench.strategies import build_model, grad_bytes, make_batch
+from benchmarks.common import Sizes, run_ranks, stats
+from benchmarks.strategies import build_model, grad_bytes, make_batch
 from raytrain_ddp.models import cross_entropy
 from raytrain_ddp.parallel import registry
 

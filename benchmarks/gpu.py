@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from raytrain_ddp.ops.bench.common import Sizes, stats
+from benchmarks.common import Sizes, stats
 
 DRYRUN_ENV = "RAYTRAIN_DDP_BENCH_CUDA_DRYRUN"
 
@@ -55,7 +55,7 @@ def gpt_rank(world_rank: int, world_size: int, sizes: Sizes, shape: dict, device
     """bf16 autocast step time of the bare GPT and of each wrapper around it (world size 1)."""
     import torch.distributed as dist
 
-    from raytrain_ddp.ops.bench.strategies import _sync, _wrap, build_model, make_batch
+    from benchmarks.strategies import _sync, _wrap, build_model, make_batch
     from raytrain_ddp.models import cross_entropy
 
     device = torch.device(device_name, world_rank) if device_name == "cuda" else torch.device("cpu")
@@ -100,7 +100,7 @@ def gpt_rank(world_rank: int, world_size: int, sizes: Sizes, shape: dict, device
 
 
 def gpt_section(sizes: Sizes, shape: dict, device_name: str, backend: str, log=print) -> dict[str, Any]:
-    from raytrain_ddp.ops.bench.common import run_ranks
+    from benchmarks.common import run_ranks
 
     log(f"  gpt: bf16 tokens/s and MFU, d_model {shape['d_model']} x {shape['n_layers']} layers, "
         f"seq {shape['seq_len']} ...")
