@@ -135,9 +135,9 @@ def _linger(world_rank: int, world_size: int, limit_s: float = 10.0) -> None:
     succeeded.
     """
     try:
-        import torch.distributed as dist
+        from raytrain_ddp.parallel import torch_compat
 
-        store = dist.distributed_c10d._get_default_store()
+        store = torch_compat.default_store()
         store.add("_launch_done", 1)
         deadline = time.monotonic() + limit_s
         while store.add("_launch_done", 0) < world_size and time.monotonic() < deadline:

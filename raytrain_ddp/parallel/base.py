@@ -26,6 +26,7 @@ from raytrain_ddp.parallel.errors import (  # noqa: F401 - re-exported: `from ..
     RequiresGradChangeError,
     UnusedParameterError,
 )
+from raytrain_ddp.parallel import torch_compat
 from raytrain_ddp.parallel.startup import broadcast_coalesced, check_structure, sync_initial_state  # noqa: F401
 from raytrain_ddp.parallel.watch import (  # noqa: F401
     COLLECTIVES,
@@ -174,7 +175,7 @@ class WrappedModel(nn.Module):
         self._stats["exposed_comm_s"] = self._stats.get("exposed_comm_s", 0.0) + exposed
 
 
-_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+_queue_callback = torch_compat.autograd_queue_callback()
 
 
 class ScratchBase(WrappedModel):

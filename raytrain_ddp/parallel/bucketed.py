@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raytrain_ddp.parallel import registry, tuning
+from raytrain_ddp.parallel import registry, torch_compat, tuning
 from raytrain_ddp.parallel.shm import ShmExchange, open_exchange
 from raytrain_ddp.parallel.base import CommClock, ScratchBase, _queue_callback, comm_timing, describe_tensors
 
@@ -297,7 +297,7 @@ class BucketedDDP(ScratchBase):
         # pre-divide (sum of means = mean) what the hook did not: one call for the bucket
         unscaled = [self._views[i] for i in bucket.members if not self._scaled[i]]
         if unscaled:
-            torch._foreach_mul_(unscaled, self._inv_world_size)
+            torch_compat.foreach_mul_(unscaled, self._inv_world_size)
         if self._shm_due:
             self._open_shm()
         if self._shm is not None and self._wire_dtype is None:

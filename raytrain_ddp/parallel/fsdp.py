@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raytrain_ddp.parallel import registry
+from raytrain_ddp.parallel import registry, torch_compat
 from raytrain_ddp.parallel.base import WrappedModel, broadcast_coalesced, sync_initial_state
 from raytrain_ddp.parallel.zero1 import SHARD_STAT_KEYS, _copy, all_gather_flat, reduce_scatter_flat
 
@@ -102,7 +102,7 @@ def check_fsdp2_support() -> None:
     missing: list[str] = []
     try:
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: F401
-        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # noqa: F401
+        torch_compat.fsdp_comm_classes()
     except ImportError as exc:
         missing.append(f"torch.distributed.fsdp.fully_shard and its custom-collective API ({exc})")
     else:
@@ -120,7 +120,7 @@ def check_fsdp2_support() -> None:
 
 def _comms(stats: dict[str, Any]):
     """FSDP2 custom comms that count what they send, then do what FSDP2's defaults do."""
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    AllGather, ReduceScatter = torch_compat.fsdp_comm_classes()
 
     class CountingAllGather(AllGather):
         def allocate(self, size, *, dtype, device):

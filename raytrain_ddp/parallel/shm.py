@@ -37,6 +37,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from raytrain_ddp.parallel import torch_compat
+
 SHM_DIR = "/dev/shm"
 SPAN = "shm:all_reduce"  # torch.profiler's name for the copy into the slot and the sum (as gloo's "gloo:all_reduce")
 BUDGET_BYTES = 4 * 2**30  # the segments of one wrapper, all ranks' slots and both parities
@@ -153,7 +155,7 @@ def _open_all(paths: list[str], sizes: list[int], flats: list[torch.Tensor], wor
 def _span() -> Iterator[None]:
     """A `SPAN` in torch.profiler's trace while it records (`record_function` costs
     microseconds; checking whether the profiler is on, 0.1 us)."""
-    if not torch.autograd._profiler_enabled():
+    if not torch_compat.profiler_enabled():
         yield
         return
     from torch.profiler import record_function

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from raytrain_ddp.parallel.errors import ModelMismatchError
+from raytrain_ddp.parallel import torch_compat
 
 
 def broadcast_coalesced(tensors: list[torch.Tensor], pg) -> int:
@@ -31,12 +32,12 @@ def broadcast_coalesced(tensors: list[torch.Tensor], pg) -> int:
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t)
     nbytes = 0
-    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(tensors)):
+    with torch.no_grad(), torch_compat.unsafe_preserve_version_counter(tuple(tensors)):
         for group in groups.values():
-            flat = torch._utils._flatten_dense_tensors([t.detach() for t in group])
+            flat = torch_compat.flatten_dense_tensors([t.detach() for t in group])
             dist.broadcast(flat, src=src, group=pg)
             nbytes += flat.numel() * flat.element_size()
-            for t, synced in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
+            for t, synced in zip(group, torch_compat.unflatten_dense_tensors(flat, group)):
                 t.copy_(synced)
     return nbytes
 

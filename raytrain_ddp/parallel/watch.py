@@ -22,6 +22,7 @@ from typing import Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
+from raytrain_ddp.parallel import torch_compat
 from raytrain_ddp.parallel.errors import CollectiveTimeoutError
 
 
@@ -224,7 +225,7 @@ def report_stuck_collective(message: str) -> None:
 def dump_flight_recorder() -> Optional[str]:
     """NCCL's flight recorder (the last collectives, TORCH_NCCL_TRACE_BUFFER_SIZE of them) to a
     file next to where torch's own dump goes; None where torch or the build has none."""
-    dump = getattr(getattr(torch._C, "_distributed_c10d", None), "_dump_nccl_trace", None)
+    dump = torch_compat.nccl_trace_dump()
     if dump is None or not int(os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0") or 0):
         return None
     try:

@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raytrain_ddp.parallel import registry
+from raytrain_ddp.parallel import registry, torch_compat
 from raytrain_ddp.parallel.base import RequiresGradChangeError, describe_tensors
 from raytrain_ddp.parallel.bucketed import BucketedDDP, _Bucket, assign_buckets
 
@@ -231,7 +231,7 @@ class Zero1DDP(BucketedDDP):
         if not self._slices:
             return
         grads = [s.grad for s in self._shards]
-        worst = torch.stack(torch._foreach_norm(grads, math.inf)).amax().float()
+        worst = torch.stack(torch_compat.foreach_norm(grads, math.inf)).amax().float()
         work = dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self._pg, async_op=True)
         self._stats["control_bytes"] += worst.element_size()
         self._wait(work, "all-reduce of the non-finite-gradient flag")

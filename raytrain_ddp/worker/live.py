@@ -48,7 +48,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from raytrain_ddp.parallel import registry
+from raytrain_ddp.parallel import registry, torch_compat
+from raytrain_ddp.torchft_compat import bound_manager, bracketed, manager_server, quorum_id
 from raytrain_ddp.worker.context import Rank
 from raytrain_ddp.worker.replica import is_peer_loss
 from raytrain_ddp.worker.step import train_step
@@ -135,12 +136,10 @@ def live_group_class() -> type:
                 opts = torch.distributed.AllreduceOptions()
             return super().allreduce(tensors, opts)
 
-        def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
-            import torch.distributed.distributed_c10d as c10d
-
+        def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:  # torchft_compat's override
             self._store, self._subgroups = store, []
-            if self in c10d._world.pg_map:  # torch's new_group prefixes the default group's store
-                c10d._world.pg_map[self] = ("gloo", store)
+            if torch_compat.is_registered(self):  # torch's new_group prefixes the default group's store
+                torch_compat.register_backend(self, "gloo", store)
             return super()._create_pg(store, rank, world_size)
 
         def new_group(self, ranks: list, timeout: Any = None, pg_options: Any = None, group_name: Any = None,
@@ -170,18 +169,16 @@ def live_group_class() -> type:
             super().abort(errored)
 
         def _end_subgroups(self) -> None:
-            import torch.distributed.distributed_c10d as c10d
-
             for group in self._subgroups:
                 with contextlib.suppress(Exception):
                     group.abort()
-                name = c10d._world.pg_names.get(group)
-                if group in c10d._world.pg_map:
+                name = torch_compat.group_name(group)
+                if torch_compat.is_registered(group):
                     with contextlib.suppress(Exception):
                         torch.distributed.destroy_process_group(group)
                 if name is not None:  # destroy leaves a sub-group in torch's registry by name
                     with contextlib.suppress(Exception):
-                        c10d._unregister_process_group(name)
+                        torch_compat.unregister_group(name)
             self._subgroups, self._ready = [], []
 
     return LiveGroup
@@ -208,33 +205,6 @@ def lighthouse_address() -> str:
     scheme, _, rest = address.rpartition("://")
     port = rest.rsplit(":", 1)[1]
     return f"{scheme + '://' if scheme else ''}{bracketed(host)}:{port}"
-
-
-def bound_manager(host: str, **kwargs: Any) -> Any:
-    """A torchft `Manager` whose server listens on `host` only (advertised as `host` too).
-
-    torchft 0.2.0 binds the manager's gRPC server to `[::]` (every interface) with no way to
-    say otherwise; it serves quorum and commit calls without any token. The `ManagerServer`
-    that `Manager.__init__` builds is given `host` in its bind address for that call only
-    (`tests/unit/test_live_pieces.py` checks the listening socket)."""
-    import torchft.manager as torchft_manager
-
-    server = torchft_manager.ManagerServer
-
-    def bound_server(*, bind: str, **options: Any) -> Any:
-        port = bind.rsplit(":", 1)[1]
-        return server(bind=f"{bracketed(host)}:{port}", **options)
-
-    torchft_manager.ManagerServer = bound_server
-    try:
-        return torchft_manager.Manager(hostname=host, **kwargs)
-    finally:
-        torchft_manager.ManagerServer = server
-
-
-def bracketed(host: str) -> str:
-    """`host` as the host part of an address: an IPv6 literal in brackets."""
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 class NoReplacement(RuntimeError):
@@ -264,7 +234,7 @@ class LiveSession:
             quorum_timeout=timedelta(seconds=JOIN_TIMEOUT_S), connect_timeout=timedelta(seconds=30),
             checkpoint_transport=PGTransport(self._group, timeout=timeout, device=torch.device("cpu")),
         )
-        server = getattr(self.manager, "_manager", None)  # torchft's ManagerServer (the first rank's)
+        server = manager_server(self.manager)  # torchft's ManagerServer (the first rank's)
         _say(rank, f"live: torchft's manager listens on {server.address() if server else '?'}, the lighthouse on "
                    f"{lighthouse_address()} (this node's address only; no token: docs/security.md)")
         self.log: Any = None
@@ -280,7 +250,7 @@ class LiveSession:
         self._quorum_due, self._vote_due = False, True  # that quorum is also the first step's
         if self.received is None:  # a full start: the whole setup (wrap, restore) runs on the group
             self._install()
-            self.wrapped_quorum = self.manager._quorum_id
+            self.wrapped_quorum = quorum_id(self.manager)
         else:  # a newcomer: its setup stays local (the survivors are mid-step); wrapped at its first step
             self.marks["healed"] = time.time()
             _say(rank, f"live: joined the running group at step {self.received['progress']['step']}: "
@@ -374,7 +344,7 @@ class LiveSession:
                 return f"the group could not be re-formed: {self.manager.errored().original_exception}"
             self._vote_due = True
         try:
-            if self.manager._quorum_id != self.wrapped_quorum:  # a member lost while wrapping: a failed try too
+            if quorum_id(self.manager) != self.wrapped_quorum:  # a member lost while wrapping: a failed try too
                 self._rewrap(state)
             result = train_step(state, window, accumulation_steps, train, rank,
                                 commit=self._commit if self._vote_due else None)
@@ -425,7 +395,7 @@ class LiveSession:
         if hasattr(state.wrapper, "close"):
             state.wrapper.close()
         state.wrapper = wrap(state.module, self.cfg, self.rank, self.wrapper_group())
-        self.wrapped_quorum = self.manager._quorum_id
+        self.wrapped_quorum = quorum_id(self.manager)
         if self.log is not None:  # the new wrapper counts its all-reduces from zero
             self.log.meter._comm_start = dict(state.wrapper.comm_stats)
         if self.checkpointer is not None:  # the preemption poll's schedule starts afresh on every member
@@ -520,7 +490,7 @@ def rewind(state: Any) -> None:
         if cuda is not None and last.device is not None:
             torch.cuda.set_rng_state(cuda, last.device)
     if state.scaler.is_enabled():
-        state.scaler._per_optimizer_states.clear()  # unscale_ marked the optimizer as unscaled
+        torch_compat.forget_unscaled(state.scaler)  # unscale_ marked the optimizer as unscaled
 
 
 def tensor_bytes(tree: Any) -> int:
@@ -550,12 +520,10 @@ def _install_default_group(group: Any) -> Any:
     preemption agreement, validation, the wrappers) then goes over the reconfigurable one.
     Ray set up a one-rank group per replica group; it comes back at `close`.
     """
-    import torch.distributed.distributed_c10d as c10d
-
-    previous = c10d._world.default_pg
-    c10d._update_default_pg(group)
-    if group not in c10d._world.pg_map:  # torch asks the map for the backend's name, new_group for the store
-        c10d._world.pg_map[group] = ("gloo", getattr(group, "_store", None))
+    previous = torch_compat.default_group()
+    torch_compat.set_default_group(group)
+    if not torch_compat.is_registered(group):  # torch asks the map for the backend's name, new_group for the store
+        torch_compat.register_backend(group, "gloo", getattr(group, "_store", None))
     return previous
 
 

@@ -1,0 +1,125 @@
+"""Every private name of torch the package relies on, in one room (like `ray_compat.py` for Ray).
+
+Owns: each private torch name as one small function; a torch release that moves one fails
+its test in `tests/unit/test_torch_compat.py` by this module's function name. Must not
+touch: what the callers do with the answer. It lives in `parallel/` because `parallel/`
+imports only torch and itself, and the wrappers need some of these names too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+# -- tensors -------------------------------------------------------------------------
+
+
+def flatten_dense_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One flat tensor of `tensors` (`torch._utils._flatten_dense_tensors`)."""
+    return torch._utils._flatten_dense_tensors(list(tensors))
+
+
+def unflatten_dense_tensors(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """`flat` cut back into tensors shaped like `like` (`torch._utils._unflatten_dense_tensors`)."""
+    return torch._utils._unflatten_dense_tensors(flat, list(like))
+
+
+def foreach_norm(tensors: Sequence[torch.Tensor], ord: float) -> list[torch.Tensor]:
+    """Each tensor's norm in one fused kernel (`torch._foreach_norm`)."""
+    return list(torch._foreach_norm(list(tensors), ord))
+
+
+def foreach_mul_(tensors: Sequence[torch.Tensor], scalar: float) -> None:
+    """Every tensor multiplied in place by `scalar`, fused (`torch._foreach_mul_`)."""
+    torch._foreach_mul_(list(tensors), scalar)
+
+
+def nccl_trace_dump() -> Optional[Callable[[], bytes]]:
+    """NCCL's flight recorder dump (`torch._C._distributed_c10d._dump_nccl_trace`), None where absent."""
+    return getattr(getattr(torch._C, "_distributed_c10d", None), "_dump_nccl_trace", None)
+
+
+# -- c10d's registry of process groups ---------------------------------------------
+
+
+def _c10d() -> Any:
+    import torch.distributed.distributed_c10d as c10d
+
+    return c10d
+
+
+def default_store() -> Any:
+    """The default process group's store (`c10d._get_default_store`)."""
+    return _c10d()._get_default_store()
+
+
+def default_group() -> Any:
+    """torch's default process group as c10d holds it (`c10d._world.default_pg`), None if unset."""
+    return _c10d()._world.default_pg
+
+
+def set_default_group(group: Any) -> None:
+    """Make `group` torch's default process group (`c10d._update_default_pg`)."""
+    _c10d()._update_default_pg(group)
+
+
+def is_registered(group: Any) -> bool:
+    """Whether c10d's map of groups holds `group` (`c10d._world.pg_map`)."""
+    return group in _c10d()._world.pg_map
+
+
+def register_backend(group: Any, backend: str, store: Any) -> None:
+    """Record `group`'s backend name and store in c10d's map (`c10d._world.pg_map`): torch asks the
+    map for a group's backend, and `new_group` for the default group's store."""
+    _c10d()._world.pg_map[group] = (backend, store)
+
+
+def group_name(group: Any) -> Optional[str]:
+    """The name c10d registered `group` under (`c10d._world.pg_names`), None if none."""
+    return _c10d()._world.pg_names.get(group)
+
+
+def unregister_group(name: str) -> None:
+    """Drop a group from c10d's registry by name (`c10d._unregister_process_group`): `destroy_process_group`
+    leaves a sub-group there."""
+    _c10d()._unregister_process_group(name)
+
+
+# -- torch.amp -----------------------------------------------------------------------
+
+
+def forget_unscaled(scaler: torch.amp.GradScaler) -> None:
+    """Clear the scaler's per-step record (`GradScaler._per_optimizer_states`): `unscale_` marked the
+    optimizer as unscaled, and a step put back to its boundary is unscaled again."""
+    scaler._per_optimizer_states.clear()
+
+
+# -- autograd and the profiler ---------------------------------------------------------
+
+
+def unsafe_preserve_version_counter(tensors: tuple[torch.Tensor, ...]) -> Any:
+    """A context in which in-place writes to `tensors` leave their version counters as they were
+    (`torch.autograd._unsafe_preserve_version_counter`)."""
+    return torch.autograd._unsafe_preserve_version_counter(tensors)
+
+
+def autograd_queue_callback() -> Callable[[Callable[[], None]], None]:
+    """The autograd engine's "run this when the backward pass ends"
+    (`torch.autograd.Variable._execution_engine.queue_callback`)."""
+    return torch.autograd.Variable._execution_engine.queue_callback
+
+
+def profiler_enabled() -> bool:
+    """Whether torch.profiler is recording (`torch.autograd._profiler_enabled`, ~0.1 us)."""
+    return torch.autograd._profiler_enabled()
+
+
+FSDP_COMM_API = "torch.distributed.fsdp._fully_shard._fsdp_api"  # FSDP2's custom-collective classes
+
+
+def fsdp_comm_classes() -> tuple[type, type]:
+    """FSDP2's `AllGather` and `ReduceScatter` bases for custom collectives (`FSDP_COMM_API`)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    return AllGather, ReduceScatter

@@ -1,0 +1,59 @@
+"""Every private torchft name `torchft_compat.py` relies on is still where it looks (issue #42).
+
+Each test fails by name: "torchft_compat.X: <what> is gone in torchft <version>".
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import pytest
+
+torchft = pytest.importorskip("torchft")
+
+from raytrain_ddp import torchft_compat  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _gone(function: str, what: str) -> str:
+    return f"torchft_compat.{function}: {what} is gone in torchft {getattr(torchft, '__version__', '?')}"
+
+
+def _source_has(function: str, cls: Any, method: str, text: str) -> None:
+    if text not in inspect.getsource(getattr(cls, method)):
+        pytest.fail(_gone(function, f"{cls.__name__}.{method} setting {text}"))
+
+
+def test_quorum_id_and_manager_server():
+    from torchft.manager import Manager
+
+    _source_has("quorum_id", Manager, "__init__", "self._quorum_id")
+    _source_has("manager_server", Manager, "__init__", "self._manager")
+    assert torchft_compat.quorum_id(type("M", (), {"_quorum_id": 7})()) == 7
+    assert torchft_compat.manager_server(object()) is None
+
+
+def test_bound_manager():
+    import torchft.manager as torchft_manager
+
+    if not hasattr(torchft_manager, "ManagerServer"):
+        pytest.fail(_gone("bound_manager", "torchft.manager.ManagerServer"))
+    _source_has("bound_manager", torchft_manager.Manager, "__init__", "ManagerServer(")
+    _source_has("bound_manager", torchft_manager.Manager, "__init__", "bind=bind")
+    if "bind" not in inspect.signature(torchft_manager.ManagerServer).parameters and "bind" not in (
+            torchft_manager.ManagerServer.__init__.__doc__ or "") + (torchft_manager.ManagerServer.__doc__ or ""):
+        pytest.fail(_gone("bound_manager", "ManagerServer(bind=...)"))
+    assert torchft_compat.bracketed("::1") == "[::1]" and torchft_compat.bracketed("10.0.0.1") == "10.0.0.1"
+
+
+def test_create_pg():
+    """worker/live.py's LiveGroup overrides `_create_pg(store, rank, world_size)` of torchft's groups."""
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+    for cls in (ProcessGroupGloo, ProcessGroupNCCL):
+        if not hasattr(cls, "_create_pg"):
+            pytest.fail(_gone("LiveGroup (worker/live.py)", f"{cls.__name__}._create_pg"))
+        assert list(inspect.signature(cls._create_pg).parameters)[1:4] == ["store", "rank", "world_size"], \
+            _gone("LiveGroup (worker/live.py)", f"{cls.__name__}._create_pg(store, rank, world_size)")
