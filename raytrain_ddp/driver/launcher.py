@@ -65,7 +65,7 @@ from typing import Any, Callable, Optional
 
 from raytrain_ddp.config import Config
 from raytrain_ddp.driver.console import ProgressPrinter
-from raytrain_ddp.driver.fit import prepare, report, root_message
+from raytrain_ddp.driver.fit import already_complete, prepare, report, root_message
 from raytrain_ddp.driver import hold, ray_console
 from raytrain_ddp.driver.interrupt import Interrupt
 from raytrain_ddp.ray_compat import (
@@ -150,7 +150,8 @@ def run_training(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, 
     start = _start(cfg, code, datasets, preflighted=preflighted)
     cfg, started_here = start.cfg, False
     try:
-        check_something_to_train(cfg, start.resume_from)  # a finished run: exit 3 before Ray, config.yaml untouched
+        if check_something_to_train(cfg, start.resume_from):  # another command for a finished run: exit 3
+            return already_complete(cfg, start.run_dir, start.resume_from)  # the same command: exit 0, before Ray
         check_loggers(cfg)
         if cfg.scaling.local:  # scaling.num_workers: 0 -- this process, no Ray (driver/local.py)
             from raytrain_ddp.driver.local import run_local

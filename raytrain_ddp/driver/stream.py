@@ -61,6 +61,10 @@ class _Events:
         self._attempts = 0
         self._received: dict[int, int] = {}  # attempt -> puts queued so far
         self._stop = False
+        self._durable = (0, 0)  # (attempt, step): the run directory durably holds that attempt's lines up to step
+
+    def _durable_for(self, attempt: int) -> int:
+        return self._durable[1] if self._durable[0] == attempt else 0
 
     def _queue_attempt(self, record: dict[str, Any]) -> int:
         self._attempts += 1
@@ -117,6 +121,14 @@ class Mailbox(_Events):
         """The driver's Ctrl-C: the workers stop at their next agreed step boundary, saved."""
         self._stop = True
 
+    async def set_durable(self, attempt: int, step: int) -> None:
+        """The driver wrote metrics.jsonl: it durably holds `attempt`'s history up to `step`."""
+        self._durable = (attempt, step)
+
+    async def durable_for(self, attempt: int) -> int:
+        """Asked by rank 0 before a checkpoint: lines up to this step need not travel in it."""
+        return self._durable_for(attempt)
+
     async def stop_requested(self) -> bool:
         """Asked by rank 0 at its step-boundary polls (`worker/preemption.py`)."""
         return self._stop
@@ -157,6 +169,12 @@ class LocalMailbox(_Events):
 
     def request_stop(self) -> None:
         self._stop = True
+
+    def set_durable(self, attempt: int, step: int) -> None:
+        self._durable = (attempt, step)
+
+    def durable_for(self, attempt: int) -> int:
+        return self._durable_for(attempt)
 
     def stop_requested(self) -> bool:
         return self._stop
@@ -280,6 +298,8 @@ class Recorder:
         self.checkpoints: list[dict[str, Any]] = []
         self.last_step = 0
         self._flushed_at = 0.0
+        self._durable_said = (0, 0)
+        self._resumed_attempt = 0  # the newest attempt whose `resumed` event (and its drops) was applied
         self._order = Reorder()
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -372,6 +392,7 @@ class Recorder:
             self.attempts.append([event["record"]])
         elif kind == "resumed":
             step = int(event["step"])
+            self._resumed_attempt = max(self._resumed_attempt, int(event.get("attempt", 0)))
             self.metrics.keep(lambda r: r.get("step", 0) <= step)
             self._held = {key: r for key, r in self._held.items() if key[0] <= step}
             if not self._fit_started:
@@ -423,8 +444,28 @@ class Recorder:
         self.attempts.flush()
         if self.write_metrics:
             self.metrics.flush()
+        self._say_durable()
         for sink in self.sinks:
             self._call(sink, "flush")
+
+    def _say_durable(self) -> None:
+        """Tell rank 0 how far metrics.jsonl now durably holds the newest attempt's history, so
+        that its checkpoints stop carrying those lines (`RunLog.lines_to_save`). Said only for an
+        attempt whose `resumed` event was applied: the lines it redoes are out of the file by then."""
+        durable = (self._resumed_attempt, max((int(r.get("step", 0)) for r in self.metrics.records), default=0))
+        if self.mailbox is None or durable == self._durable_said or durable[0] == 0:
+            return
+        self._durable_said = durable
+        if isinstance(self.mailbox, LocalMailbox):
+            self.mailbox.set_durable(*durable)
+            return
+        import ray
+
+        if ray.is_initialized():
+            try:
+                self.mailbox.set_durable.remote(*durable)
+            except Exception as exc:  # noqa: BLE001 - the mailbox is gone: rank 0 keeps carrying its lines
+                logger.debug("mailbox unavailable: %s", exc)
 
     # ------------------------------------------------------------ what the summary reads
 
@@ -445,6 +486,30 @@ class Recorder:
             return {"count": 0}
         return {"count": len(blocked), "blocked_s_total": round(sum(blocked), 4),
                 "blocked_s_mean": round(sum(blocked) / len(blocked), 4), "blocked_s_max": round(max(blocked), 4)}
+
+
+def recover_lines(run_dir: Location, checkpoint: Any) -> int:
+    """Before a fit (or the same command on a complete run): `metrics.jsonl` gets back the lines
+    up to the checkpoint's step that it lacks, from the checkpoint's manifest, which carries
+    every line the driver had not said it wrote (`RunLog.lines_to_save`); in step order.
+    Returns how many. So a driver SIGKILLed between a checkpoint and its next write of the file
+    (object stores: about once a second) loses no committed line, even after the last step."""
+    from raytrain_ddp import checkpoint as ckpt
+
+    manifest = ckpt.read_manifest(checkpoint)
+    step = int(manifest.get("step", 0))
+    metrics = JsonlFile(run_dir / METRICS_FILE)
+    have = {_line_key(r) for r in metrics.records}
+    missing = {_line_key(r): r for r in manifest.get("lines", [])
+               if int(r.get("step", 0)) <= step and _line_key(r) not in have}
+    if not missing:
+        return 0
+    metrics.append(missing.values())
+    metrics.sort(key=lambda r: (_line_key(r)[0], _line_key(r)[1] != "train"))
+    metrics.flush()
+    print(f"raytrain-ddp: metrics.jsonl: {len(missing)} line(s) up to step {step} taken back from {checkpoint} "
+          "(the driver that trained them ended before writing them)", flush=True)
+    return len(missing)
 
 
 def _line_key(record: dict[str, Any]) -> tuple[int, str]:

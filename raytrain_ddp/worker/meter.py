@@ -117,6 +117,7 @@ class Outbox:
         self.mailbox = mailbox if enabled else None
         self.attempt = 0
         self.seq = 0
+        self._durable, self._durable_ref = 0, None
 
     def start_attempt(self, record: dict[str, Any]) -> int:
         """This worker group's attempt number (1, 2, ...), counted by the driver's mailbox."""
@@ -136,6 +137,26 @@ class Outbox:
     def stop_requested(self) -> bool:
         """Whether the driver asked the run to stop (its Ctrl-C); False on ranks other than 0."""
         return bool(self._call("stop_requested", wait=True)) if self.mailbox is not None else False
+
+    def durable_step(self) -> int:
+        """The newest step whose lines the run directory durably holds, as the driver last said
+        for this attempt (0: not known). Never waits: the answer to the previous ask, if it has
+        come, and a new ask; so it may lag, never lead (a lower answer only carries more lines)."""
+        if self.mailbox is None:
+            return 0
+        fn = self.mailbox.durable_for
+        if not hasattr(fn, "remote"):  # an in-process mailbox
+            self._durable = int(self._call("durable_for", self.attempt, wait=True) or 0)
+            return self._durable
+        import ray
+
+        if self._durable_ref is not None:
+            ready, _ = ray.wait([self._durable_ref], timeout=0)
+            if not ready:
+                return self._durable
+            self._durable = max(self._durable, int(ray.get(ready[0]) or 0))
+        self._durable_ref = fn.remote(self.attempt)
+        return self._durable
 
     def _call(self, method: str, *args: Any, wait: bool) -> Any:
         fn = getattr(self.mailbox, method)
@@ -171,9 +192,8 @@ class RunLog:
         # The lines made at the last completed step (train, validation), on every rank: a
         # survivor's copy of that step carries them, since rank 0's sends die with rank 0.
         self.step_lines: list[dict[str, Any]] = []
-        # Rank 0's lines since its last checkpoint: the next checkpoint carries them, so a
-        # driver killed before writing them (object stores flush about once a second) loses
-        # none -- the next run's driver takes those it lacks from the checkpoint it resumes.
+        # Rank 0's lines the driver has not said it wrote durably: every checkpoint carries
+        # them (`lines_to_save`), so a driver killed before writing them loses none.
         self.unsaved_lines: list[dict[str, Any]] = []
 
     def _record_attempt(self) -> int:
@@ -194,6 +214,8 @@ class RunLog:
         the lost worker may have been rank 0, whose last sends died with it.
         """
         self.outbox.send("resumed", step=step, origin=origin or {}, lines=list(lines or []))
+        if self.rank.is_main:  # carried on by the next checkpoints until the driver says it wrote them
+            self.unsaved_lines = [r for r in lines or [] if int(r.get("step", 0)) <= step]
         self.meter = StepMeter(self.job.cfg.train.global_batch_size, self.data.wait_seconds,
                                self.state.wrapper.comm_stats)
 
@@ -279,9 +301,13 @@ class RunLog:
             self.outbox.send("metrics", record=record)
 
     def lines_to_save(self) -> list[dict[str, Any]]:
-        """The lines a checkpoint of this step carries (rank 0's since the last one), handed over once."""
-        lines, self.unsaved_lines = self.unsaved_lines, []
-        return lines
+        """The lines a checkpoint of this step carries: every line of rank 0's that the run
+        directory may not durably hold yet (past the step the driver last said it wrote, for this
+        attempt). A driver killed before writing them (object stores are rewritten about once a
+        second) loses none: the next start takes them from the checkpoint it resumes."""
+        durable = self.outbox.durable_step()
+        self.unsaved_lines = [r for r in self.unsaved_lines if int(r.get("step", 0)) > durable]
+        return list(self.unsaved_lines)
 
     def _window(self) -> dict[str, Any]:
         blocked, self._blocked_s = self._blocked_s, 0.0
