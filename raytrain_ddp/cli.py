@@ -91,6 +91,25 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_goodput(args: argparse.Namespace) -> int:
+    import json
+
+    from raytrain_ddp.driver.goodput import format_table, report
+    from raytrain_ddp.ops.goodput_plot import plot_goodput
+    from raytrain_ddp.rundir import ATTEMPTS_FILE, Location
+
+    where = Location.parse(args.run_dir)
+    if not (where / ATTEMPTS_FILE).exists():
+        raise UserError(f"{where / ATTEMPTS_FILE} not found: is {args.run_dir!r} a run directory that trained?")
+    rep = report(where)
+    if args.json:
+        print(json.dumps(rep, indent=2))
+        return 0
+    print(format_table(rep))
+    print(f"wrote {plot_goodput(rep, where, args.out)}")
+    return 0
+
+
 def _cmd_data(args: argparse.Namespace) -> int:
     from raytrain_ddp.data.sources import export_digits
 
@@ -152,6 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir")
     plot.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/curves.png)")
     plot.set_defaults(func=_cmd_plot)
+
+    goodput = sub.add_parser("goodput", help="where a run's wall time went, over every fit: productive steps, "
+                             "start-up, waits, redone work, recovery, idle; interruptions by cause")
+    goodput.add_argument("run_dir", help="run directory (a local path or s3://...)")
+    goodput.add_argument("--json", action="store_true", help="print the figures as JSON (seconds), no table or picture")
+    goodput.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/goodput.png)")
+    goodput.set_defaults(func=_cmd_goodput)
 
     export = sub.add_parser("export", help="write a run's trained model (bare state_dict + config) for use without Ray")
     export.add_argument("run_dir", help="run directory (its newest valid checkpoint is exported)")

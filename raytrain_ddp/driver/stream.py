@@ -28,7 +28,10 @@ holds an event back until every earlier one of its attempt was applied -- see `R
                                              since the previous one) fill in any up to N that a
                                              lost rank 0 or a killed driver never wrote
     {"kind": "abort",     "record": {...}}   every rank stopped together (abort.json)
-    {"kind": "checkpoint", "step": N, "name": ..., "blocked_s": ...}
+    {"kind": "checkpoint", "step": N, "name": ..., "blocked_s": ...}  the attempt's line in
+                                             attempts.jsonl counts them (`checkpoints`,
+                                             `checkpoint_blocked_s`); a resume adds to it what
+                                             the dropped lines had cost (`redone_*`)
     {"kind": "timeline", "source": "worker" | "controller", "stamps": {...}}  the start-up
                                              timeline's stamps (`timeline.py`): rank 0's with its
                                              first step; the controller's (attempt 0) per group start
@@ -399,6 +402,7 @@ class Recorder:
         elif kind == "resumed":
             step = int(event["step"])
             self._resumed_attempt = max(self._resumed_attempt, int(event.get("attempt", 0)))
+            redone = _redone(self.metrics.records, step)  # what the dropped lines had cost (driver/goodput.py)
             self.metrics.keep(lambda r: r.get("step", 0) <= step)
             self._held = {key: r for key, r in self._held.items() if key[0] <= step}
             if not self._fit_started:
@@ -410,7 +414,7 @@ class Recorder:
                 logger.warning("record stream: resumed at step %d, below a reported checkpoint; the trackers "
                                "keep their first point of the steps up to %d", step, max(k[0] for k in self._handed))
             self._lines = {_line_key(r) for r in self.metrics.records}
-            self.attempts.amend_last({"resumed_step": step, **event.get("origin", {})})
+            self.attempts.amend_last({"resumed_step": step, **event.get("origin", {}), **redone})
             self.last_step = step
             # The checkpoint's lines up to `step` that this file lacks: those a lost rank 0 did
             # not deliver (a survivor's copy carries its step's), or that a killed driver had
@@ -428,7 +432,20 @@ class Recorder:
                 self.timeline.worker(int(event.get("attempt", 1)), event.get("stamps", {}))
         elif kind == "checkpoint":
             self.checkpoints.append({k: event[k] for k in ("step", "name", "blocked_s") if k in event})
+            self._amend_attempt_stall(event)
             self._commit(int(event["step"]))
+
+    def _amend_attempt_stall(self, event: dict[str, Any]) -> None:
+        """The attempt's line in attempts.jsonl keeps its checkpoints' count and stall (the
+        saves after its last metrics line too: the final one), for `raytrain-ddp goodput`."""
+        mine = [r for r in self.attempts.records
+                if r.get("fit_id") == self.fit_id and r.get("attempt") == event.get("attempt")]
+        if not mine or mine[-1] is not self.attempts.records[-1]:
+            return  # a late event of an older attempt: its line is no longer the last
+        record = mine[-1]
+        self.attempts.amend_last({"checkpoints": int(record.get("checkpoints", 0)) + 1,
+                                  "checkpoint_blocked_s": float(record.get("checkpoint_blocked_s", 0.0))
+                                  + float(event.get("blocked_s", 0.0))})
 
     def _commit(self, step: Optional[int]) -> None:
         """Hand the trackers the held lines up to `step` (None: all), in step order, train first."""
@@ -521,6 +538,17 @@ def recover_lines(run_dir: Location, checkpoint: Any) -> int:
     print(f"raytrain-ddp: metrics.jsonl: {len(missing)} line(s) up to step {step} taken back from {checkpoint} "
           "(the driver that trained them ended before writing them)", flush=True)
     return len(missing)
+
+
+def _redone(records: list[dict[str, Any]], step: int) -> dict[str, Any]:
+    """The lines past `step` that a resume drops: their steps are done again. Their step count,
+    seconds (steps and validation) and the newest line's time go into the resuming attempt's line."""
+    dropped = [r for r in records if int(r.get("step", 0)) > step]
+    if not dropped:
+        return {}
+    return {"redone_steps": sum(int(r.get("window_steps", 0)) for r in dropped),
+            "redone_s": sum(float(r.get("steps_s", 0.0)) + float(r.get("validation_s", 0.0)) for r in dropped),
+            "redone_until": max(float(r.get("time", 0.0)) for r in dropped)}
 
 
 def _line_key(record: dict[str, Any]) -> tuple[int, str]:

@@ -19,8 +19,10 @@ its all-reduces (naive, bucketed, native on CPU) `comm_ms` (gradient communicati
 step), `exposed_comm_ms` (the part of it the step waited for after backward) and
 `comm_overlap_fraction` (the part backward hid, 0..1),
 `checkpoint_blocked_s` (seconds the step loop waited for checkpoints since the previous
-line), `nonfinite_steps` (cumulative) and `attempt`. Validation lines carry `step`,
-`epoch`, `time`, `val_loss`, `val_accuracy` (classifiers, and token accuracy for lm:
+line), `steps_s` and `window_steps` (the wall seconds and the number of the optimizer steps
+since the previous line: what `raytrain-ddp goodput` adds up), `nonfinite_steps`
+(cumulative) and `attempt`. Validation lines carry `step`,
+`epoch`, `time`, `validation_s` (how long validation held the step loop), `val_loss`, `val_accuracy` (classifiers, and token accuracy for lm:
 `worker/step.accuracy_counts`), `val_perplexity` (lm) and `val_<name>` for each of the
 user's `train.metrics` (`worker/user_metrics.py`).
 """
@@ -92,6 +94,8 @@ class StepMeter:
             "data_wait_fraction": min(1.0, max(0.0, waited / seconds)),
             "allreduce_calls": (comm.get("allreduce_calls", 0) - self._comm_start.get("allreduce_calls", 0)) / steps,
             "allreduce_bytes": (comm.get("allreduce_bytes", 0) - self._comm_start.get("allreduce_bytes", 0)) / steps,
+            "steps_s": self._seconds,  # the window's step time in seconds (driver/goodput.py adds them up)
+            "window_steps": self._steps,
         }
         if "comm_s" in comm:  # the wrapper times its all-reduces (see WrappedModel.comm_stats)
             comm_s = comm["comm_s"] - self._comm_start.get("comm_s", 0.0)
@@ -189,6 +193,7 @@ class RunLog:
         self._blocked_s = 0.0  # checkpoint time the step loop waited for, since the previous line
         self._tuning_said = False
         self._transport_said = False
+        self._paused_at = time.perf_counter()  # when the current pause (validation, a save) began
         # The lines made at the last completed step (train, validation), on every rank: a
         # survivor's copy of that step carries them, since rank 0's sends die with rank 0.
         self.step_lines: list[dict[str, Any]] = []
@@ -238,8 +243,9 @@ class RunLog:
         return math.nan if self._last_result is None else self._last_result.loss
 
     def validation(self, val: dict[str, float]) -> dict[str, float]:
-        if val:
-            self._line({"step": self.state.progress.step, "epoch": self._epochs(), "time": time.time(), **val})
+        if val:  # called inside `paused()`, right after validating: the pause so far is validation's
+            self._line({"step": self.state.progress.step, "epoch": self._epochs(), "time": time.time(),
+                        "validation_s": time.perf_counter() - self._paused_at, **val})
         self.outbox.flush()  # the epoch's lines are with the driver before its checkpoint
         return val
 
@@ -266,6 +272,7 @@ class RunLog:
     def paused(self) -> Iterator[None]:
         """Validation and checkpoints count towards neither step time nor data wait."""
         self.meter.pause(self.data.wait_seconds)
+        self._paused_at = time.perf_counter()
         try:
             yield
         finally:
