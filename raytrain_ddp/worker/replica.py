@@ -58,10 +58,8 @@ from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp import ray_compat  # a leaf: Ray Train's private hook, named in one room
 from raytrain_ddp.errors import UserError
 from raytrain_ddp.parallel.errors import CollectiveTimeoutError
-from raytrain_ddp.parallel import registry
 from raytrain_ddp.rundir import CHECKPOINT_PREFIX, Location
 
-REPLICATED = registry.REPLICATED  # survivors of these hold the whole state (parallel/registry.py)
 REPLICA_ORIGIN = "replica"  # the manifest's "origin" of a survivor's copy: "replica:rank=<r>"
 _COLLECTIVES, _WRAPPERS = "torch/distributed/", "raytrain_ddp/parallel/"
 
