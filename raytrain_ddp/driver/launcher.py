@@ -219,7 +219,7 @@ class LocalRayDidNotStart(UserError):
 
 def _init_local(**kwargs: Any) -> None:
     """`ray.init` of the embedded instance, once more if Ray's own 30 s wait for its raylet
-    ran out (seen at load 18 on 2 cores). What the first try started is fate-shared with
+    ran out (a loaded machine: docs/design.md#measurements-behind-the-code). What the first try started is fate-shared with
     this process by Ray and ends with it."""
     import ray
 

@@ -69,7 +69,7 @@ def lighthouse_host() -> str:
     one node, this machine), else this node's address as Ray knows it (its IP on a cluster).
     Not every interface (torchft's default): they serve without any token (docs/security.md).
     Not Ray's node address in the embedded instance either: Ray rewrites a node address of
-    127.0.0.1 to the machine's primary one (docs/reliability.md#live-recovery). The lighthouse runs on
+    127.0.0.1 to the machine's primary one (docs/design.md#measurements-behind-the-code). The lighthouse runs on
     this node (Ray places it with the controller, which Ray Train puts on the driver's node);
     the workers bind their managers to the same answer for their node (`worker_env`)."""
     import ray

@@ -16,8 +16,8 @@ not yet reported.
 
 Why asynchronous upload (`run.checkpoint_upload: async`, Ray 2.60's
 `checkpoint_upload_mode=ASYNC`): a synchronous report waits for the copy to storage and
-then for Ray Train's controller to poll (every 2 s), which stalled the quickstart 1.7 s
-per checkpoint. With ASYNC, rank 0 serialises the state into a local staging directory
+then for Ray Train's controller to poll (every 2 s), which stalls the step loop for the
+poll at every checkpoint (docs/design.md#measurements-behind-the-code). With ASYNC, rank 0 serialises the state into a local staging directory
 (that copy is what the checkpoint holds: training may go on at once), the ranks agree
 on the directory name, and Ray uploads in a background thread, deletes the staging
 copy, and only then registers the checkpoint. A crash mid-upload therefore never makes
@@ -178,7 +178,7 @@ class Checkpointer:
 
         Ray deletes a staging copy once it is uploaded; a cadence faster than the uploads
         (the tiny config checkpointing every 5 steps) otherwise queues a full copy on local
-        disk per checkpoint -- 177 of them, all left behind when the run was interrupted.
+        disk per checkpoint, all left behind when the run is interrupted.
         The wait counts as checkpoint time (`checkpoint_blocked_s`).
         """
         deadline = time.monotonic() + UPLOAD_WAIT_S

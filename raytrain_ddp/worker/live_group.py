@@ -31,9 +31,10 @@ def live_group_base(device: Optional[torch.device] = None) -> tuple[type, str]:
     return ProcessGroupGloo, "gloo"
 
 
+# Over 60 lines: one class definition, built on first use (torchft is an optional dependency).
 def live_group_class(device: Optional[torch.device] = None) -> type:
     """torchft's reconfigurable group for `device` (`live_group_base`), with what torch expects of a
-    default group. Over 60 lines: it is one class definition (built on first use: torchft is optional)."""
+    default group."""
     base, backend = live_group_base(device)
 
     class LiveGroup(base):  # type: ignore[misc, valid-type]

@@ -152,7 +152,7 @@ class LastStep:
         self.mark()
 
     def mark(self) -> None:
-        """At a step boundary (~0.1 ms and the buffers' size): the RNG states as the libraries
+        """At a step boundary (cheap: the buffers' size): the RNG states as the libraries
         give them, and a copy of the buffers (BatchNorm's statistics)."""
         self.rng = ckpt.capture_rng(self.device)
         live = dict(self.module.named_buffers())
