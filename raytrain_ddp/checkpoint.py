@@ -209,7 +209,7 @@ def _like(given: Where, loc: Location) -> Any:
 
 
 def capture_rng(cuda_device: Any = None) -> tuple[Any, ...]:
-    """The RNG states as the libraries give them (~0.1 ms); `rng_state` makes them storable.
+    """The RNG states as the libraries give them (no conversion: cheap at every step); `rng_state` makes them storable.
 
     CUDA: the generator of this worker's own device only (`cuda_device`, default the
     current one), never one per visible device: Ray shares `CUDA_VISIBLE_DEVICES` among a

@@ -1,7 +1,7 @@
 """The rank launcher for tests: re-exported from `raytrain_ddp.ops.ranks` (read its docstring).
 
-Kept so tests can `from _spawn import run_ranks` (`tests/` is on sys.path, see
-tests/parallel/conftest.py). Must not grow code of its own: the package and the tests
+Kept so tests can `from _spawn import run_ranks` (`tests/` is on sys.path: pyproject.toml's
+pytest `pythonpath`). Must not grow code of its own: the package and the tests
 share one launcher.
 """
 

@@ -18,14 +18,10 @@ starts clean.
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
-_TESTS = str(Path(__file__).resolve().parent)
-if _TESTS not in sys.path:
-    sys.path.insert(0, _TESTS)
+# tests/ and the checkout are on sys.path by pyproject.toml's pytest `pythonpath`, set there only.
 
 from raytrain_ddp.testing.hooks import ENABLE as _TEST_HOOKS  # noqa: E402
 

@@ -11,6 +11,7 @@ message names the offending key, the value given and what is allowed, so the CLI
 print it without a traceback.
 """
 
+# Over 500 lines: the whole schema in one file, every key with the description docs/configuration.md is generated from.
 from __future__ import annotations
 
 import re

@@ -23,12 +23,10 @@ def print_plan(cfg: Config, spec: Any, run_dir: Path, steps_per_epoch: int, tota
 
     `params`: the model's parameter count when the driver already built it (a user model).
     """
-    from raytrain_ddp.models import build_model
-
     workers = cfg.scaling.max_workers
     k = cfg.accumulation_steps(workers)
     if params is None:
-        params = sum(p.numel() for p in build_model(cfg, spec).parameters())
+        params = parameter_count(cfg, spec)
     lines = [
         f"raytrain-ddp: run {cfg.name!r} -> {run_dir}",
         f"  data      {spec.source}: {spec.train_rows:,} train / {spec.val_rows:,} val rows, task {spec.task}",
@@ -47,6 +45,17 @@ def print_plan(cfg: Config, spec: Any, run_dir: Path, steps_per_epoch: int, tota
         lines.insert(3, f"  parallel  {' and '.join(auto)}: the first ~20 synced steps time candidate "
                         "bucket layouts, the fastest is kept on every worker; rank 0 prints the choice")
     print("\n".join(lines), flush=True)
+
+
+def parameter_count(cfg: Config, spec: Any) -> int:
+    """The built-in model's parameter count, built on torch's meta device: shapes only, no
+    memory and no initialisation (the plan is printed before any worker starts)."""
+    import torch
+
+    from raytrain_ddp.models import build_model
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_model(cfg, spec).parameters())
 
 
 def _describe_resume(resume_from: Optional[Path], total_steps: int) -> str:

@@ -229,7 +229,7 @@ class LocalRayDidNotStart(UserError):
 
 def _init_local(**kwargs: Any) -> None:
     """`ray.init` of the embedded instance, once more if Ray's own 30 s wait for its raylet
-    ran out (seen at load 18 on 2 cores). What the first try started is fate-shared with
+    ran out (a loaded machine: docs/design.md#measurements-behind-the-code). What the first try started is fate-shared with
     this process by Ray and ends with it."""
     import ray
 
@@ -325,10 +325,10 @@ def nccl_env(use_gpu: bool, environ: Any) -> dict[str, str]:
 
 def _fit(start: _Start, checked: Any, given: Optional[dict[str, Any]]) -> dict[str, Any]:
     """One fit on Ray: build the trainer, run it, report (summary.json, the printed summary)."""
-    from raytrain_ddp.driver import live
+    from raytrain_ddp.recovery import table
     cfg, run_dir = start.cfg, start.run_dir
     job, prepared, total_steps = prepare(cfg, run_dir, start.fit_id, start.resume_from, checked, start.code, given)
-    cfg = live.resolve(cfg)  # run.recovery=live, or its fallback to replica said in one line (driver/live.py)
+    cfg = table.driver_half(cfg).resolve(cfg)  # run.recovery=live, or its fallback to replica said in one line
     job = _with_mailbox(dataclasses.replace(job, cfg=cfg))
     trainer = build_trainer(cfg, run_dir, job, prepared)
     started = time.time()
@@ -359,24 +359,22 @@ def build_trainer(cfg: Config, run_dir: Location, job: Job, prepared: Any) -> An
     import ray.data
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
     from ray.train.v2.api.config import LoggingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
 
     from raytrain_ddp.worker.loop import train_loop_per_worker
-    from raytrain_ddp.driver import live
     from raytrain_ddp.driver.node_loss import NodeLossWatch
     from raytrain_ddp.driver.startup import StartupStamps
-    from raytrain_ddp.worker.replica import GraceForSurvivors
+    from raytrain_ddp.recovery import table
 
     pg_timeout_s = process_group_timeout_s(cfg.parallel.collective_timeout_s, cfg.scaling.use_gpu)
     env_vars = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}
     env_vars.update(nccl_env(cfg.scaling.use_gpu, os.environ))
-    lighthouse = live.lighthouse_host() if cfg.run.recovery == "live" else None
-    env_vars.update(live.worker_env(lighthouse) if lighthouse else {})
+    recovery = table.driver_half(cfg)(cfg)  # the run's recovery mode, Ray Train's side (recovery/table.py)
+    env_vars.update(recovery.env())
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"job": job},
-        torch_config=(live.torch_config(cfg, pg_timeout_s, lighthouse) if lighthouse else
-                      TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo", timeout_s=pg_timeout_s)),
+        torch_config=recovery.torch_config(pg_timeout_s),
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
             resources_per_worker=worker_resources(cfg), placement_strategy=cfg.scaling.placement_strategy,
@@ -393,8 +391,7 @@ def build_trainer(cfg: Config, run_dir: Location, job: Job, prepared: Any) -> An
             worker_runtime_env={"env_vars": env_vars} if env_vars else None,
             # A survivor's copy of the last step is not cut short by the restart (worker/replica.py);
             # a lost node is declared dead before the new group is sized (driver/node_loss.py).
-            callbacks=[NodeLossWatch(), *([GraceForSurvivors()] if cfg.run.recovery in ("replica", "live") else []),
-                       *([live.LiveDatasets()] if cfg.run.recovery == "live" else []),
+            callbacks=[NodeLossWatch(), *recovery.callbacks(),
                        *([StartupStamps(job.mailbox)] if job.mailbox is not None else [])],
             logging_config=LoggingConfig(log_level="WARNING"),  # our progress lines say it all
         ),

@@ -24,16 +24,17 @@ from typing import Any, Callable
 
 from raytrain_ddp import ray_compat
 from raytrain_ddp.config import Config, ConfigError
-from raytrain_ddp.parallel import registry
+from raytrain_ddp.driver.recovery import SurvivorsCopy
+from raytrain_ddp.recovery import table
 HEARTBEAT_TIMEOUT_MS = 1000  # a lost worker leaves the lighthouse's members within ~1 s
 QUORUM_TICK_MS = 20  # how often the lighthouse looks for a complete quorum
 
 
 def fallback_reason(cfg: Config) -> str:
     """Why `run.recovery: live` cannot apply to `cfg` ("" when it can)."""
-    if cfg.run.recovery != "live" or cfg.scaling.local:
+    if not table.is_live(cfg):
         return ""
-    refusal = registry.live_refusal(cfg.parallel.strategy)
+    refusal = table.live_refusal(cfg.parallel.strategy)
     if refusal:
         return f"parallel.strategy={cfg.parallel.strategy} {refusal}"
     if cfg.scaling.elastic:
@@ -49,14 +50,12 @@ def fallback_reason(cfg: Config) -> str:
 def resolve(cfg: Config, say: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)) -> Config:
     """`cfg` with the recovery mode the run will really use: `live` when it applies, else `replica`
     (said in one line). `live` without torchft installed is a `ConfigError` naming the key."""
-    if cfg.run.recovery != "live" or cfg.scaling.local:
+    if not table.is_live(cfg):
         return cfg
     reason = fallback_reason(cfg)
     if reason:
-        say(f"raytrain-ddp: run.recovery=live falls back to run.recovery=replica: {reason}")
-        fallback = cfg.model_copy(deep=True)
-        fallback.run.recovery = "replica"
-        return fallback
+        say(f"raytrain-ddp: run.recovery=live falls back to run.recovery={table.FALLBACK}: {reason}")
+        return table.falling_back(cfg)
     try:
         import torchft  # noqa: F401
     except ImportError as exc:
@@ -69,8 +68,8 @@ def lighthouse_host() -> str:
     """Where torchft's servers listen: 127.0.0.1 in an instance this process started (embedded:
     one node, this machine), else this node's address as Ray knows it (its IP on a cluster).
     Not every interface (torchft's default): they serve without any token (docs/security.md).
-    Not Ray's node address in the embedded instance either: Ray 2.60 rewrites a node address
-    of 127.0.0.1 to the machine's primary one (measured: 192.0.2.2 here). The lighthouse runs on
+    Not Ray's node address in the embedded instance either: Ray rewrites a node address of
+    127.0.0.1 to the machine's primary one (docs/design.md#measurements-behind-the-code). The lighthouse runs on
     this node (Ray places it with the controller, which Ray Train puts on the driver's node);
     the workers bind their managers to the same answer for their node (`worker_env`)."""
     import ray
@@ -90,7 +89,7 @@ def torch_config(cfg: Config, timeout_s: int, host: str) -> Any:
     listening on `host` (`lighthouse_host`)."""
     from ray.train.v2.torch.torchft_config import TorchftConfig
 
-    from raytrain_ddp.worker.live import bracketed
+    from raytrain_ddp.torchft_compat import bracketed
 
     lighthouse = {"bind": f"{bracketed(host)}:0",
                   "min_replicas": int(cfg.scaling.num_workers),
@@ -104,7 +103,7 @@ class LiveDatasets(ray_compat.controller_callback_base()):  # type: ignore[misc]
 
     Ray 2.60 builds a new `DatasetManager` for every group it starts, sized by that group's
     workers; for a one-worker replacement that is a manager of world size 1, and the newcomer
-    (world rank >= 1) fails in `get_dataset_shard` with `IndexError` (measured: issue #28). For
+    (world rank >= 1) fails in `get_dataset_shard` with `IndexError` (issue #28). For
     datasets that are not split (`data.sharding: exact`, the default; `sharded` reads no Ray
     dataset) every rank's iterator is the whole dataset, so the full group's provider serves a
     newcomer as it served its predecessor (`ray_compat.serve_partial_groups_whole_datasets`).
@@ -113,3 +112,24 @@ class LiveDatasets(ray_compat.controller_callback_base()):  # type: ignore[misc]
 
     def after_controller_start(self, train_run_context: Any) -> None:
         ray_compat.serve_partial_groups_whole_datasets()
+
+
+class Live(SurvivorsCopy):
+    """The driver half of `run.recovery: live` (the recovery table: `recovery/table.py`): Ray's torchft
+    backend with a lighthouse on `lighthouse_host()`, its address in the workers' environment, and
+    the survivors' copy (the fallback when no replacement comes) plus `LiveDatasets`."""
+
+    resolve = staticmethod(resolve)
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__(cfg)
+        self.host = lighthouse_host()
+
+    def env(self) -> dict[str, str]:
+        return worker_env(self.host)
+
+    def torch_config(self, timeout_s: int) -> Any:
+        return torch_config(self.cfg, timeout_s, self.host)
+
+    def callbacks(self) -> list[Any]:
+        return [*super().callbacks(), LiveDatasets()]

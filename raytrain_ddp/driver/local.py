@@ -45,7 +45,7 @@ def run_local(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, che
     from raytrain_ddp.worker.runtime import LocalRuntime
 
     if "OMP_NUM_THREADS" not in os.environ:  # as Ray sets it for a worker of scaling.cpus_per_worker CPUs
-        torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))  # (measured: 33 -> 1,265 samples/s, busy box)
+        torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))  # oversubscribed threads: docs/design.md
     shards, spec = local_data(cfg, checked, code)
     job, _, total_steps = prepare(cfg, run_dir, fit_id, resume_from, checked, code, None,
                                    prepared=PreparedData({}, spec, None))

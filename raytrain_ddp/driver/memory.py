@@ -5,10 +5,9 @@ so that the samples of step s do not depend on the worker count) fits in a worke
 share of its node's memory. Must not touch: reading data (`data/ray_datasets.py` hands over
 the size), training.
 
-Measured (issue #30): a 1.2 GB parquet set peaked at 3.3 and 3.7 GB per worker with exact
-sharding -- the Arrow blocks Ray Data hands over, the numpy views cut from them, and the
-epoch's shuffled copy -- so a worker needs about `EXACT_COPIES` x the data's in-memory
-size. A worker's share is the smallest alive node's memory (Ray's `memory` resource, what
+With exact sharding a worker holds the Arrow blocks Ray Data hands over, the numpy views cut
+from them, and the epoch's shuffled copy, so it needs about `EXACT_COPIES` x the data's
+in-memory size (the measurement: docs/design.md#measurements-behind-the-code). A worker's share is the smallest alive node's memory (Ray's `memory` resource, what
 Ray lets tasks use) divided by the workers that node would run (its CPUs over
 `scaling.cpus_per_worker`, at most the run's worker count). Over it, the run stops with
 one line naming `data.sharding=sharded` (each worker reads only its own chunks), instead

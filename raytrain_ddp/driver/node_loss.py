@@ -11,8 +11,8 @@ controller restarts the group about 2 s after the kill. Its elastic policy sizes
 group from Ray Data's autoscaling coordinator, whose view of the cluster (a) still counts
 the node until the GCS health check declares it dead and (b) is re-read only every 20 s.
 Sized for the old cluster, the new group then waits for a placement group that no living
-node can hold until Ray Train's worker-group start timeout (60 s): 71 s from the kill to
-the next trained step, measured on the two-node local cluster (docs/reliability.md).
+node can hold until Ray Train's worker-group start timeout (60 s), long after the kill
+(the numbers: docs/reliability.md#node-loss).
 
 What it does: at every other state it remembers which nodes are alive; when the controller
 enters RESTARTING (or RESCHEDULING), a remembered node the GCS has declared dead since is

@@ -34,7 +34,7 @@ _P = "raytrain_ddp.parallel"
 _LAZY = {  # public name -> the module that defines it
     "wrap_model": f"{_P}.wrap", "COMPRESSIONS": f"{_P}.wrap",
     "WrappedModel": f"{_P}.base",
-    "CollectiveTimeoutError": f"{_P}.errors", "ModelMismatchError": f"{_P}.errors",
+    "CollectiveTimeoutError": f"{_P}.errors", "PeerLost": f"{_P}.errors", "ModelMismatchError": f"{_P}.errors",
     "UnusedParameterError": f"{_P}.errors", "RequiresGradChangeError": f"{_P}.errors",
     "NaiveDDP": f"{_P}.naive", "BucketedDDP": f"{_P}.bucketed", "NativeDDP": f"{_P}.native",
     "LocalModel": f"{_P}.native", "Zero1DDP": f"{_P}.zero1", "ZeroOptimizer": f"{_P}.zero1",

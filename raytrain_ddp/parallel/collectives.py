@@ -11,10 +11,25 @@ world-size-1 runs need no special case.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import contextlib
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from raytrain_ddp.parallel.errors import PeerLost
+
+
+@contextlib.contextmanager
+def _collective(what: str) -> Iterator[None]:
+    """A collective's failure as `PeerLost`: here a `RuntimeError` can only be the group's."""
+    try:
+        yield
+    except PeerLost:
+        raise
+    except RuntimeError as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise PeerLost(f"{what} failed on this rank ({type(exc).__name__}: {first}); a peer rank was lost") from exc
 
 
 def _active(group: Optional[dist.ProcessGroup] = None) -> bool:
@@ -25,7 +40,8 @@ def all_sum_(t: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torc
     """Sum `t` over the ranks of `group`, in place, and return it: nothing is read on the host
     (on CUDA the all-reduce is queued on the stream; read the result when it is needed)."""
     if _active(group):
-        dist.all_reduce(t, group=group)
+        with _collective("all reduce"):
+            dist.all_reduce(t, group=group)
     return t
 
 
@@ -34,7 +50,8 @@ def sum_over_ranks(values: Sequence[float] | torch.Tensor, device: Optional[torc
     """Element-wise sum over the ranks of `group` (default: all); float64 unless a tensor is given."""
     t = values.detach().clone() if isinstance(values, torch.Tensor) else torch.tensor(list(values), dtype=torch.float64, device=device)
     if _active(group):
-        dist.all_reduce(t, group=group)
+        with _collective("all reduce"):
+            dist.all_reduce(t, group=group)
     return t.flatten().tolist()  # one device->host copy, not one per element
 
 
@@ -43,7 +60,8 @@ def union_over_ranks(names: Sequence[str]) -> list[str]:
     if not _active():
         return sorted(set(names))
     gathered: list[Optional[list[str]]] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, sorted(set(names)))
+    with _collective("all gather object"):
+        dist.all_gather_object(gathered, sorted(set(names)))
     return sorted(set().union(*(g or [] for g in gathered)))
 
 
@@ -51,7 +69,8 @@ def max_over_ranks(values: Sequence[float], device: Optional[torch.device] = Non
     """Element-wise maximum over ranks."""
     t = torch.tensor(list(values), dtype=torch.float64, device=device)
     if _active():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        with _collective("all reduce"):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 
 
@@ -59,7 +78,8 @@ def all_true(flag: bool, device: Optional[torch.device] = None) -> bool:
     """True only if `flag` is true on every rank."""
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     if _active():
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        with _collective("all reduce"):
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item())
 
 
@@ -67,7 +87,8 @@ def from_main(value: int, device: Optional[torch.device] = None) -> int:
     """Rank 0's `value` on every rank."""
     t = torch.tensor([value], dtype=torch.int64, device=device)
     if _active():
-        dist.broadcast(t, src=0)
+        with _collective("broadcast"):
+            dist.broadcast(t, src=0)
     return int(t.item())
 
 

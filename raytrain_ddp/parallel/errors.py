@@ -14,7 +14,16 @@ class UserError(Exception):
     """Bad input from the user: the message is the whole story."""
 
 
-class CollectiveTimeoutError(RuntimeError):
+class PeerLost(RuntimeError):
+    """A collective failed on this rank because a peer is gone (or hangs): not this rank's own fault.
+
+    Raised where our code meets a failed collective (`wait_work`, torch DDP's comm hook, the
+    agreement helpers of `collectives.py`); recovery (`worker/replica.py`, `worker/live.py`)
+    recognises a lost peer by this type.
+    """
+
+
+class CollectiveTimeoutError(PeerLost):
     """A collective did not finish in time, or failed; the message names the operation.
 
     Usually a peer rank died, hangs, or skipped a step (ranks must run the same number

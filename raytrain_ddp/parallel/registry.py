@@ -36,10 +36,8 @@ class Strategy:
     shards_parameters: bool = False  # parameters themselves are sharded (a gather to read them)
     precision: tuple[str, ...] = PRECISIONS
     local: Optional[str] = None  # "module:attribute" of the class used without a process group
-    # run.recovery=live (worker/live.py): "" if the wrapper all-reduces over torchft's
-    # reconfigurable group, else why not (a sharded layout is refused by `live_refusal`)
-    live: str = ""
-    # ... and the group it gets there: 0, the reconfigurable group itself; N, a plain c10d
+    # run.recovery=live (worker/live.py; the recovery table reads `replicated` to allow it): the
+    # group the wrapper gets there: 0, the reconfigurable group itself; N, a plain c10d
     # sub-group of the current quorum, N of them made with the quorum (torch DDP's C++ reducer
     # reads the group's size from its C++ base, which torchft builds once with size 1; native
     # takes its DDP group and the side group of its unused-parameter check)
@@ -76,15 +74,6 @@ DEFAULT: str = "bucketed"  # parallel.strategy's default
 REPLICATED: tuple[str, ...] = tuple(s.name for s in _TABLE if s.replicated)
 SHARDED: tuple[str, ...] = tuple(s.name for s in _TABLE if not s.replicated)
 TUNERS: tuple[str, ...] = tuple(s.name for s in _TABLE if s.tunes)
-LIVE: tuple[str, ...] = tuple(s.name for s in _TABLE if s.replicated and not s.live)  # run.recovery=live
-
-
-def live_refusal(name: str) -> str:
-    """Why strategy `name` cannot recover live ("" when it can), as the rest of a config line."""
-    row = get(name)
-    if not row.replicated:
-        return "keeps 1/W of the state per rank, so no survivor holds what a replacement needs"
-    return row.live
 
 
 def get(name: str, key: str = "strategy") -> Strategy:

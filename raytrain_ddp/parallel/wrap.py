@@ -25,6 +25,7 @@ _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 _LIVE_WRAPPERS: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
+# Over 60 lines: the public signature and its documented keywords; the body is the registry lookup and checks.
 def wrap_model(
     module: nn.Module,
     strategy: str,

@@ -16,8 +16,8 @@ not yet reported.
 
 Why asynchronous upload (`run.checkpoint_upload: async`, Ray 2.60's
 `checkpoint_upload_mode=ASYNC`): a synchronous report waits for the copy to storage and
-then for Ray Train's controller to poll (every 2 s), which stalled the quickstart 1.7 s
-per checkpoint. With ASYNC, rank 0 serialises the state into a local staging directory
+then for Ray Train's controller to poll (every 2 s), which stalls the step loop for the
+poll at every checkpoint (docs/design.md#measurements-behind-the-code). With ASYNC, rank 0 serialises the state into a local staging directory
 (that copy is what the checkpoint holds: training may go on at once), the ranks agree
 on the directory name, and Ray uploads in a background thread, deletes the staging
 copy, and only then registers the checkpoint. A crash mid-upload therefore never makes
@@ -36,7 +36,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import pyarrow.fs as pafs
 
@@ -51,21 +51,28 @@ from raytrain_ddp.worker.replica import WINDOW, is_peer_loss, write_last_step, w
 from raytrain_ddp.worker.runtime import RayTrainRuntime
 from raytrain_ddp.worker.state import TrainState
 
+if TYPE_CHECKING:
+    from raytrain_ddp.worker.hooks import Hooks
+    from raytrain_ddp.worker.runtime import Runtime
+
 STAGING_PREFIX, STAGING_NAME_SEP = "raytrain_ddp_ckpt_", "--"  # rank 0's staging copy: <prefix><random>--<name>
 MAX_PENDING_UPLOADS = 2  # staging copies waiting for Ray's asynchronous upload, at most
 UPLOAD_WAIT_S = 600.0  # bounded: a stuck upload delays the next checkpoint, never hangs the run
 
 
 class Checkpointer:
-    def __init__(self, job: Job, rank: Rank, state: TrainState, log: RunLog, hooks: Any,
-                 runtime: Any = None) -> None:
+    """`before_report`: asked before each save, False skips it (live recovery: a member is gone);
+    `agree`: the preemption poll's agreement (`PreemptionGuard`), default a MAX all-reduce."""
+
+    def __init__(self, job: Job, rank: Rank, state: TrainState, log: RunLog, hooks: Hooks,
+                 runtime: Optional[Runtime] = None, *, before_report: Optional[Callable[[], bool]] = None,
+                 agree: Optional[Callable[[Sequence[float]], list[float]]] = None) -> None:
         self.job, self.rank, self.state, self.log = job, rank, state, log
         self.runtime = runtime or RayTrainRuntime()  # where checkpoints go (worker/runtime.py)
         self.every = job.cfg.run.checkpoint_every_steps
         self.upload = getattr(job.cfg.run, "checkpoint_upload", "async")
-        # spot reclaims, and the driver's Ctrl-C (rank 0 asks the driver at the same polls)
-        self.guard = PreemptionGuard.for_worker(job.cfg, rank, hooks, stop_source=log.outbox.stop_requested,
-                                                real=self.runtime.preemption_source())
+        self._hooks, self._agree, self._before_report = hooks, agree, before_report
+        self.guard = self._new_guard()
         # The newest step known to be in storage: a survivor's copy must be newer. An
         # asynchronous save does not count: its upload runs in rank 0's process, and a kill
         # of rank 0 before it finished left a restart with nothing (issue #25).
@@ -77,12 +84,24 @@ class Checkpointer:
             WINDOW.attach(self.write_copy)  # Ray's shutdown call writes it if the loop cannot
 
     @classmethod
-    def resume(cls, job: Job, rank: Rank, state: TrainState, log: RunLog, hooks: Any,
-               accumulation_steps: int, runtime: Any = None) -> "Checkpointer":
-        """A checkpointer for this worker group, with `state` restored from where the fit stands."""
-        checkpointer = cls(job, rank, state, log, hooks, runtime)
+    def resume(cls, job: Job, rank: Rank, state: TrainState, log: RunLog, hooks: Hooks,
+               accumulation_steps: int, runtime: Optional[Runtime] = None, **composed: Any) -> "Checkpointer":
+        """A checkpointer for this worker group, with `state` restored from where the fit stands
+        (`composed`: the constructor's keywords)."""
+        checkpointer = cls(job, rank, state, log, hooks, runtime, **composed)
         checkpointer.restore(accumulation_steps)
         return checkpointer
+
+    def _new_guard(self) -> PreemptionGuard:
+        """Spot reclaims, and the driver's Ctrl-C (rank 0 asks the driver at the same polls)."""
+        return PreemptionGuard.for_worker(self.job.cfg, self.rank, self._hooks,
+                                          stop_source=self.log.outbox.stop_requested,
+                                          real=self.runtime.preemption_source(), agree=self._agree)
+
+    def restart_preemption_poll(self) -> None:
+        """The preemption poll's schedule from scratch, as a new worker's: after live recovery
+        re-formed the group, every member polls at the same steps again."""
+        self.guard = self._new_guard()
 
     def restore(self, accumulation_steps: int) -> None:
         """Load the newest valid checkpoint of this fit (or the driver's choice) into every component."""
@@ -159,7 +178,7 @@ class Checkpointer:
 
         Ray deletes a staging copy once it is uploaded; a cadence faster than the uploads
         (the tiny config checkpointing every 5 steps) otherwise queues a full copy on local
-        disk per checkpoint -- 177 of them, all left behind when the run was interrupted.
+        disk per checkpoint, all left behind when the run is interrupted.
         The wait counts as checkpoint time (`checkpoint_blocked_s`).
         """
         deadline = time.monotonic() + UPLOAD_WAIT_S
@@ -193,6 +212,8 @@ class Checkpointer:
         `durable`: wait until the checkpoint is in storage (synchronous upload), as a
         just-in-time save before a preemption must.
         """
+        if self._before_report is not None and not self._before_report():
+            return
         progress = self.state.progress
         # The epoch position is in the name: a periodic save on a streaming epoch's last
         # window and the epoch-end save can share a step, and must not share a directory.

@@ -43,20 +43,32 @@ import os
 import random
 import time
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
+from raytrain_ddp.job import Job
 from raytrain_ddp.parallel import registry, torch_compat
-from raytrain_ddp.torchft_compat import bound_manager, bracketed, manager_server, quorum_id
+from raytrain_ddp.recovery import table as recovery_table
+from raytrain_ddp.torchft_compat import bound_manager, bracketed, manager_server, quorum_id  # noqa: F401 - bracketed, bound_manager: re-exported
+from raytrain_ddp.worker.live_group import (  # noqa: F401 - re-exported: tests and benchmarks import them from here
+    LIGHTHOUSE_ENV, LIGHTHOUSE_HOST_ENV, _install_default_group, lighthouse_address, live_group_class, node_address)
 from raytrain_ddp.worker.context import Rank
+from raytrain_ddp.worker.recovery import Steady
 from raytrain_ddp.worker.replica import is_peer_loss
+from raytrain_ddp.worker.runtime import Runtime
 from raytrain_ddp.worker.step import train_step
 
+if TYPE_CHECKING:
+    from raytrain_ddp.config.schema import TrainConfig
+    from raytrain_ddp.worker.checkpointer import Checkpointer
+    from raytrain_ddp.worker.hooks import Hooks
+    from raytrain_ddp.worker.meter import RunLog
+    from raytrain_ddp.worker.state import TrainState
+    from raytrain_ddp.worker.step import StepResult
+
 JOIN_TIMEOUT_S = 120.0  # survivors wait this long for a replacement, then fail by name
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # set on every worker by Ray's torchft backend
-LIGHTHOUSE_HOST_ENV = "RAYTRAIN_DDP_LIGHTHOUSE_HOST"  # the address our launcher bound the lighthouse to
 MAX_TRIES = 10  # a step not committed this many times in a row ends the worker, by name
 _TORCHFT_FRAMES = "torchft/"
 
@@ -65,146 +77,13 @@ class StepNotCommitted(Exception):
     """The step's collectives failed on some member: nothing of it is applied; it is retried."""
 
 
-class NoLive:
-    """Every other recovery mode: the loop's calls do what they always did."""
-
-    train_step = staticmethod(train_step)
-
-    def wrapper_group(self) -> None:
-        """The wrapper's process group: torch's default one."""
-        return None
-
-    def __init__(self, runtime: Any) -> None:
-        self.runtime = runtime
-
-    def resume(self, job: Any, rank: Rank, state: Any, log: Any, hooks: Any, accumulation_steps: int) -> Any:
-        from raytrain_ddp.worker.checkpointer import Checkpointer
-
-        return Checkpointer.resume(job, rank, state, log, hooks, accumulation_steps, self.runtime)
-
-    def close(self) -> None:
-        pass
+NoLive = Steady  # every other recovery mode (worker/recovery.py)
 
 
-def session_for(job: Any, runtime: Any) -> Any:
-    """`LiveSession` when the run's recovery is live (torchft imported only then), else `NoLive`.
-
-    Live needs Ray's torchft backend, which our launcher selects (`driver/live.py`): a
-    worker without its lighthouse (your own `TorchTrainer` from `prepare_job`, local mode)
-    says so once and recovers as `replica` does."""
+def session_for(job: Job, runtime: Runtime) -> Any:
+    """The worker half of the run's recovery mode (the recovery table), built for this worker."""
     entered = time.time()  # the training function's start (a newcomer says its timeline from here)
-    cfg = job.cfg
-    if cfg.run.recovery != "live" or cfg.scaling.local:
-        return NoLive(runtime)
-    if not os.environ.get(LIGHTHOUSE_ENV):
-        rank = runtime.rank()
-        if rank.is_main:
-            _say(rank, f"run.recovery=live needs Ray Train's TorchftConfig backend (${LIGHTHOUSE_ENV} is not set: "
-                       "this is not raytrain-ddp's launcher); recovering as run.recovery=replica does")
-        return NoLive(runtime)
-    return LiveSession(job, runtime.rank(), runtime, entered)
-
-
-def live_group_class() -> type:
-    """torchft's reconfigurable gloo group, with what torch expects of a default group."""
-    from torchft.process_group import ProcessGroupGloo
-
-    class LiveGroup(ProcessGroupGloo):
-        """Our rank is the quorum's (torch asks the default group for it); an all-reduce without
-        options is a sum (our bucketed wrapper calls the group's method directly).
-
-        `dist.new_group` on it (torch calls a default group's `new_group`) gives a plain c10d
-        gloo group of the current quorum, which torch registers like any group: torch DDP
-        (`native`) runs on one, since its C++ reducer reads the group's size from the C++ base,
-        and torchft's is built once with size 1. Its store keys are numbered per quorum (every
-        member re-wraps in the same order after a reconfiguration); `ahead` of them are made
-        with the quorum, and each reconfiguration ends the previous quorum's. gloo closes a
-        group's connections only when the group is freed (its `abort` does not, measured), and
-        a wrapper holds its sub-group until the re-wrap: a member whose own collectives
-        completed is stopped by the step's commit vote, which every member reaches."""
-
-        _store: Any = None
-        _subgroups: list = []  # this quorum's, handed out or not
-        _ready: list = []  # made with the quorum, not handed out yet
-        ahead = 0  # sub-groups to make with each quorum (the registry's `live_subgroups`)
-
-        def rank(self) -> int:
-            return self.parent.rank()
-
-        def allreduce(self, tensors: list, opts: Any = None) -> Any:
-            if opts is None:
-                opts = torch.distributed.AllreduceOptions()
-            return super().allreduce(tensors, opts)
-
-        def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:  # torchft_compat's override
-            self._store, self._subgroups = store, []
-            if torch_compat.is_registered(self):  # torch's new_group prefixes the default group's store
-                torch_compat.register_backend(self, "gloo", store)
-            return super()._create_pg(store, rank, world_size)
-
-        def new_group(self, ranks: list, timeout: Any = None, pg_options: Any = None, group_name: Any = None,
-                      group_desc: Any = None) -> Any:
-            if list(ranks) != list(range(self.size())):
-                raise NotImplementedError(f"run.recovery=live: a sub-group of ranks {list(ranks)} of the "
-                                          f"{self.size()}-rank reconfigurable group (only all of them)")
-            return self._ready.pop(0) if self._ready else self._subgroup()
-
-        def _subgroup(self) -> Any:
-            store = torch.distributed.PrefixStore(f"raytrain/sub{len(self._subgroups)}/", self._store)
-            group = ProcessGroupGloo._create_pg(self, store, self.rank(), self.size())
-            self._subgroups.append(group)
-            return group
-
-        def configure(self, *args: Any, **kwargs: Any) -> None:
-            """Made with the quorum, while every member is there: a member lost before the re-wrap
-            then fails the wrap's first collective at once, not a rendezvous at its timeout."""
-            self._end_subgroups()
-            super().configure(*args, **kwargs)
-            self._ready = [self._subgroup() for _ in range(self.ahead)]
-
-        def abort(self, errored: bool = True) -> None:
-            for group in self._subgroups:  # what a backend that can abort does (NCCL); gloo: nothing
-                with contextlib.suppress(Exception):
-                    group.abort()
-            super().abort(errored)
-
-        def _end_subgroups(self) -> None:
-            for group in self._subgroups:
-                with contextlib.suppress(Exception):
-                    group.abort()
-                name = torch_compat.group_name(group)
-                if torch_compat.is_registered(group):
-                    with contextlib.suppress(Exception):
-                        torch.distributed.destroy_process_group(group)
-                if name is not None:  # destroy leaves a sub-group in torch's registry by name
-                    with contextlib.suppress(Exception):
-                        torch_compat.unregister_group(name)
-            self._subgroups, self._ready = [], []
-
-    return LiveGroup
-
-
-def node_address() -> str:
-    """Where this worker's manager listens: on loopback when the lighthouse does (our launcher's
-    embedded instance: one machine), else on this worker's node address as Ray knows it (Ray's
-    torch backend sets `MASTER_ADDR` to it for each replica group, and in live mode every worker
-    is the first rank of its own group): the node's IP on a cluster."""
-    lighthouse = os.environ.get(LIGHTHOUSE_HOST_ENV, "")
-    if lighthouse in ("127.0.0.1", "::1"):
-        return lighthouse
-    return os.environ.get("MASTER_ADDR") or "127.0.0.1"
-
-
-def lighthouse_address() -> str:
-    """Where the lighthouse is: Ray's `TORCHFT_LIGHTHOUSE`, at the address our launcher bound it
-    to. torchft's lighthouse advertises this machine's host name whatever it is bound to, and
-    the name may resolve elsewhere (127.0.1.1 in many /etc/hosts) than the bound address."""
-    address, host = os.environ[LIGHTHOUSE_ENV], os.environ.get(LIGHTHOUSE_HOST_ENV)
-    if not host:
-        return address
-    scheme, _, rest = address.rpartition("://")
-    port = rest.rsplit(":", 1)[1]
-    return f"{scheme + '://' if scheme else ''}{bracketed(host)}:{port}"
+    return recovery_table.worker_half(job.cfg).for_worker(job, runtime, entered)
 
 
 class NoReplacement(RuntimeError):
@@ -214,15 +93,28 @@ class NoReplacement(RuntimeError):
 class LiveSession:
     """One worker's side of live recovery (see the module docstring)."""
 
-    def __init__(self, job: Any, rank: Rank, runtime: Any, entered: Optional[float] = None) -> None:
+    @classmethod
+    def for_worker(cls, job: Job, runtime: Runtime, entered: Optional[float] = None) -> Any:
+        """A session, where Ray's torchft backend runs (our launcher selects it: `driver/live.py`);
+        a worker without its lighthouse (your own `TorchTrainer` from `prepare_job`) says so once
+        and recovers as `replica` does (`Steady`)."""
+        if not os.environ.get(LIGHTHOUSE_ENV):
+            rank = runtime.rank()
+            if rank.is_main:
+                _say(rank, f"run.recovery=live needs Ray Train's TorchftConfig backend (${LIGHTHOUSE_ENV} is not set: "
+                           "this is not raytrain-ddp's launcher); recovering as run.recovery=replica does")
+            return Steady(runtime)
+        return cls(job, runtime.rank(), runtime, entered)
+
+    def __init__(self, job: Job, rank: Rank, runtime: Runtime, entered: Optional[float] = None) -> None:
         from torchft.checkpointing.pg_transport import PGTransport
 
         cfg = job.cfg
         self.rank, self.cfg, self.runtime = rank, cfg, LiveRuntime(runtime)
         timeout = timedelta(seconds=cfg.parallel.collective_timeout_s)
-        self._group = live_group_class()(timeout=timeout)
+        self._group = live_group_class(rank.device)(timeout=timeout)
         self._group.ahead = registry.get(cfg.parallel.strategy).live_subgroups
-        self.state: Any = None
+        self.state: Optional[TrainState] = None
         self.received: Optional[dict[str, Any]] = None  # a newcomer's state, until loaded
         self.bytes_sent = self.bytes_received = 0
         self.write_copy: Callable[[str], None] = lambda why: None
@@ -232,14 +124,14 @@ class LiveSession:
             state_dict=self._send, use_async_quorum=False, init_sync=False, rank=0, world_size=1,
             replica_id=f"rank{rank.world_rank:05d}", timeout=timeout,
             quorum_timeout=timedelta(seconds=JOIN_TIMEOUT_S), connect_timeout=timedelta(seconds=30),
-            checkpoint_transport=PGTransport(self._group, timeout=timeout, device=torch.device("cpu")),
+            checkpoint_transport=PGTransport(self._group, timeout=timeout, device=rank.device),
         )
         server = manager_server(self.manager)  # torchft's ManagerServer (the first rank's)
         _say(rank, f"live: torchft's manager listens on {server.address() if server else '?'}, the lighthouse on "
                    f"{lighthouse_address()} (this node's address only; no token: docs/security.md)")
-        self.log: Any = None
-        self.hooks: Any = None
-        self.checkpointer: Any = None
+        self.log: Optional[RunLog] = None
+        self.hooks: Optional[Hooks] = None
+        self.checkpointer: Optional[Checkpointer] = None
         self._previous_default: Any = None
         self.marks = {"entered": entered or time.time(), "group": time.time()}  # a newcomer's timeline, said once
         started = time.perf_counter()
@@ -284,15 +176,18 @@ class LiveSession:
         self.received = state
         self.bytes_received += tensor_bytes(state)
 
-    def resume(self, job: Any, rank: Rank, state: Any, log: Any, hooks: Any, accumulation_steps: int) -> Any:
+    def resume(self, job: Job, rank: Rank, state: "TrainState", log: "RunLog", hooks: "Hooks",
+               accumulation_steps: int) -> "Checkpointer":
         """A full start restores like any attempt; a newcomer loads what a survivor sent."""
         from raytrain_ddp.worker.checkpointer import Checkpointer
 
         self.state, self.log, self.hooks = state, log, hooks
+        tolerant = {"before_report": self._before_report, "agree": self._agree}  # a lost member ends neither
         if self.received is None:
-            checkpointer = Checkpointer.resume(job, rank, state, log, hooks, accumulation_steps, self.runtime)
+            checkpointer = Checkpointer.resume(job, rank, state, log, hooks, accumulation_steps, self.runtime,
+                                               **tolerant)
         else:
-            checkpointer = Checkpointer(job, rank, state, log, hooks, self.runtime)
+            checkpointer = Checkpointer(job, rank, state, log, hooks, self.runtime, **tolerant)
             state.load_state_dict(self.received)
             step = state.progress.step
             log.resumed_at(step, {"resumed_from": "live", "bytes_received": self.bytes_received},
@@ -307,13 +202,12 @@ class LiveSession:
                      f"data, model and loading {m['loaded'] - m['healed']:.2f}s")
             self._install()  # from now on every collective is the group's; the first step wraps on it
         self.write_copy, self.checkpointer = checkpointer.write_copy, checkpointer
-        checkpointer.save = self._unless_a_worker_is_gone(checkpointer.save)
-        self._tolerant_guard()
         self.manager.load_state_dict({"step": state.progress.step + 1, "batches_committed": 0})
         return checkpointer
 
     # -- the step ------------------------------------------------------------------------
-    def train_step(self, state: Any, window: list, accumulation_steps: int, train: Any, rank: Rank) -> Any:
+    def train_step(self, state: "TrainState", window: list, accumulation_steps: int, train: "TrainConfig",
+                   rank: Rank) -> "StepResult":
         """`step.train_step`, committed only when every member's collectives succeeded; retried
         on the same window after a loss, once every worker is a member again."""
         for tries in range(1, MAX_TRIES + 1):
@@ -326,7 +220,8 @@ class LiveSession:
         raise NoReplacement(f"run.recovery=live: step {state.progress.step + 1} was not committed in {MAX_TRIES} "
                             f"tries on rank {rank.world_rank}; workers keep failing")
 
-    def _attempt(self, state: Any, window: list, accumulation_steps: int, train: Any, rank: Rank) -> Any:
+    def _attempt(self, state: "TrainState", window: list, accumulation_steps: int, train: "TrainConfig",
+                 rank: Rank) -> Union["StepResult", str]:
         """The step's result, or why it was not committed.
 
         A quorum only after a failed try (and the start's): in steady state a step costs no
@@ -387,7 +282,7 @@ class LiveSession:
                                 f"{self._group.rank()} of {self._group.size()}; expected all workers in rank order")
         return True
 
-    def _rewrap(self, state: Any) -> None:
+    def _rewrap(self, state: "TrainState") -> None:
         """After a reconfiguration every member wraps afresh on the new group (the newcomer
         does it in `build_state`): the wrappers' per-run state is the same on every rank."""
         from raytrain_ddp.worker.state import wrap
@@ -397,55 +292,43 @@ class LiveSession:
         state.wrapper = wrap(state.module, self.cfg, self.rank, self.wrapper_group())
         self.wrapped_quorum = quorum_id(self.manager)
         if self.log is not None:  # the new wrapper counts its all-reduces from zero
-            self.log.meter._comm_start = dict(state.wrapper.comm_stats)
+            self.log.meter.count_comm_from(state.wrapper.comm_stats)
         if self.checkpointer is not None:  # the preemption poll's schedule starts afresh on every member
-            from raytrain_ddp.worker.preemption import PreemptionGuard
-
-            self.checkpointer.guard = PreemptionGuard.for_worker(
-                self.cfg, self.rank, self.hooks, stop_source=self.log.outbox.stop_requested,
-                real=self.runtime.preemption_source())
-            self._tolerant_guard()
+            self.checkpointer.restart_preemption_poll()
 
     # -- between steps: Ray's barriers and our agreements never wait for a dead worker ----------
     def _lost(self, exc: BaseException) -> bool:
         return isinstance(exc, RuntimeError) and (is_peer_loss(exc) or _from_torchft(exc))
 
-    def _unless_a_worker_is_gone(self, save: Callable[..., None]) -> Callable[..., None]:
-        """A checkpoint's report is a barrier over every worker in Ray's synchronisation actor,
-        which a dead worker's replacement never reaches for that step: first a collective on our
-        group, which fails at once when a member is gone; then the report is skipped (said),
-        and the next step waits for the replacement as any step does."""
-        def save_unless_a_worker_is_gone(metrics: dict, durable: bool = False) -> None:
-            try:
-                from raytrain_ddp.parallel.collectives import max_over_ranks
+    def _before_report(self) -> bool:
+        """Whether a checkpoint may go to Ray's report, a barrier over every worker in Ray's
+        synchronisation actor that a dead worker's replacement never reaches for that step:
+        first a collective on our group, which fails at once when a member is gone; then the
+        report is skipped (said), and the next step waits for the replacement as any step does."""
+        from raytrain_ddp.parallel.collectives import max_over_ranks
 
-                max_over_ranks([0.0], self.rank.device)
-            except RuntimeError as exc:
-                if not self._lost(exc):
-                    raise
-                _say(self.rank, f"live: the checkpoint of step {self.state.progress.step} is skipped: a worker was "
-                                "lost before Ray's report; training goes on once its replacement has joined")
-                self._quorum_due = True
-                return
-            save(metrics, durable)
+        try:
+            max_over_ranks([0.0], self.rank.device)
+        except RuntimeError as exc:
+            if not self._lost(exc):
+                raise
+            _say(self.rank, f"live: the checkpoint of step {self.state.progress.step} is skipped: a worker was "
+                            "lost before Ray's report; training goes on once its replacement has joined")
+            self._quorum_due = True
+            return False
+        return True
 
-        return save_unless_a_worker_is_gone
-
-    def _tolerant_guard(self) -> None:
+    def _agree(self, values: Sequence[float]) -> list[float]:
         """The preemption poll's agreement (a collective): a lost member makes it this rank's own answer."""
-        guard = self.checkpointer.guard
-        agree = guard.agree
+        from raytrain_ddp.parallel.collectives import max_over_ranks
 
-        def agree_unless_a_worker_is_gone(values: Any) -> list:
-            try:
-                return agree(values)
-            except RuntimeError as exc:
-                if not self._lost(exc):
-                    raise
-                self._quorum_due = True
-                return [float(v) for v in values]
-
-        guard.agree = agree_unless_a_worker_is_gone
+        try:
+            return max_over_ranks(values, self.rank.device)
+        except RuntimeError as exc:
+            if not self._lost(exc):
+                raise
+            self._quorum_due = True
+            return [float(v) for v in values]
 
     def close(self) -> None:
         """The manager stops serving (a late joiner must not find a finished worker), and torch's
@@ -463,7 +346,7 @@ class LiveRuntime:
     through Ray's synchronisation actor, which a replacement resets; Ray turns its
     preemption watcher off for replica groups anyway."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Runtime) -> None:
         self._inner = inner
 
     def __getattr__(self, name: str) -> Any:
@@ -473,7 +356,7 @@ class LiveRuntime:
         return lambda step: None
 
 
-def rewind(state: Any) -> None:
+def rewind(state: "TrainState") -> None:
     """Put a step that was not committed back to its boundary (only what a step touches
     before its commit: gradients, buffers, RNG streams, the loss scaler's per-step record)."""
     state.optimizer.zero_grad(set_to_none=True)
@@ -487,8 +370,9 @@ def rewind(state: Any) -> None:
         torch.set_rng_state(torch_state)
         np.random.set_state(np_state)
         random.setstate(py_state)
-        if cuda is not None and last.device is not None:
-            torch.cuda.set_rng_state(cuda, last.device)
+        if cuda is not None:  # `capture_rng`'s (device index, state) of this worker's own device
+            index, cuda_state = cuda
+            torch.cuda.set_rng_state(cuda_state, index)
     if state.scaler.is_enabled():
         torch_compat.forget_unscaled(state.scaler)  # unscale_ marked the optimizer as unscaled
 
@@ -511,20 +395,6 @@ def _from_torchft(exc: BaseException) -> bool:
             return True
         tb = tb.tb_next
     return False
-
-
-def _install_default_group(group: Any) -> Any:
-    """Make `group` torch's default process group; returns the one it replaces.
-
-    Every collective of the run that names no group (the loss and verdict all-reduce, the
-    preemption agreement, validation, the wrappers) then goes over the reconfigurable one.
-    Ray set up a one-rank group per replica group; it comes back at `close`.
-    """
-    previous = torch_compat.default_group()
-    torch_compat.set_default_group(group)
-    if not torch_compat.is_registered(group):  # torch asks the map for the backend's name, new_group for the store
-        torch_compat.register_backend(group, "gloo", getattr(group, "_store", None))
-    return previous
 
 
 def _say(rank: Rank, message: str) -> None:

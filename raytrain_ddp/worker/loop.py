@@ -22,19 +22,26 @@ Invariants the story relies on:
 from __future__ import annotations
 
 import math
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any, Union
 
 from raytrain_ddp.data.steps import total_steps as total_steps_of
 from raytrain_ddp.data.worker_data import WorkerData
 from raytrain_ddp.job import Job
-from raytrain_ddp.worker.runtime import RayTrainRuntime
-from raytrain_ddp.worker.hooks import load_hooks
-from raytrain_ddp.worker.live import session_for
+from raytrain_ddp.recovery import table as recovery_table
+from raytrain_ddp.worker.runtime import RayTrainRuntime, Runtime
+from raytrain_ddp.worker.hooks import Hooks, load_hooks
 from raytrain_ddp.worker.meter import RunLog
 from raytrain_ddp.worker.profiler import StepProfiler
 from raytrain_ddp.worker.state import build_state
 from raytrain_ddp.worker.step import NonFiniteAbort, validate
 from raytrain_ddp.timeline import WorkerStamps
+
+if TYPE_CHECKING:
+    from raytrain_ddp.config import Config
+    from raytrain_ddp.worker.context import Rank
+    from raytrain_ddp.worker.live import LiveSession
+    from raytrain_ddp.worker.recovery import Steady
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
@@ -42,23 +49,26 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     runtime = loop_config.get("runtime") or RayTrainRuntime()  # a Ray Train worker, or local mode
     cfg, rank, hooks = job.cfg, runtime.rank(), load_hooks()
     hooks.on_start(rank)
-    live = session_for(job, runtime)  # run.recovery=live: survivors stay, a newcomer heals (live.py)
+    entered = time.time()  # the training function's start (a live newcomer says its timeline from here)
+    # the run's recovery mode, this worker's half (recovery/table.py): it resumes, steps, and names the group
+    recovery = recovery_table.worker_half(cfg).for_worker(job, runtime, entered)
     stamps = WorkerStamps(rank.is_main)  # the start-up timeline (timeline.py)
     try:
-        _train(job, cfg, rank, hooks, live, live.runtime, stamps)
+        _train(job, cfg, rank, hooks, recovery, recovery.runtime, stamps)
     finally:
-        live.close()
+        recovery.close()
 
 
-def _train(job: Job, cfg: Any, rank: Any, hooks: Any, live: Any, runtime: Any, stamps: WorkerStamps) -> None:
+def _train(job: Job, cfg: "Config", rank: "Rank", hooks: Hooks, recovery: Union["Steady", "LiveSession"],
+           runtime: Runtime, stamps: WorkerStamps) -> None:
     data = WorkerData(cfg, job.spec, rank.world_rank, rank.world_size, rank.device, shards=runtime.shards())
     stamps.mark("data_ready")
     total_steps = total_steps_of(cfg, data.steps_per_epoch)  # as the driver computes it (data/steps.py)
-    state = build_state(job, rank, total_steps, live.wrapper_group())
+    state = build_state(job, rank, total_steps, recovery.wrapper_group())
     log = RunLog(job, rank, state, data, total_steps)  # records this attempt
     stamps.mark("model_built")
     hooks.on_attempt(rank, log.attempt, state.module)
-    checkpointer = live.resume(job, rank, state, log, hooks, data.accumulation_steps)
+    checkpointer = recovery.resume(job, rank, state, log, hooks, data.accumulation_steps)
     stamps.mark("state_restored")
     progress = state.progress
     profiler = StepProfiler(job, rank, state, total_steps)  # run.profile: a trace of a few steps
@@ -68,7 +78,7 @@ def _train(job: Job, cfg: Any, rank: Any, hooks: Any, live: Any, runtime: Any, s
                 if progress.step >= total_steps:  # resuming a finished run: nothing left to do
                     break
                 for window in profiler.steps(data.train_windows(epoch, skip_steps=progress.steps_into_epoch)):
-                    result = live.train_step(state, window, data.accumulation_steps, cfg.train, rank)  # counts it
+                    result = recovery.train_step(state, window, data.accumulation_steps, cfg.train, rank)  # counts it
                     hooks.after_step(progress.step)
                     stamps.first_step_done(log.outbox)
                     log.step(result, progress.epoch_ended(data.steps_per_epoch))

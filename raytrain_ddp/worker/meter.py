@@ -64,6 +64,10 @@ class StepMeter:
         self._excluded_wait = 0.0
         self._comm_start = dict(comm or {})
 
+    def count_comm_from(self, comm: dict) -> None:
+        """Count all-reduces from `comm` on (a new wrapper's counters, which start at zero)."""
+        self._comm_start = dict(comm)
+
     def step_done(self) -> None:
         now = time.perf_counter()
         self._seconds += now - self._last_end

@@ -49,11 +49,16 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
 from raytrain_ddp.parallel.collectives import max_over_ranks
+
+if TYPE_CHECKING:
+    from raytrain_ddp.config import Config
+    from raytrain_ddp.worker.context import Rank
+    from raytrain_ddp.worker.hooks import Hooks
 
 POLL_INTERVAL_S = 1.0
 MAX_STEPS_BETWEEN_POLLS = 1000
@@ -110,13 +115,15 @@ class PreemptionGuard:
         self._mark, self._steps, self._paused_s = monotonic(), 0, 0.0
 
     @classmethod
-    def for_worker(cls, cfg, rank, hooks, stop_source: Callable[[], bool] = lambda: False,
-                   real: Source = ray_source) -> "PreemptionGuard":
+    def for_worker(cls, cfg: "Config", rank: "Rank", hooks: "Hooks", stop_source: Callable[[], bool] = lambda: False,
+                   real: Source = ray_source,
+                   agree: Optional[Callable[[Sequence[float]], list[float]]] = None) -> "PreemptionGuard":
         """The loop's guard: Ray's signal (`real`: none in local mode), unless the hooks object
-        replaces it (tests)."""
+        replaces it (tests); `agree` as the constructor's."""
         source, interval = hooks.preemption_source(real) or (real, POLL_INTERVAL_S)
         return cls(is_main=rank.is_main, world_size=rank.world_size, grace_s=cfg.run.preemption_grace_s,
-                   poll_interval_s=interval, source=source, device=rank.device, stop_source=stop_source)
+                   poll_interval_s=interval, source=source, device=rank.device, stop_source=stop_source,
+                   agree=agree)
 
     def checkpoint_took(self, seconds: float) -> None:
         self.checkpoint_s = seconds

@@ -57,11 +57,9 @@ import torch
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp import ray_compat  # a leaf: Ray Train's private hook, named in one room
 from raytrain_ddp.errors import UserError
-from raytrain_ddp.parallel.errors import CollectiveTimeoutError
-from raytrain_ddp.parallel import registry
+from raytrain_ddp.parallel.errors import CollectiveTimeoutError, PeerLost
 from raytrain_ddp.rundir import CHECKPOINT_PREFIX, Location
 
-REPLICATED = registry.REPLICATED  # survivors of these hold the whole state (parallel/registry.py)
 REPLICA_ORIGIN = "replica"  # the manifest's "origin" of a survivor's copy: "replica:rank=<r>"
 _COLLECTIVES, _WRAPPERS = "torch/distributed/", "raytrain_ddp/parallel/"
 
@@ -154,7 +152,7 @@ class LastStep:
         self.mark()
 
     def mark(self) -> None:
-        """At a step boundary (~0.1 ms and the buffers' size): the RNG states as the libraries
+        """At a step boundary (cheap: the buffers' size): the RNG states as the libraries
         give them, and a copy of the buffers (BatchNorm's statistics)."""
         self.rng = ckpt.capture_rng(self.device)
         live = dict(self.module.named_buffers())
@@ -224,19 +222,25 @@ def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 def is_peer_loss(exc: BaseException) -> bool:
     """Whether a failure is a collective that lost its peer, not this rank's own fault.
 
-    gloo and NCCL raise `RuntimeError` (torch's `DistError`s are subclasses) from a
-    collective: raised in `torch.distributed`, or from a `Work.wait()` in our wrappers
-    (`raytrain_ddp.parallel`). An error of the user's code, a non-finite abort or an
-    interrupt is not a lost peer: this rank itself failed, and its state is the
-    restarted group's concern only through the durable checkpoint. torch DDP (`native`)
-    waits for its buckets inside autograd, whose engine re-raises our comm hook's
-    `CollectiveTimeoutError` as a plain `RuntimeError` from `loss.backward()`, with no
-    frame of ours: there the type's name in the text says it.
+    Our code raises `PeerLost` where it meets a failed collective (`parallel/errors.py`):
+    the wrappers' waits, torch DDP's comm hook, the agreement helpers. An error of the
+    user's code, a non-finite abort or an interrupt is not a lost peer: this rank itself
+    failed, and its state is the restarted group's concern only through the durable
+    checkpoint. Two failures reach us without our type, and are recognised by where they
+    come from (kept, with their tests, until torch passes the type through):
+    - torch DDP (`native`) waits for its buckets inside autograd, whose engine re-raises
+      our hook's `PeerLost` as a plain `RuntimeError` carrying its text;
+    - a collective torch itself calls outside our wrappers raises from `torch.distributed`.
     """
     if not isinstance(exc, RuntimeError) or isinstance(exc, UserError):
         return False
-    if isinstance(exc, CollectiveTimeoutError) or f"{CollectiveTimeoutError.__name__}: " in str(exc):
-        return True
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, PeerLost):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    if any(f"{name}: " in str(exc) for name in (PeerLost.__name__, CollectiveTimeoutError.__name__)):
+        return True  # re-raised by autograd's engine
     frames = traceback.extract_tb(exc.__traceback__)
     return any(_COLLECTIVES in frame.filename.replace(os.sep, "/") or _WRAPPERS in frame.filename.replace(os.sep, "/")
                for frame in frames)

@@ -16,12 +16,23 @@ copied into the run directory right away, and nobody is ever preempted. So a
 from __future__ import annotations
 
 import shutil
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import torch
 
 from raytrain_ddp.rundir import Location
 from raytrain_ddp.worker.context import Rank
+
+
+class Runtime(Protocol):
+    """What the loop asks of its host (the module docstring); `RayTrainRuntime` and `LocalRuntime` are two."""
+
+    def rank(self) -> Rank: ...
+    def shards(self) -> Optional[dict[str, Any]]: ...
+    def report(self, metrics: dict[str, Any], staging: Optional[str], name: str, asynchronous: bool) -> None: ...
+    def offered(self) -> Any: ...
+    def run_dir(self, job_run_dir: str) -> Location: ...
+    def preemption_source(self) -> Callable[[int], Any]: ...
 
 
 class RayTrainRuntime:

@@ -29,7 +29,8 @@ from raytrain_ddp.batch import BatchFormat
 from raytrain_ddp.job import Job
 from raytrain_ddp.worker.context import Rank
 from raytrain_ddp.worker.optim import build_optimizer, build_schedule
-from raytrain_ddp.worker.replica import REPLICATED, LastStep
+from raytrain_ddp.recovery import table as recovery_table
+from raytrain_ddp.worker.replica import LastStep
 
 
 @dataclass
@@ -208,7 +209,7 @@ def build_state(job: Job, rank: Rank, total_steps: int, process_group: Any = Non
         return torch.autocast(device_type=rank.device.type, dtype=dtype)
 
     progress = Progress()
-    survivors_copy = cfg.run.recovery in ("replica", "live") and cfg.parallel.strategy in REPLICATED
+    survivors_copy = recovery_table.survivors_copy(cfg)  # replica and live, replicated strategies
     return TrainState(wrapper, optimizer, schedule, scaler, code.batch_format(cfg), autocast,
                       progress=progress, rng=RngStreams(rank, progress),
                       run={"world_size": rank.world_size, "config": cfg.to_yaml(), "fit_id": job.fit_id,

@@ -220,3 +220,30 @@ def test_managers_listen_on_loopback_with_an_embedded_lighthouse_else_on_their_n
     assert node_address() == "192.0.2.2"
     monkeypatch.delenv(LIGHTHOUSE_HOST_ENV)
     assert node_address() == "192.0.2.2"
+
+
+def test_rewind_restores_the_cuda_generator_from_capture_rngs_index_and_state(monkeypatch):
+    """#41 bug 1: `capture_rng` gives CUDA's state as (device index, state); rewind passes the state
+    (a ByteTensor) to `torch.cuda.set_rng_state` for that index, not the pair (CPU-run: torch.cuda stubbed)."""
+    from raytrain_ddp import checkpoint as ckpt
+
+    cuda_state = torch.zeros(16, dtype=torch.uint8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=None: cuda_state.clone())
+    restored: list[tuple] = []
+
+    def set_rng_state(new_state, device="cuda"):
+        if not isinstance(new_state, torch.Tensor):  # what torch does with anything but a ByteTensor
+            raise TypeError(f"expected a ByteTensor, got {type(new_state).__name__}")
+        restored.append((new_state, device))
+
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_rng_state)
+    captured = ckpt.capture_rng(torch.device("cuda", 1))
+    assert captured[3][0] == 1
+    last = SimpleNamespace(buffers={}, rng=captured, device=torch.device("cuda", 1))
+    module = torch.nn.Linear(2, 2)
+    rewind(SimpleNamespace(optimizer=torch.optim.SGD(module.parameters(), lr=0.1), last_step=last,
+                           module=module, scaler=torch.amp.GradScaler("cpu", enabled=False)))
+    assert len(restored) == 1 and torch.equal(restored[0][0], cuda_state) and restored[0][1] == 1

@@ -1,0 +1,38 @@
+"""`PeerLost`: a failed collective is typed where our code meets it, and recovery reads the type (#42)."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from raytrain_ddp.parallel import collectives
+from raytrain_ddp.parallel.errors import CollectiveTimeoutError, PeerLost
+from raytrain_ddp.worker.replica import is_peer_loss
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_the_agreement_helpers_raise_peer_lost_when_their_collective_fails(monkeypatch):
+    def reset(*args, **kwargs):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection reset by peer")
+
+    monkeypatch.setattr(collectives, "_active", lambda group=None: True)
+    monkeypatch.setattr(dist, "all_reduce", reset)
+    for call in (lambda: collectives.max_over_ranks([1.0]), lambda: collectives.sum_over_ranks([1.0]),
+                 lambda: collectives.all_true(True)):
+        with pytest.raises(PeerLost, match="all reduce failed on this rank.*Connection reset by peer") as caught:
+            call()
+        assert is_peer_loss(caught.value)
+
+
+def test_recovery_recognises_the_type_raised_or_chained():
+    assert issubclass(CollectiveTimeoutError, PeerLost) and issubclass(PeerLost, RuntimeError)
+    assert is_peer_loss(PeerLost("all-reduce of bucket 1 failed"))
+    try:
+        try:
+            raise PeerLost("all-reduce of bucket 1 failed")
+        except PeerLost as inner:
+            raise RuntimeError("the step failed") from inner
+    except RuntimeError as outer:
+        assert is_peer_loss(outer)
+    assert not is_peer_loss(RuntimeError("a bug in the user's forward"))
