@@ -43,7 +43,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     cfg, rank, hooks = job.cfg, runtime.rank(), load_hooks()
     hooks.on_start(rank)
     live = session_for(job, runtime)  # run.recovery=live: survivors stay, a newcomer heals (live.py)
-    stamps = WorkerStamps(rank.is_main)  # the start-up timeline (timeline.py)
+    stamps = WorkerStamps(rank.is_main, loop_config.get("startup_stamps"))  # the start-up timeline (timeline.py)
     try:
         _train(job, cfg, rank, hooks, live, live.runtime, stamps)
     finally:
