@@ -52,7 +52,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     entered = time.time()  # the training function's start (a live newcomer says its timeline from here)
     # the run's recovery mode, this worker's half (recovery/table.py): it resumes, steps, and names the group
     recovery = recovery_table.worker_half(cfg).for_worker(job, runtime, entered)
-    stamps = WorkerStamps(rank.is_main)  # the start-up timeline (timeline.py)
+    stamps = WorkerStamps(rank.is_main, loop_config.get("startup_stamps"))  # the start-up timeline (timeline.py)
     try:
         _train(job, cfg, rank, hooks, recovery, recovery.runtime, stamps)
     finally:
