@@ -16,6 +16,7 @@ from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import Config
 from raytrain_ddp.data import steps as data_steps
 from raytrain_ddp.driver.console import final_metrics, print_plan, print_summary
+from raytrain_ddp.goodput import summary_figures
 from raytrain_ddp.driver.resume import prune_checkpoints, record_config, restore_config_if_untrained
 from raytrain_ddp.driver.stream import Recorder
 from raytrain_ddp.job import Job
@@ -62,6 +63,7 @@ def report(cfg: Config, run_dir: Location, job: Job, recorder: Recorder, status:
     prune_checkpoints(run_dir, cfg.run.num_to_keep)  # run.num_to_keep over all fits, not only this one
     restore_config_if_untrained(run_dir, job.fit_id)
     summary = build_summary(job, status=status, error=error, elapsed_s=time.time() - started, recorder=recorder)
+    summary["goodput"] = summary_figures(run_dir, job.fit_id, status, time.time())  # goodput.py
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     recorder.close(status)
     print_summary(summary)

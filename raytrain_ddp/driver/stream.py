@@ -375,7 +375,7 @@ class Recorder:
             self.attempts.append([event["record"]])
         elif kind == "resumed":
             step = int(event["step"])
-            redone = _redone(self.metrics.records, step)  # what the dropped lines had cost (driver/goodput.py)
+            redone = _redone(self.metrics.records, step)  # what the dropped lines had cost (goodput.py)
             self.metrics.keep(lambda r: r.get("step", 0) <= step)
             self._held = {key: r for key, r in self._held.items() if key[0] <= step}
             if not self._fit_started:

@@ -1,6 +1,6 @@
 """`raytrain-ddp goodput RUN_DIR`'s picture: one timeline bar per fit, coloured by bucket.
 
-Owns: drawing a report of `driver/goodput.py` (the arithmetic is there). Must not touch:
+Owns: drawing a report of `goodput.py` (the arithmetic is there). Must not touch:
 Ray, torch, reading the run directory. Written beside `raytrain-ddp plot`'s curves
 (`RUN_DIR/goodput.png`; for a run in object storage, `<name>-goodput.png` here).
 """

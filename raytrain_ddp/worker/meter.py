@@ -94,7 +94,7 @@ class StepMeter:
             "data_wait_fraction": min(1.0, max(0.0, waited / seconds)),
             "allreduce_calls": (comm.get("allreduce_calls", 0) - self._comm_start.get("allreduce_calls", 0)) / steps,
             "allreduce_bytes": (comm.get("allreduce_bytes", 0) - self._comm_start.get("allreduce_bytes", 0)) / steps,
-            "steps_s": self._seconds,  # the window's step time in seconds (driver/goodput.py adds them up)
+            "steps_s": self._seconds,  # the window's step time in seconds (goodput.py adds them up)
             "window_steps": self._steps,
         }
         if "comm_s" in comm:  # the wrapper times its all-reduces (see WrappedModel.comm_stats)

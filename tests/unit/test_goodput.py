@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ddp.driver import goodput
-from raytrain_ddp.driver.goodput import format_table, report, young_interval_steps
+from raytrain_ddp import goodput
+from raytrain_ddp.goodput import format_table, report, young_interval_steps
 from raytrain_ddp.rundir import JsonlFile, Location
 
 pytestmark = pytest.mark.timeout(60)
@@ -182,3 +182,30 @@ def test_young_interval_in_steps():
     # sqrt(2 * 600 s * 0.3 s) = 18.97 s at 0.5 s a step: 38 steps
     assert young_interval_steps(600.0, 0.3, 0.5) == round(math.sqrt(2 * 600 * 0.3) / 0.5) == 38
     assert young_interval_steps(1.0, 0.0, 0.5) == 1 and young_interval_steps(600.0, 0.3, 0.0) == 1
+
+
+def test_auto_plans_with_the_expected_mtbf_until_one_is_observed(tmp_path):
+    """No interruption yet: run.expected_mtbf_s and the stall and step time the run measured."""
+    from raytrain_ddp.goodput import auto_interval, cadence_inputs
+
+    w = RunWriter(tmp_path / "calm")
+    ready = w.fit("d" * 32, 1000.0, {"cli": 1.0})
+    w.attempt("d" * 32, 1, ready, 0, 4, 1, 12, ready + 1.0)  # 3 saves of STALL, 12 steps of STEP
+    w.write()
+    inputs = cadence_inputs(w.dir, expected_mtbf_s=900.0, fit_id="d" * 32)  # the fit asking runs
+    assert inputs["mtbf_from"] == "run.expected_mtbf_s" and inputs["mtbf_s"] == 900.0
+    assert inputs["save_stall_s"] == pytest.approx(STALL) and inputs["step_s"] == pytest.approx(STEP)
+    steps, why = auto_interval(inputs)
+    assert abs(steps - math.sqrt(2 * 900.0 * STALL) / STEP) <= 1 and f"every {steps} steps" in why
+    assert "run.expected_mtbf_s" in why
+    none, probing = auto_interval({**inputs, "save_stall_s": None})
+    assert none is None and "no save measured" in probing
+
+
+def test_auto_is_a_config_value(tmp_path):
+    from raytrain_ddp.config import ConfigError, load_config
+
+    cfg = load_config(None, ["run.checkpoint_every_steps=auto", "run.expected_mtbf_s=120"])
+    assert cfg.run.checkpoint_every_steps == "auto" and cfg.run.expected_mtbf_s == 120
+    with pytest.raises(ConfigError, match="checkpoint_every_steps"):
+        load_config(None, ["run.checkpoint_every_steps=often"])
