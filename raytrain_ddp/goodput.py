@@ -10,7 +10,7 @@ touch: writing any file (the driver's recorder and rank 0 write what is read her
 console (`cli.py` prints `format_table`; the picture is `ops/goodput_plot.py`).
 
 What is read, and who wrote it:
-    timeline.jsonl       each fit's start, its start-up phases, its end and status (driver)
+    timeline.jsonl       each fit's start, its start-up phases, its end and status (driver, `timeline.py`)
     config-history.jsonl each fit's id and when it prepared (driver): a fit's start without a timeline
     attempts.jsonl       each worker-group start (`time`), its checkpoints' count and stall
                          (`checkpoints`, `checkpoint_blocked_s`), and what a resume threw away
@@ -43,9 +43,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from raytrain_ddp.rundir import ATTEMPTS_FILE, HOLD_FILE, METRICS_FILE, SUMMARY_FILE, Location, Where, read_jsonl
+from raytrain_ddp.rundir import (
+    ATTEMPTS_FILE, HOLD_FILE, METRICS_FILE, SUMMARY_FILE, TIMELINE_FILE, Location, Where, read_jsonl,
+)
 
-TIMELINE_FILE = "timeline.jsonl"  # the start-up timeline (driver); rundir.TIMELINE_FILE once it lands
 CONFIG_HISTORY_FILE = "config-history.jsonl"  # driver/resume.py's
 BUCKETS = ("productive", "startup", "data_wait", "exposed_comm", "checkpoint_stall", "validation",
            "redone", "recovery", "shutdown", "idle", "other")

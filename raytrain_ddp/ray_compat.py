@@ -98,6 +98,15 @@ def controller_callback_base() -> type:
     return ControllerCallback
 
 
+def worker_group_callback_base() -> type:
+    """The base class of a Ray Train worker-group callback: its `before_worker_group_start`,
+    `before_init_train_context(workers)` and `after_worker_group_start` run in the controller
+    as a group starts (the start-up timeline's stamps, `driver/startup.py`)."""
+    from ray.train.v2._internal.execution.callback import WorkerGroupCallback
+
+    return WorkerGroupCallback
+
+
 def worker_callback_base() -> type:
     """The base class of a Ray Train worker callback: its `before_worker_shutdown()` runs in
     each worker when the controller stops the group (up to 5 s before the kill)."""

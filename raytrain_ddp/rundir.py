@@ -42,6 +42,7 @@ import pyarrow.fs as pafs
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 ATTEMPTS_FILE = "attempts.jsonl"
+TIMELINE_FILE = "timeline.jsonl"  # the start-up timeline (timeline.py)
 SUMMARY_FILE = "summary.json"
 ABORT_FILE = "abort.json"
 TENSORBOARD_DIR = "tensorboard"

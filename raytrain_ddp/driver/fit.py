@@ -100,6 +100,8 @@ def build_summary(job: Job, *, status: str, error: Optional[str], elapsed_s: flo
     }
     if recorder is not None:
         summary["checkpoints"] = recorder.checkpoint_summary()
+        if recorder.timeline is not None:  # the start-up timeline (timeline.py); shutdown_s once the fit ends
+            summary["startup"] = recorder.timeline.summary()
     if error:
         summary["error"] = error
     return summary

@@ -80,6 +80,7 @@ from raytrain_ddp.driver.stream import Recorder, open_mailbox
 from raytrain_ddp.errors import UserError
 from raytrain_ddp.job import Job
 from raytrain_ddp.rundir import Location, is_object_store, run_dir_of
+from raytrain_ddp.timeline import Timeline
 
 DATA_HEADROOM_CPUS = 2
 CONTROLLER_POLL_S = 0.25  # see the module docstring
@@ -103,10 +104,11 @@ class _Start:
     held: hold.Hold
     resume_from: Any
     checked: Any
+    timeline: Timeline
 
 
 def _start(cfg: Config, code: Any, datasets: Optional[dict[str, Any]], *, preflighted: bool = False,
-           before_hold: Optional[Callable[[Location], None]] = None) -> _Start:
+           before_hold: Optional[Callable[[Location], None]] = None, started_at: Optional[float] = None) -> _Start:
     """The preamble `run_training` and `prepare_job` share: the user's code resolved, the
     preflight (once: the CLI runs it before importing torch and Ray, and says so), the run
     directory held, the resume decision, the data checked. The hold is released if a step fails."""
@@ -129,7 +131,7 @@ def _start(cfg: Config, code: Any, datasets: Optional[dict[str, Any]], *, prefli
     except BaseException:
         held.release()
         raise
-    return _Start(cfg, code, run_dir, fit_id, held, resume_from, checked)
+    return _Start(cfg, code, run_dir, fit_id, held, resume_from, checked, Timeline(fit_id, started_at))
 
 
 def _checked(start: _Start, datasets: Optional[dict[str, Any]]) -> Any:
@@ -140,30 +142,37 @@ def _checked(start: _Start, datasets: Optional[dict[str, Any]]) -> Any:
 
 
 def run_training(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, Any]] = None,
-                 preflighted: bool = False) -> dict[str, Any]:
+                 preflighted: bool = False, started_at: Optional[float] = None) -> dict[str, Any]:
     """Train `cfg` to the end; returns the summary (also written to summary.json).
 
     `code`: the user's model, loss and preprocess (`user.resolve`; by default resolved
     from the config's import paths); `datasets`: Ray Datasets given from Python;
-    `preflighted`: the caller ran `preflight(cfg)` already (the CLI does, before imports).
+    `preflighted`: the caller ran `preflight(cfg)` already (the CLI does, before imports);
+    `started_at`: where the start-up timeline starts (the CLI's process start; default now).
     """
-    start = _start(cfg, code, datasets, preflighted=preflighted)
-    cfg, started_here = start.cfg, False
+    start = _start(cfg, code, datasets, preflighted=preflighted, started_at=started_at)
+    cfg, started_here, summary = start.cfg, False, None
     try:
         check_something_to_train(cfg, start.resume_from)  # a finished run: exit 3 before Ray, config.yaml untouched
         check_loggers(cfg)
+        start.timeline.mark("cli")
         if cfg.scaling.local:  # scaling.num_workers: 0 -- this process, no Ray (driver/local.py)
             from raytrain_ddp.driver.local import run_local
 
-            return run_local(cfg, start.run_dir, start.fit_id, start.resume_from, start.checked, start.code)
+            summary = run_local(cfg, start.run_dir, start.fit_id, start.resume_from, start.checked, start.code,
+                                timeline=start.timeline)
+            return summary
         started_here = connect_user_code(cfg, start.code)
         warn_local_storage(cfg)
-        return _fit(start, _checked(start, datasets), datasets)
+        start.timeline.mark("ray")
+        summary = _fit(start, _checked(start, datasets), datasets)
+        return summary
     finally:
         if started_here:
             import ray
 
             ray.shutdown()
+        start.timeline.finish(start.run_dir, summary)  # last step -> here: fit_end, summary.json's shutdown_s
         start.held.release()  # after Ray: no worker of this fit writes any more
 
 
@@ -324,7 +333,10 @@ def _fit(start: _Start, checked: Any, given: Optional[dict[str, Any]]) -> dict[s
     started = time.time()
     interrupt = Interrupt(job.mailbox)  # ours lets the driver finish (see the module docstring)
     install_sigint_handler(trainer, interrupt.register)
-    recorder = _recorder(cfg, run_dir, job, total_steps)
+    recorder = _recorder(cfg, run_dir, job, total_steps, start.timeline)
+    start.timeline.attach(run_dir)
+    start.timeline.expects_controller = True  # StartupStamps (driver/startup.py) sends each group's start
+    start.timeline.mark("datasets")
     status, error = run_fit(cfg, trainer, recorder, interrupt)
     return report(cfg, run_dir, job, recorder, status, error, started)
 
@@ -335,10 +347,10 @@ def _with_mailbox(job: Job) -> Job:
     return dataclasses.replace(job, mailbox=open_mailbox())
 
 
-def _recorder(cfg: Config, run_dir: Location, job: Job, total_steps: int) -> Recorder:
-    """What takes rank 0's records: the progress lines, metrics.jsonl and the trackers."""
+def _recorder(cfg: Config, run_dir: Location, job: Job, total_steps: int, timeline: Optional[Timeline] = None) -> Recorder:
+    """What takes rank 0's records: the progress lines, metrics.jsonl and the trackers (and the timeline's stamps)."""
     return Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir, job.fit_id)],
-                    job.mailbox, write_metrics="jsonl" in cfg.run.loggers)
+                    job.mailbox, write_metrics="jsonl" in cfg.run.loggers, timeline=timeline)
 
 
 def build_trainer(cfg: Config, run_dir: Location, job: Job, prepared: Any) -> Any:
@@ -351,6 +363,7 @@ def build_trainer(cfg: Config, run_dir: Location, job: Job, prepared: Any) -> An
     from raytrain_ddp.worker.loop import train_loop_per_worker
     from raytrain_ddp.driver import live
     from raytrain_ddp.driver.node_loss import NodeLossWatch
+    from raytrain_ddp.driver.startup import StartupStamps
     from raytrain_ddp.worker.replica import GraceForSurvivors
 
     pg_timeout_s = process_group_timeout_s(cfg.parallel.collective_timeout_s, cfg.scaling.use_gpu)
@@ -380,7 +393,8 @@ def build_trainer(cfg: Config, run_dir: Location, job: Job, prepared: Any) -> An
             # A survivor's copy of the last step is not cut short by the restart (worker/replica.py);
             # a lost node is declared dead before the new group is sized (driver/node_loss.py).
             callbacks=[NodeLossWatch(), *([GraceForSurvivors()] if cfg.run.recovery in ("replica", "live") else []),
-                       *([live.LiveDatasets()] if cfg.run.recovery == "live" else [])],
+                       *([live.LiveDatasets()] if cfg.run.recovery == "live" else []),
+                       *([StartupStamps(job.mailbox)] if job.mailbox is not None else [])],
             logging_config=LoggingConfig(log_level="WARNING"),  # our progress lines say it all
         ),
         datasets=prepared.datasets,

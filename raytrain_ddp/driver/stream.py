@@ -32,6 +32,9 @@ holds an event back until every earlier one of its attempt was applied -- see `R
                                              attempts.jsonl counts them (`checkpoints`,
                                              `checkpoint_blocked_s`); a resume adds to it what
                                              the dropped lines had cost (`redone_*`)
+    {"kind": "timeline", "source": "worker" | "controller", "stamps": {...}}  the start-up
+                                             timeline's stamps (`timeline.py`): rank 0's with its
+                                             first step; the controller's (attempt 0) per group start
 The other way, the driver -> the workers: `request_stop` (Ctrl-C), which rank 0 reads at
 its step-boundary polls (`stop_requested`) and all ranks agree on.
 """
@@ -268,8 +271,9 @@ class Recorder:
     """
 
     def __init__(self, run_dir: Location, fit_id: str, sinks: list[Any], mailbox: Any = None,
-                 write_metrics: bool = True) -> None:
+                 write_metrics: bool = True, timeline: Any = None) -> None:
         self.run_dir, self.fit_id, self.sinks, self.mailbox = run_dir, fit_id, list(sinks), mailbox
+        self.timeline = timeline  # the fit's start-up timeline (timeline.py), or None
         self._trackers = [s for s in self.sinks if getattr(s, "committed_only", False)]
         self._held: dict[tuple[int, str], dict[str, Any]] = {}  # lines the trackers have not had yet
         self._handed: set[tuple[int, str]] = set()  # (step, kind) the trackers have had in this fit
@@ -366,6 +370,8 @@ class Recorder:
             self._fit_lines.add(key)
             self.metrics.append([record])
             self.last_step = max(self.last_step, int(record.get("step", 0)))
+            if self.timeline is not None and "loss" in record and "time" in record:
+                self.timeline.last_step(float(record["time"]))
             for sink in self.sinks:
                 if sink not in self._trackers:
                     self._call(sink, "record", record)
@@ -398,6 +404,11 @@ class Recorder:
         elif kind == "abort":
             self.abort = event["record"]
             (self.run_dir / ABORT_FILE).write_text(json.dumps(self.abort))
+        elif kind == "timeline" and self.timeline is not None:
+            if event.get("source") == "controller":
+                self.timeline.controller(event.get("stamps", {}))
+            else:
+                self.timeline.worker(int(event.get("attempt", 1)), event.get("stamps", {}))
         elif kind == "checkpoint":
             self.checkpoints.append({k: event[k] for k in ("step", "name", "blocked_s") if k in event})
             self._amend_attempt_stall(event)

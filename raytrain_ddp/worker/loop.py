@@ -34,6 +34,7 @@ from raytrain_ddp.worker.meter import RunLog
 from raytrain_ddp.worker.profiler import StepProfiler
 from raytrain_ddp.worker.state import build_state
 from raytrain_ddp.worker.step import NonFiniteAbort, validate
+from raytrain_ddp.timeline import WorkerStamps
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
@@ -42,19 +43,23 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     cfg, rank, hooks = job.cfg, runtime.rank(), load_hooks()
     hooks.on_start(rank)
     live = session_for(job, runtime)  # run.recovery=live: survivors stay, a newcomer heals (live.py)
+    stamps = WorkerStamps(rank.is_main)  # the start-up timeline (timeline.py)
     try:
-        _train(job, cfg, rank, hooks, live, live.runtime)
+        _train(job, cfg, rank, hooks, live, live.runtime, stamps)
     finally:
         live.close()
 
 
-def _train(job: Job, cfg: Any, rank: Any, hooks: Any, live: Any, runtime: Any) -> None:
+def _train(job: Job, cfg: Any, rank: Any, hooks: Any, live: Any, runtime: Any, stamps: WorkerStamps) -> None:
     data = WorkerData(cfg, job.spec, rank.world_rank, rank.world_size, rank.device, shards=runtime.shards())
+    stamps.mark("data_ready")
     total_steps = total_steps_of(cfg, data.steps_per_epoch)  # as the driver computes it (data/steps.py)
     state = build_state(job, rank, total_steps, live.wrapper_group())
     log = RunLog(job, rank, state, data, total_steps)  # records this attempt
+    stamps.mark("model_built")
     hooks.on_attempt(rank, log.attempt, state.module)
     checkpointer = live.resume(job, rank, state, log, hooks, data.accumulation_steps)
+    stamps.mark("state_restored")
     progress = state.progress
     profiler = StepProfiler(job, rank, state, total_steps)  # run.profile: a trace of a few steps
     with checkpointer.last_step_on_peer_loss():  # a worker dies: the survivors write the last step
@@ -65,6 +70,7 @@ def _train(job: Job, cfg: Any, rank: Any, hooks: Any, live: Any, runtime: Any) -
                 for window in profiler.steps(data.train_windows(epoch, skip_steps=progress.steps_into_epoch)):
                     result = live.train_step(state, window, data.accumulation_steps, cfg.train, rank)  # counts it
                     hooks.after_step(progress.step)
+                    stamps.first_step_done(log.outbox)
                     log.step(result, progress.epoch_ended(data.steps_per_epoch))
                     if progress.step >= total_steps:
                         break

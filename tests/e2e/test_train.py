@@ -22,6 +22,7 @@ from raytrain_ddp.driver.launcher import run_training
 from raytrain_ddp.driver.resume import ResumeError
 from raytrain_ddp.rundir import read_metrics
 from raytrain_ddp.ops.plot import plot_run
+from raytrain_ddp.testing.timeline_checks import timeline_problems
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
@@ -84,6 +85,15 @@ def test_tiny_run_directory_is_complete_and_metrics_make_sense(finished_run):
     assert summary["final_metrics"]["val_accuracy"] == val[-1]["val_accuracy"]
     assert summary["final_metrics"]["loss"] == train[-1]["loss"]
     assert plot_run(run_dir).stat().st_size > 0
+
+
+def test_the_start_up_timeline_is_measured_phase_by_phase(finished_run):
+    """timeline.jsonl and summary.json's `startup`: every phase of the start, in order, adding
+    up to the measured time to the first step (issue #39), and a last step -> end time."""
+    _, summary = finished_run
+    assert timeline_problems(Path(summary["run_dir"]), summary) == []
+    phases = summary["startup"]["attempts"][0]["phases"]
+    assert phases["ray"] > 0 and phases["workers_up"] > 0 and phases["first_step"] > 0, phases
 
 
 def test_resume_latest_continues_from_the_checkpoint_step(finished_run):

@@ -97,6 +97,13 @@ def test_controller_callback_base():
         _gone("controller_callback_base", "ControllerCallback.after_controller_state_update(previous_state, current_state)")
 
 
+def test_worker_group_callback_base():
+    base = _attr("worker_group_callback_base", "ray.train.v2._internal.execution.callback:WorkerGroupCallback")
+    assert ray_compat.worker_group_callback_base() is base
+    for hook in ("before_worker_group_start", "before_init_train_context", "after_worker_group_start"):
+        assert callable(getattr(base, hook, None)), _gone("worker_group_callback_base", f"WorkerGroupCallback.{hook}")
+
+
 def test_worker_callback_base():
     base = _attr("worker_callback_base", "ray.train.v2._internal.execution.callback:WorkerCallback")
     assert ray_compat.worker_callback_base() is base
