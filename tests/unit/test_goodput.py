@@ -209,3 +209,23 @@ def test_auto_is_a_config_value(tmp_path):
     assert cfg.run.checkpoint_every_steps == "auto" and cfg.run.expected_mtbf_s == 120
     with pytest.raises(ConfigError, match="checkpoint_every_steps"):
         load_config(None, ["run.checkpoint_every_steps=often"])
+
+
+def test_the_recorder_keeps_each_attempts_saves_and_what_a_resume_threw_away(tmp_path):
+    """attempts.jsonl: the saves' count and stall per attempt; the dropped lines' cost on the resuming one."""
+    from raytrain_ddp.driver.stream import Recorder
+
+    fit = "e" * 32
+    recorder = Recorder(Location.parse(tmp_path), fit, [])
+    line = {"epoch": 1, "loss": 1.0, "lr": 0.1, "steps_s": 0.5, "window_steps": 1}
+    recorder.handle([{"kind": "attempt", "attempt": 1, "seq": 0, "record": {"fit_id": fit, "attempt": 1, "time": 1.0}},
+                     *[{"kind": "metrics", "attempt": 1, "seq": s, "record": {**line, "step": s, "time": 10.0 + s}}
+                       for s in (1, 2, 3, 4)],
+                     {"kind": "checkpoint", "attempt": 1, "seq": 5, "step": 2, "name": "c2", "blocked_s": 0.25}])
+    recorder.handle([{"kind": "attempt", "attempt": 2, "seq": 0, "record": {"fit_id": fit, "attempt": 2, "time": 20.0}},
+                     {"kind": "resumed", "attempt": 2, "seq": 1, "step": 2}])
+    recorder.stop()
+    first, second = [json.loads(x) for x in (tmp_path / "attempts.jsonl").read_text().splitlines()]
+    assert first["checkpoints"] == 1 and first["checkpoint_blocked_s"] == pytest.approx(0.25)
+    assert second["resumed_step"] == 2 and second["redone_steps"] == 2
+    assert second["redone_s"] == pytest.approx(1.0) and second["redone_until"] == pytest.approx(14.0)
