@@ -372,7 +372,7 @@ def format_table(rep: dict[str, Any]) -> str:
              f"  {'bucket':<18}{'seconds':>10}{'share':>8}"]
     for name in BUCKETS:
         seconds = rep["buckets"][name]
-        if seconds or name in ("productive", "idle"):
+        if seconds >= 0.005 or name in ("productive", "idle"):
             lines.append(f"  {name:<18}{seconds:>10.2f}{100 * seconds / total:>7.1f}%")
         if name == "startup":
             lines += [f"    {phase:<16}{s:>10.2f}" for phase, s in rep["startup_phases"].items()]
