@@ -13,7 +13,8 @@ What is read, and who wrote it:
     timeline.jsonl       each fit's start, its start-up phases, its end and status (driver, `timeline.py`)
     config-history.jsonl each fit's id and when it prepared (driver): a fit's start without a timeline
     attempts.jsonl       each worker-group start (`time`), its checkpoints' count and stall
-                         (`checkpoints`, `checkpoint_blocked_s`), and what a resume threw away
+                         (`checkpoints`, `checkpoint_blocked_s`; `preempted`: one was the save before a
+                         preemption), and what a resume threw away
                          (`redone_steps`, `redone_s`, `redone_until`: the dropped lines') (driver)
     metrics.jsonl        the kept lines: `time`, `steps_s` / `window_steps` (the window's step
                          time), `data_wait_fraction`, `exposed_comm_ms`; validation's `validation_s` (rank 0)
@@ -54,7 +55,7 @@ ATTEMPT_PHASES = ("placed", "workers_up", "process_group", "data_ready", "model_
 FIT_PHASES = ("cli", "ray", "datasets")
 CAUSE_OF_STATUS = {"interrupted": "Ctrl-C", "preempted": "preemption", "failed": "failed", "aborted": "failed",
                    "unschedulable": "failed"}
-WORKER_LOST = "worker lost"
+WORKER_LOST, PREEMPTION = "worker lost", "preemption"  # a restart's cause: a just-in-time save before it says which
 RUNNING = "running"  # the fit holding the run now
 HOLD_FRESH_S = 20.0  # a hold.json heartbeat this recent is a live fit (driver/hold.py's STALE_S)
 
@@ -88,6 +89,11 @@ class Attempt:
         times = [float(r["time"]) for r in self.train + self.val] + [self.time]
         return max(times + ([self.redone_until] if self.redone_until else []))
 
+    @property
+    def busy_until(self) -> float:
+        """Its end, or later when what it measured outlasts its last line (a save after it)."""
+        return self.start + max(self.end - self.start, sum(self.parts().values()))
+
     def parts(self) -> dict[str, float]:
         steps = sum(float(r.get("steps_s", 0.0)) for r in self.train)
         wait = sum(float(r.get("data_wait_fraction", 0.0)) * float(r.get("steps_s", 0.0)) for r in self.train)
@@ -110,7 +116,7 @@ class Fit:
     phases: list[dict[str, Any]] = field(default_factory=list)  # its timeline records
 
     def last_seen(self) -> float:
-        return max([self.start] + [a.end for a in self.attempts] + [float(p.get("t", 0.0)) for p in self.phases])
+        return max([self.start] + [a.busy_until for a in self.attempts] + [float(p.get("t", 0.0)) for p in self.phases])
 
 
 def load_fits(run_dir: Where, current: Optional[dict[str, Any]] = None) -> list[Fit]:
@@ -203,17 +209,14 @@ def fit_buckets(fit: Fit) -> tuple[dict[str, float], dict[str, float], list[tupl
             buckets["recovery"] += max(0.0, attempt.start - previous_end)
             segments.append(("recovery", previous_end, attempt.start))
         parts = attempt.parts()
-        span = max(0.0, attempt.end - attempt.start)
-        other = span - sum(parts.values())
+        # a save (or a validation) after the last line runs past it: out of the gap that follows
+        other = max(0.0, (attempt.end - attempt.start) - sum(parts.values()))
         for name, seconds in parts.items():
             buckets[name] += seconds
         buckets["other"] += other
         segments += _spread(parts, other, attempt.start)
-        previous_end = attempt.start + sum(parts.values()) + max(0.0, other)
-    # the last save (and a last validation) may run past the last line: taken from shutdown
-    spill = max(0.0, -buckets["other"])
-    buckets["other"] = max(0.0, buckets["other"])
-    buckets["shutdown"] = max(0.0, end - attempts[-1].end - spill)
+        previous_end = attempt.busy_until
+    buckets["shutdown"] = max(0.0, end - previous_end)
     segments.append(("shutdown", previous_end, end))
     return buckets, _startup_phases(fit, buckets["startup"]), segments
 
@@ -250,9 +253,10 @@ def interruptions(fits: list[Fit]) -> list[dict[str, Any]]:
     out = []
     for i, fit in enumerate(fits):
         for before, attempt in zip(fit.attempts, fit.attempts[1:]):
-            out.append({"fit": fit.fit_id, "attempt": attempt.number, "at": before.end,
-                        "cause": attempt.record.get("cause") or WORKER_LOST,
-                        "recovery_s": max(0.0, attempt.start - before.end), "redone_s": before.redone_s})
+            out.append({"fit": fit.fit_id, "attempt": attempt.number, "at": before.busy_until,
+                        "cause": attempt.record.get("cause") or (PREEMPTION if before.record.get("preempted")
+                                                                  else WORKER_LOST),
+                        "recovery_s": max(0.0, attempt.start - before.busy_until), "redone_s": before.redone_s})
         if fit.status in ("ok", RUNNING):
             continue
         cause = CAUSE_OF_STATUS.get(fit.status or "", "driver killed" if fit.status is None else "failed")

@@ -30,7 +30,8 @@ holds an event back until every earlier one of its attempt was applied -- see `R
     {"kind": "abort",     "record": {...}}   every rank stopped together (abort.json)
     {"kind": "checkpoint", "step": N, "name": ..., "blocked_s": ...}  the attempt's line in
                                              attempts.jsonl counts them (`checkpoints`,
-                                             `checkpoint_blocked_s`); a resume adds to it what
+                                             `checkpoint_blocked_s`, `preempted` after a save
+                                             before a preemption); a resume adds to it what
                                              the dropped lines had cost (`redone_*`)
     {"kind": "timeline", "source": "worker" | "controller", "stamps": {...}}  the start-up
                                              timeline's stamps (`timeline.py`): rank 0's with its
@@ -424,7 +425,8 @@ class Recorder:
         record = mine[-1]
         self.attempts.amend_last({"checkpoints": int(record.get("checkpoints", 0)) + 1,
                                   "checkpoint_blocked_s": float(record.get("checkpoint_blocked_s", 0.0))
-                                  + float(event.get("blocked_s", 0.0))})
+                                  + float(event.get("blocked_s", 0.0)),
+                                  **({"preempted": True} if event.get("preemption") else {})})
 
     def _commit(self, step: Optional[int]) -> None:
         """Hand the trackers the held lines up to `step` (None: all), in step order, train first."""

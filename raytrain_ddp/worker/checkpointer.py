@@ -241,7 +241,7 @@ class Checkpointer:
         if self.upload != "async" or durable:  # in storage now (see `saved_step`)
             self.saved_step = progress.step
         self.last_saved = name
-        self.log.checkpoint_saved(progress.step, name, blocked)
+        self.log.checkpoint_saved(progress.step, name, blocked, preemption=bool(metrics.get("preemption")))
         # What the preemption policy plans with. Asynchronous saves block for less than
         # a synchronous just-in-time save takes; its own duration replaces this one.
         self.guard.checkpoint_took(blocked)

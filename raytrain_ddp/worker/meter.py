@@ -227,10 +227,12 @@ class RunLog:
         self.outbox.flush()  # the epoch's lines are with the driver before its checkpoint
         return val
 
-    def checkpoint_saved(self, step: int, name: str, blocked_s: float) -> None:
-        """A checkpoint held the step loop for `blocked_s` (counted into the next train line)."""
+    def checkpoint_saved(self, step: int, name: str, blocked_s: float, preemption: bool = False) -> None:
+        """A checkpoint held the step loop for `blocked_s` (counted into the next train line);
+        `preemption`: the just-in-time save before one (the restart's cause, `goodput.py`)."""
         self._blocked_s += blocked_s
-        self.outbox.send("checkpoint", step=step, name=name, blocked_s=blocked_s)
+        self.outbox.send("checkpoint", step=step, name=name, blocked_s=blocked_s,
+                         **({"preemption": True} if preemption else {}))
 
     def stopped(self, step: int, name: str) -> None:
         """The driver asked to stop (Ctrl-C) and every rank stops after `step`, saved as `name`."""

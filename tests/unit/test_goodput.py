@@ -229,3 +229,16 @@ def test_the_recorder_keeps_each_attempts_saves_and_what_a_resume_threw_away(tmp
     assert first["checkpoints"] == 1 and first["checkpoint_blocked_s"] == pytest.approx(0.25)
     assert second["resumed_step"] == 2 and second["redone_steps"] == 2
     assert second["redone_s"] == pytest.approx(1.0) and second["redone_until"] == pytest.approx(14.0)
+
+
+def test_a_restart_after_a_just_in_time_save_is_a_preemption(tmp_path):
+    w = RunWriter(tmp_path / "spot")
+    ready = w.fit("f" * 32, 1000.0, {"cli": 1.0})
+    end = w.attempt("f" * 32, 1, ready, 0, 3, 1, 6, ready + 1.0)
+    w.attempts[-1]["preempted"] = True  # the recorder's mark of a save before a preemption
+    end = w.attempt("f" * 32, 2, end + 2.0, 6, 3, 7, 9, end + 4.0)
+    w.end("f" * 32, end + 1.0, "ok")
+    w.write()
+    rep = report(w.dir)
+    assert [e["cause"] for e in rep["interruptions"]] == ["preemption"] and rep["buckets"]["redone"] == 0
+    assert rep["interruptions"][0]["recovery_s"] == pytest.approx(4.0)
