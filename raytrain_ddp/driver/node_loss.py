@@ -92,8 +92,9 @@ def wait_until_declared(lost: list[dict[str, Any]], list_nodes: Callable[[], lis
 class NodeLossWatch(ray_compat.controller_callback_base()):  # type: ignore[misc]
     """Before Ray Train sizes a restarted group, wait for lost nodes to be declared dead."""
 
-    def __init__(self, timeout_s: float = DECLARE_TIMEOUT_S) -> None:
+    def __init__(self, timeout_s: float = DECLARE_TIMEOUT_S, mailbox: Any = None) -> None:
         self.timeout_s = timeout_s
+        self.mailbox = mailbox  # the driver's: a declared loss names the restart's cause (goodput.py)
 
     def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
         if not ray_compat.is_restart_state(current_state):
@@ -116,9 +117,21 @@ class NodeLossWatch(ray_compat.controller_callback_base()):  # type: ignore[misc
         declared, pending = wait_until_declared(lost, ray.nodes, timeout_s=self.timeout_s)
         if declared:
             refresh_coordinator()
+            self._tell_driver()
         print(f"raytrain-ddp: {len(declared)} node(s) declared dead"
               + (f", {len(pending)} still undecided" if pending else "")
               + f" after {time.monotonic() - started:.1f}s; sizing the new worker group", flush=True)
+
+
+    def _tell_driver(self) -> None:
+        """The restart that follows is a node loss: the driver's recorder writes it into the next
+        attempt's line of attempts.jsonl (`cause`)."""
+        if self.mailbox is None:
+            return
+        try:
+            self.mailbox.put.remote({"kind": "fault", "attempt": 0, "seq": 0, "cause": "node lost", "time": time.time()})
+        except Exception:  # noqa: BLE001 - a record of the cause never decides the restart
+            pass
 
 
 def refresh_coordinator(timeout_s: float = 5.0) -> bool:

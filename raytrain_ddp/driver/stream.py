@@ -33,6 +33,8 @@ holds an event back until every earlier one of its attempt was applied -- see `R
                                              `checkpoint_blocked_s`, `preempted` after a save
                                              before a preemption); a resume adds to it what
                                              the dropped lines had cost (`redone_*`)
+    {"kind": "fault", "cause": "node lost"}  the controller declared a node dead before the
+                                             restart (`node_loss.py`): the next attempt's `cause`
     {"kind": "timeline", "source": "worker" | "controller", "stamps": {...}}  the start-up
                                              timeline's stamps (`timeline.py`): rank 0's with its
                                              first step; the controller's (attempt 0) per group start
@@ -285,6 +287,7 @@ class Recorder:
         self.attempts = JsonlFile(run_dir / ATTEMPTS_FILE)
         self.write_metrics = write_metrics
         self.abort: Optional[dict[str, Any]] = None
+        self._cause: Optional[str] = None  # why the next worker group starts (`fault` events)
         self.checkpoints: list[dict[str, Any]] = []
         self.last_step = 0
         self._flushed_at = 0.0
@@ -379,7 +382,10 @@ class Recorder:
             if self._trackers and key not in self._handed:
                 self._held[key] = record
         elif kind == "attempt":
-            self.attempts.append([event["record"]])
+            cause, self._cause = self._cause, None  # a node loss the controller declared before this start
+            self.attempts.append([{**event["record"], **({"cause": cause} if cause else {})}])
+        elif kind == "fault":
+            self._cause = event.get("cause")
         elif kind == "resumed":
             step = int(event["step"])
             redone = _redone(self.metrics.records, step)  # what the dropped lines had cost (goodput.py)

@@ -212,7 +212,8 @@ def test_auto_is_a_config_value(tmp_path):
 
 
 def test_the_recorder_keeps_each_attempts_saves_and_what_a_resume_threw_away(tmp_path):
-    """attempts.jsonl: the saves' count and stall per attempt; the dropped lines' cost on the resuming one."""
+    """attempts.jsonl: the saves' count and stall per attempt; the dropped lines' cost on the resuming
+    one; a node loss the controller declared, on the attempt after it."""
     from raytrain_ddp.driver.stream import Recorder
 
     fit = "e" * 32
@@ -224,8 +225,11 @@ def test_the_recorder_keeps_each_attempts_saves_and_what_a_resume_threw_away(tmp
                      {"kind": "checkpoint", "attempt": 1, "seq": 5, "step": 2, "name": "c2", "blocked_s": 0.25}])
     recorder.handle([{"kind": "attempt", "attempt": 2, "seq": 0, "record": {"fit_id": fit, "attempt": 2, "time": 20.0}},
                      {"kind": "resumed", "attempt": 2, "seq": 1, "step": 2}])
+    recorder.handle([{"kind": "fault", "attempt": 0, "seq": 0, "cause": "node lost", "time": 30.0}])  # node_loss.py
+    recorder.handle([{"kind": "attempt", "attempt": 3, "seq": 0, "record": {"fit_id": fit, "attempt": 3, "time": 40.0}}])
     recorder.stop()
-    first, second = [json.loads(x) for x in (tmp_path / "attempts.jsonl").read_text().splitlines()]
+    first, second, third = [json.loads(x) for x in (tmp_path / "attempts.jsonl").read_text().splitlines()]
+    assert third["cause"] == "node lost" and "cause" not in second
     assert first["checkpoints"] == 1 and first["checkpoint_blocked_s"] == pytest.approx(0.25)
     assert second["resumed_step"] == 2 and second["redone_steps"] == 2
     assert second["redone_s"] == pytest.approx(1.0) and second["redone_until"] == pytest.approx(14.0)
