@@ -94,7 +94,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 def _cmd_goodput(args: argparse.Namespace) -> int:
     import json
 
-    from raytrain_ddp.driver.goodput import format_table, report
+    from raytrain_ddp.goodput import format_table, report
     from raytrain_ddp.ops.goodput_plot import plot_goodput
     from raytrain_ddp.rundir import ATTEMPTS_FILE, Location
 

@@ -76,6 +76,8 @@ def print_summary(summary: dict[str, Any]) -> None:
     if "loss" in fm:
         parts.append(f"loss {fm['loss']:.4f}")
     parts += _val_parts(fm)
+    if summary.get("goodput"):  # this fit's share of productive time, then the run's (goodput.py)
+        parts.append(f"goodput {100 * summary['goodput']['fit']:.0f}% (run {100 * summary['goodput']['run']:.0f}%)")
     out = sys.stdout if summary["status"] == "ok" else sys.stderr
     print("raytrain-ddp: " + " | ".join(parts), file=out, flush=True)
     if summary["status"] == "interrupted":

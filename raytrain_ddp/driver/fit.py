@@ -17,6 +17,7 @@ from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import Config
 from raytrain_ddp.data import steps as data_steps
 from raytrain_ddp.driver.console import final_metrics, print_plan, print_summary
+from raytrain_ddp.goodput import summary_figures
 from raytrain_ddp.driver.resume import prune_checkpoints, record_config, restore_config_if_untrained
 from raytrain_ddp.driver.stream import Recorder, recover_lines
 from raytrain_ddp.job import Job
@@ -72,6 +73,7 @@ def report(cfg: Config, run_dir: Location, job: Job, recorder: Recorder, status:
         summary.pop("error", None)
         print("raytrain-ddp: the interrupt came as the run trained its last step: the run is complete",
               file=sys.stderr, flush=True)
+    summary["goodput"] = summary_figures(run_dir, job.fit_id, status, time.time())  # goodput.py
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     recorder.close(status)
     print_summary(summary)

@@ -398,7 +398,7 @@ def build_trainer(cfg: Config, run_dir: Location, job: Job, prepared: Any) -> An
             worker_runtime_env={"env_vars": env_vars} if env_vars else None,
             # A survivor's copy of the last step is not cut short by the restart (worker/replica.py);
             # a lost node is declared dead before the new group is sized (driver/node_loss.py).
-            callbacks=[NodeLossWatch(), *recovery.callbacks(),
+            callbacks=[NodeLossWatch(mailbox=job.mailbox), *recovery.callbacks(),
                        *([StartupStamps(job.mailbox)] if job.mailbox is not None else [])],
             logging_config=LoggingConfig(log_level="WARNING"),  # our progress lines say it all
         ),

@@ -100,8 +100,9 @@ class NodeLossWatch(ray_compat.controller_callback_base()):  # type: ignore[misc
     """
 
     def __init__(self, timeout_s: float = DECLARE_TIMEOUT_S,
-                 list_nodes: Callable[[], list[dict]] | None = None) -> None:
+                 list_nodes: Callable[[], list[dict]] | None = None, mailbox: Any = None) -> None:
         self.timeout_s = timeout_s
+        self.mailbox = mailbox  # the driver's: a declared loss names the restart's cause (goodput.py)
         self._list_nodes = list_nodes  # None: ray.nodes() of the controller's Ray
         self._seen_alive: set[str] = set()
 
@@ -141,10 +142,22 @@ class NodeLossWatch(ray_compat.controller_callback_base()):  # type: ignore[misc
             declared |= newly
         if declared:
             refresh_coordinator()
+            self._tell_driver()
         self._seen_alive -= declared
         print(f"raytrain-ddp: {len(declared)} node(s) declared dead"
               + (f", {len(pending)} still undecided" if pending else "")
               + f" after {time.monotonic() - started:.1f}s; sizing the new worker group", flush=True)
+
+
+    def _tell_driver(self) -> None:
+        """The restart that follows is a node loss: the driver's recorder writes it into the next
+        attempt's line of attempts.jsonl (`cause`)."""
+        if self.mailbox is None:
+            return
+        try:
+            self.mailbox.put.remote({"kind": "fault", "attempt": 0, "seq": 0, "cause": "node lost", "time": time.time()})
+        except Exception:  # noqa: BLE001 - a record of the cause never decides the restart
+            pass
 
 
 def _names(nodes: list[dict[str, Any]]) -> str:

@@ -30,8 +30,11 @@ holds an event back until every earlier one of its attempt was applied -- see `R
     {"kind": "abort",     "record": {...}}   every rank stopped together (abort.json)
     {"kind": "checkpoint", "step": N, "name": ..., "blocked_s": ...}  the attempt's line in
                                              attempts.jsonl counts them (`checkpoints`,
-                                             `checkpoint_blocked_s`); a resume adds to it what
+                                             `checkpoint_blocked_s`, `preempted` after a save
+                                             before a preemption); a resume adds to it what
                                              the dropped lines had cost (`redone_*`)
+    {"kind": "fault", "cause": "node lost"}  the controller declared a node dead before the
+                                             restart (`node_loss.py`): the next attempt's `cause`
     {"kind": "timeline", "source": "worker" | "controller", "stamps": {...}}  the start-up
                                              timeline's stamps (`timeline.py`): rank 0's with its
                                              first step; the controller's (attempt 0) per group start
@@ -302,6 +305,7 @@ class Recorder:
         self.attempts = JsonlFile(run_dir / ATTEMPTS_FILE)
         self.write_metrics = write_metrics
         self.abort: Optional[dict[str, Any]] = None
+        self._cause: Optional[str] = None  # why the next worker group starts (`fault` events)
         self.checkpoints: list[dict[str, Any]] = []
         self.last_step = 0
         self._flushed_at = 0.0
@@ -398,11 +402,14 @@ class Recorder:
             if self._trackers and key not in self._handed:
                 self._held[key] = record
         elif kind == "attempt":
-            self.attempts.append([event["record"]])
+            cause, self._cause = self._cause, None  # a node loss the controller declared before this start
+            self.attempts.append([{**event["record"], **({"cause": cause} if cause else {})}])
+        elif kind == "fault":
+            self._cause = event.get("cause")
         elif kind == "resumed":
             step = int(event["step"])
             self._resumed_attempt = max(self._resumed_attempt, int(event.get("attempt", 0)))
-            redone = _redone(self.metrics.records, step)  # what the dropped lines had cost (driver/goodput.py)
+            redone = _redone(self.metrics.records, step)  # what the dropped lines had cost (goodput.py)
             self.metrics.keep(lambda r: r.get("step", 0) <= step)
             self._held = {key: r for key, r in self._held.items() if key[0] <= step}
             if not self._fit_started:
@@ -445,7 +452,8 @@ class Recorder:
         record = mine[-1]
         self.attempts.amend_last({"checkpoints": int(record.get("checkpoints", 0)) + 1,
                                   "checkpoint_blocked_s": float(record.get("checkpoint_blocked_s", 0.0))
-                                  + float(event.get("blocked_s", 0.0))})
+                                  + float(event.get("blocked_s", 0.0)),
+                                  **({"preempted": True} if event.get("preemption") else {})})
 
     def _commit(self, step: Optional[int]) -> None:
         """Hand the trackers the held lines up to `step` (None: all), in step order, train first."""

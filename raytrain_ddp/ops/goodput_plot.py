@@ -1,6 +1,6 @@
 """`raytrain-ddp goodput RUN_DIR`'s picture: one timeline bar per fit, coloured by bucket.
 
-Owns: drawing a report of `driver/goodput.py` (the arithmetic is there). Must not touch:
+Owns: drawing a report of `goodput.py` (the arithmetic is there). Must not touch:
 Ray, torch, reading the run directory. Written beside `raytrain-ddp plot`'s curves
 (`RUN_DIR/goodput.png`; for a run in object storage, `<name>-goodput.png` here).
 """
@@ -29,7 +29,7 @@ def plot_goodput(rep: dict[str, Any], run_dir: Location, out: Optional[os.PathLi
                                  else Path(f"{run_dir.name}-goodput.png"))
     fits = rep["fits"]
     origin = fits[0]["start"] if fits else 0.0
-    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.5 * max(1, len(fits))))
+    fig, ax = plt.subplots(figsize=(12, max(2.8, 1.2 + 0.5 * len(fits))))
     for row, fit in enumerate(fits):
         for name, start, end in fit["segments"]:
             if end > start:
@@ -40,9 +40,9 @@ def plot_goodput(rep: dict[str, Any], run_dir: Location, out: Optional[os.PathLi
     ax.set_yticks(range(len(fits)), [f"fit {i + 1} ({f['status']})" for i, f in enumerate(fits)])
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the run's first fit started")
-    used = [name for name in COLOURS if rep["buckets"].get(name, 0) > 0]
-    ax.legend(handles=[Patch(color=COLOURS[n], label=n) for n in used], loc="upper center",
-              bbox_to_anchor=(0.5, -0.35 if len(fits) < 3 else -0.15), ncol=min(6, max(1, len(used))), fontsize=8)
+    used = [name for name in COLOURS if rep["buckets"].get(name, 0) >= 0.005]
+    ax.legend(handles=[Patch(color=COLOURS[n], label=n) for n in used], loc="center left",
+              bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
     ax.set_title(f"{run_dir.name}: goodput {100 * rep['goodput']:.1f}% of {rep['wall_s']:.1f} s")
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()

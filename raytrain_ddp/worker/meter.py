@@ -98,7 +98,7 @@ class StepMeter:
             "data_wait_fraction": min(1.0, max(0.0, waited / seconds)),
             "allreduce_calls": (comm.get("allreduce_calls", 0) - self._comm_start.get("allreduce_calls", 0)) / steps,
             "allreduce_bytes": (comm.get("allreduce_bytes", 0) - self._comm_start.get("allreduce_bytes", 0)) / steps,
-            "steps_s": self._seconds,  # the window's step time in seconds (driver/goodput.py adds them up)
+            "steps_s": self._seconds,  # the window's step time in seconds (goodput.py adds them up)
             "window_steps": self._steps,
         }
         if "comm_s" in comm:  # the wrapper times its all-reduces (see WrappedModel.comm_stats)
@@ -253,10 +253,12 @@ class RunLog:
         self.outbox.flush()  # the epoch's lines are with the driver before its checkpoint
         return val
 
-    def checkpoint_saved(self, step: int, name: str, blocked_s: float) -> None:
-        """A checkpoint held the step loop for `blocked_s` (counted into the next train line)."""
+    def checkpoint_saved(self, step: int, name: str, blocked_s: float, preemption: bool = False) -> None:
+        """A checkpoint held the step loop for `blocked_s` (counted into the next train line);
+        `preemption`: the just-in-time save before one (the restart's cause, `goodput.py`)."""
         self._blocked_s += blocked_s
-        self.outbox.send("checkpoint", step=step, name=name, blocked_s=blocked_s)
+        self.outbox.send("checkpoint", step=step, name=name, blocked_s=blocked_s,
+                         **({"preemption": True} if preemption else {}))
 
     def stopped(self, step: int, name: str) -> None:
         """The driver asked to stop (Ctrl-C) and every rank stops after `step`, saved as `name`."""

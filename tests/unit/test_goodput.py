@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ddp.driver import goodput
-from raytrain_ddp.driver.goodput import format_table, report, young_interval_steps
+from raytrain_ddp import goodput
+from raytrain_ddp.goodput import format_table, report, young_interval_steps
 from raytrain_ddp.rundir import JsonlFile, Location
 
 pytestmark = pytest.mark.timeout(60)
@@ -182,3 +182,67 @@ def test_young_interval_in_steps():
     # sqrt(2 * 600 s * 0.3 s) = 18.97 s at 0.5 s a step: 38 steps
     assert young_interval_steps(600.0, 0.3, 0.5) == round(math.sqrt(2 * 600 * 0.3) / 0.5) == 38
     assert young_interval_steps(1.0, 0.0, 0.5) == 1 and young_interval_steps(600.0, 0.3, 0.0) == 1
+
+
+def test_auto_plans_with_the_expected_mtbf_until_one_is_observed(tmp_path):
+    """No interruption yet: run.expected_mtbf_s and the stall and step time the run measured."""
+    from raytrain_ddp.goodput import auto_interval, cadence_inputs
+
+    w = RunWriter(tmp_path / "calm")
+    ready = w.fit("d" * 32, 1000.0, {"cli": 1.0})
+    w.attempt("d" * 32, 1, ready, 0, 4, 1, 12, ready + 1.0)  # 3 saves of STALL, 12 steps of STEP
+    w.write()
+    inputs = cadence_inputs(w.dir, expected_mtbf_s=900.0, fit_id="d" * 32)  # the fit asking runs
+    assert inputs["mtbf_from"] == "run.expected_mtbf_s" and inputs["mtbf_s"] == 900.0
+    assert inputs["save_stall_s"] == pytest.approx(STALL) and inputs["step_s"] == pytest.approx(STEP)
+    steps, why = auto_interval(inputs)
+    assert abs(steps - math.sqrt(2 * 900.0 * STALL) / STEP) <= 1 and f"every {steps} steps" in why
+    assert "run.expected_mtbf_s" in why
+    none, probing = auto_interval({**inputs, "save_stall_s": None})
+    assert none is None and "no save measured" in probing
+
+
+def test_auto_is_a_config_value(tmp_path):
+    from raytrain_ddp.config import ConfigError, load_config
+
+    cfg = load_config(None, ["run.checkpoint_every_steps=auto", "run.expected_mtbf_s=120"])
+    assert cfg.run.checkpoint_every_steps == "auto" and cfg.run.expected_mtbf_s == 120
+    with pytest.raises(ConfigError, match="checkpoint_every_steps"):
+        load_config(None, ["run.checkpoint_every_steps=often"])
+
+
+def test_the_recorder_keeps_each_attempts_saves_and_what_a_resume_threw_away(tmp_path):
+    """attempts.jsonl: the saves' count and stall per attempt; the dropped lines' cost on the resuming
+    one; a node loss the controller declared, on the attempt after it."""
+    from raytrain_ddp.driver.stream import Recorder
+
+    fit = "e" * 32
+    recorder = Recorder(Location.parse(tmp_path), fit, [])
+    line = {"epoch": 1, "loss": 1.0, "lr": 0.1, "steps_s": 0.5, "window_steps": 1}
+    recorder.handle([{"kind": "attempt", "attempt": 1, "seq": 0, "record": {"fit_id": fit, "attempt": 1, "time": 1.0}},
+                     *[{"kind": "metrics", "attempt": 1, "seq": s, "record": {**line, "step": s, "time": 10.0 + s}}
+                       for s in (1, 2, 3, 4)],
+                     {"kind": "checkpoint", "attempt": 1, "seq": 5, "step": 2, "name": "c2", "blocked_s": 0.25}])
+    recorder.handle([{"kind": "attempt", "attempt": 2, "seq": 0, "record": {"fit_id": fit, "attempt": 2, "time": 20.0}},
+                     {"kind": "resumed", "attempt": 2, "seq": 1, "step": 2}])
+    recorder.handle([{"kind": "fault", "attempt": 0, "seq": 0, "cause": "node lost", "time": 30.0}])  # node_loss.py
+    recorder.handle([{"kind": "attempt", "attempt": 3, "seq": 0, "record": {"fit_id": fit, "attempt": 3, "time": 40.0}}])
+    recorder.stop()
+    first, second, third = [json.loads(x) for x in (tmp_path / "attempts.jsonl").read_text().splitlines()]
+    assert third["cause"] == "node lost" and "cause" not in second
+    assert first["checkpoints"] == 1 and first["checkpoint_blocked_s"] == pytest.approx(0.25)
+    assert second["resumed_step"] == 2 and second["redone_steps"] == 2
+    assert second["redone_s"] == pytest.approx(1.0) and second["redone_until"] == pytest.approx(14.0)
+
+
+def test_a_restart_after_a_just_in_time_save_is_a_preemption(tmp_path):
+    w = RunWriter(tmp_path / "spot")
+    ready = w.fit("f" * 32, 1000.0, {"cli": 1.0})
+    end = w.attempt("f" * 32, 1, ready, 0, 3, 1, 6, ready + 1.0)
+    w.attempts[-1]["preempted"] = True  # the recorder's mark of a save before a preemption
+    end = w.attempt("f" * 32, 2, end + 2.0, 6, 3, 7, 9, end + 4.0)
+    w.end("f" * 32, end + 1.0, "ok")
+    w.write()
+    rep = report(w.dir)
+    assert [e["cause"] for e in rep["interruptions"]] == ["preemption"] and rep["buckets"]["redone"] == 0
+    assert rep["interruptions"][0]["recovery_s"] == pytest.approx(4.0)

@@ -3,15 +3,18 @@
 Owns: reading a run directory's own timestamps (through `rundir.Location`: local disk or
 object storage, no service) and splitting its wall time into buckets; the interruptions
 and their causes; the figures `run.checkpoint_every_steps: auto` plans with (`cadence_inputs`,
-`young_interval_steps`). Pure: reading and arithmetic, no Ray, no torch. Must not touch:
-writing any file (the driver's recorder and rank 0 write what is read here), the console
-(`cli.py` prints `format_table`; the picture is `ops/goodput_plot.py`).
+`young_interval_steps`, `auto_interval`). Pure: reading and arithmetic, no Ray, no torch;
+read by the CLI, by the driver for each fit's summary line, and by rank 0 at each worker
+group's start (`worker/checkpointer.py`): it sits beside `rundir.py`, below both. Must not
+touch: writing any file (the driver's recorder and rank 0 write what is read here), the
+console (`cli.py` prints `format_table`; the picture is `ops/goodput_plot.py`).
 
 What is read, and who wrote it:
-    timeline.jsonl       each fit's start, its start-up phases, its end and status (driver)
+    timeline.jsonl       each fit's start, its start-up phases, its end and status (driver, `timeline.py`)
     config-history.jsonl each fit's id and when it prepared (driver): a fit's start without a timeline
     attempts.jsonl       each worker-group start (`time`), its checkpoints' count and stall
-                         (`checkpoints`, `checkpoint_blocked_s`), and what a resume threw away
+                         (`checkpoints`, `checkpoint_blocked_s`; `preempted`: one was the save before a
+                         preemption), and what a resume threw away
                          (`redone_steps`, `redone_s`, `redone_until`: the dropped lines') (driver)
     metrics.jsonl        the kept lines: `time`, `steps_s` / `window_steps` (the window's step
                          time), `data_wait_fraction`, `exposed_comm_ms`; validation's `validation_s` (rank 0)
@@ -37,12 +40,14 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from raytrain_ddp.rundir import ATTEMPTS_FILE, METRICS_FILE, SUMMARY_FILE, Location, Where, read_jsonl
+from raytrain_ddp.rundir import (
+    ATTEMPTS_FILE, HOLD_FILE, METRICS_FILE, SUMMARY_FILE, TIMELINE_FILE, Location, Where, read_jsonl,
+)
 
-TIMELINE_FILE = "timeline.jsonl"  # the start-up timeline (driver); rundir.TIMELINE_FILE once it lands
 CONFIG_HISTORY_FILE = "config-history.jsonl"  # driver/resume.py's
 BUCKETS = ("productive", "startup", "data_wait", "exposed_comm", "checkpoint_stall", "validation",
            "redone", "recovery", "shutdown", "idle", "other")
@@ -50,7 +55,9 @@ ATTEMPT_PHASES = ("placed", "workers_up", "process_group", "data_ready", "model_
 FIT_PHASES = ("cli", "ray", "datasets")
 CAUSE_OF_STATUS = {"interrupted": "Ctrl-C", "preempted": "preemption", "failed": "failed", "aborted": "failed",
                    "unschedulable": "failed"}
-WORKER_LOST = "worker lost"
+WORKER_LOST, PREEMPTION = "worker lost", "preemption"  # a restart's cause: a just-in-time save before it says which
+RUNNING = "running"  # the fit holding the run now
+HOLD_FRESH_S = 20.0  # a hold.json heartbeat this recent is a live fit (driver/hold.py's STALE_S)
 
 
 @dataclass
@@ -82,6 +89,11 @@ class Attempt:
         times = [float(r["time"]) for r in self.train + self.val] + [self.time]
         return max(times + ([self.redone_until] if self.redone_until else []))
 
+    @property
+    def busy_until(self) -> float:
+        """Its end, or later when what it measured outlasts its last line (a save after it)."""
+        return self.start + max(self.end - self.start, sum(self.parts().values()))
+
     def parts(self) -> dict[str, float]:
         steps = sum(float(r.get("steps_s", 0.0)) for r in self.train)
         wait = sum(float(r.get("data_wait_fraction", 0.0)) * float(r.get("steps_s", 0.0)) for r in self.train)
@@ -104,7 +116,7 @@ class Fit:
     phases: list[dict[str, Any]] = field(default_factory=list)  # its timeline records
 
     def last_seen(self) -> float:
-        return max([self.start] + [a.end for a in self.attempts] + [float(p.get("t", 0.0)) for p in self.phases])
+        return max([self.start] + [a.busy_until for a in self.attempts] + [float(p.get("t", 0.0)) for p in self.phases])
 
 
 def load_fits(run_dir: Where, current: Optional[dict[str, Any]] = None) -> list[Fit]:
@@ -129,6 +141,7 @@ def load_fits(run_dir: Where, current: Optional[dict[str, Any]] = None) -> list[
     for rec in read_jsonl(where / ATTEMPTS_FILE):
         fit = fits.setdefault(rec.get("fit_id", ""), Fit(rec.get("fit_id", ""), float(rec.get("time", 0.0))))
         fit.attempts.append(Attempt(rec))
+    current = current or _holder(where)
     if current and current.get("fit_id") in fits:
         fit = fits[current["fit_id"]]
         fit.end, fit.status = float(current["end"]), current.get("status", "ok")
@@ -137,6 +150,18 @@ def load_fits(run_dir: Where, current: Optional[dict[str, Any]] = None) -> list[
     ordered = sorted((f for f in fits.values() if f.fit_id), key=lambda f: f.start)
     _assign_lines(ordered, read_jsonl(where / METRICS_FILE))
     return ordered
+
+
+def _holder(where: Location) -> Optional[dict[str, Any]]:
+    """The fit holding the run now (hold.json, a fresh heartbeat): running, not a killed driver."""
+    try:
+        held = json.loads((where / HOLD_FILE).read_text())
+    except (FileNotFoundError, ValueError, OSError):
+        return None
+    now = time.time()
+    if not isinstance(held, dict) or now - float(held.get("heartbeat", 0.0)) > HOLD_FRESH_S:
+        return None
+    return {"fit_id": held.get("fit_id"), "end": now, "status": RUNNING}
 
 
 def _status_from_summary(where: Location, fits: dict[str, Fit]) -> None:
@@ -184,17 +209,14 @@ def fit_buckets(fit: Fit) -> tuple[dict[str, float], dict[str, float], list[tupl
             buckets["recovery"] += max(0.0, attempt.start - previous_end)
             segments.append(("recovery", previous_end, attempt.start))
         parts = attempt.parts()
-        span = max(0.0, attempt.end - attempt.start)
-        other = span - sum(parts.values())
+        # a save (or a validation) after the last line runs past it: out of the gap that follows
+        other = max(0.0, (attempt.end - attempt.start) - sum(parts.values()))
         for name, seconds in parts.items():
             buckets[name] += seconds
         buckets["other"] += other
         segments += _spread(parts, other, attempt.start)
-        previous_end = attempt.start + sum(parts.values()) + max(0.0, other)
-    # the last save (and a last validation) may run past the last line: taken from shutdown
-    spill = max(0.0, -buckets["other"])
-    buckets["other"] = max(0.0, buckets["other"])
-    buckets["shutdown"] = max(0.0, end - attempts[-1].end - spill)
+        previous_end = attempt.busy_until
+    buckets["shutdown"] = max(0.0, end - previous_end)
     segments.append(("shutdown", previous_end, end))
     return buckets, _startup_phases(fit, buckets["startup"]), segments
 
@@ -231,10 +253,11 @@ def interruptions(fits: list[Fit]) -> list[dict[str, Any]]:
     out = []
     for i, fit in enumerate(fits):
         for before, attempt in zip(fit.attempts, fit.attempts[1:]):
-            out.append({"fit": fit.fit_id, "attempt": attempt.number, "at": before.end,
-                        "cause": attempt.record.get("cause") or WORKER_LOST,
-                        "recovery_s": max(0.0, attempt.start - before.end), "redone_s": before.redone_s})
-        if fit.status == "ok":
+            out.append({"fit": fit.fit_id, "attempt": attempt.number, "at": before.busy_until,
+                        "cause": attempt.record.get("cause") or (PREEMPTION if before.record.get("preempted")
+                                                                  else WORKER_LOST),
+                        "recovery_s": max(0.0, attempt.start - before.busy_until), "redone_s": before.redone_s})
+        if fit.status in ("ok", RUNNING):
             continue
         cause = CAUSE_OF_STATUS.get(fit.status or "", "driver killed" if fit.status is None else "failed")
         end = fit.end if fit.end is not None else fit.last_seen()
@@ -289,6 +312,17 @@ def cadence_figures(fits: list[Fit]) -> dict[str, Optional[float]]:
     return {"step_s": step_s / steps if steps else None, "save_stall_s": stall / saves if saves else None}
 
 
+def summary_figures(run_dir: Where, fit_id: str, status: str, end: float) -> dict[str, float]:
+    """{"fit": this fit's goodput, "run": the run's} for the fit's summary; {} if unreadable
+    (the summary never fails for its goodput)."""
+    try:
+        rep = report(run_dir, current={"fit_id": fit_id, "end": end, "status": status})
+    except Exception:  # noqa: BLE001 - a figure of the summary, never its outcome
+        return {}
+    fit = next((f for f in rep["fits"] if f["fit"] == fit_id), None)
+    return {"fit": round(fit["goodput"], 4), "run": round(rep["goodput"], 4)} if fit else {}
+
+
 # ---------------------------------------------------------------- run.checkpoint_every_steps: auto
 
 
@@ -299,11 +333,27 @@ def young_interval_steps(mtbf_s: float, stall_s: float, step_s: float) -> int:
     return max(1, round(math.sqrt(2.0 * mtbf_s * max(stall_s, 0.0)) / step_s))
 
 
-def cadence_inputs(run_dir: Where, expected_mtbf_s: Optional[float]) -> dict[str, Any]:
+def auto_interval(inputs: dict[str, Any]) -> tuple[Optional[int], str]:
+    """`run.checkpoint_every_steps: auto`'s choice from `cadence_inputs` and the one line saying
+    why; None (and its line) while the save stall or the step time is still unmeasured."""
+    mtbf, stall, step_s = inputs["mtbf_s"], inputs.get("save_stall_s"), inputs.get("step_s")
+    head = "run.checkpoint_every_steps auto"
+    if stall is None or not step_s:
+        return None, f"{head}: no save measured on this run yet; the first one, {PROBE_STEPS} steps in, measures it"
+    steps = young_interval_steps(mtbf, stall, step_s)
+    return steps, (f"{head}: every {steps} steps = sqrt(2 x MTBF {mtbf:.1f}s ({inputs['mtbf_from']}) x save stall "
+                   f"{stall:.4f}s) = {math.sqrt(2 * mtbf * stall):.2f}s at {step_s:.4f}s a step (Young)")
+
+
+PROBE_STEPS = 10  # auto, nothing measured yet: the first save this many steps in (worker/checkpointer.py)
+
+
+def cadence_inputs(run_dir: Where, expected_mtbf_s: Optional[float], fit_id: Optional[str] = None) -> dict[str, Any]:
     """What `auto` plans with: the observed MTBI (else `run.expected_mtbf_s`), the measured save
-    stall and step time (None until measured), and where the MTBF came from."""
+    stall and step time (None until measured), and where the MTBF came from. `fit_id`: the fit
+    asking, which is running (not a killed driver)."""
     try:
-        figures = report(run_dir)
+        figures = report(run_dir, {"fit_id": fit_id, "end": time.time(), "status": RUNNING} if fit_id else None)
     except (OSError, ValueError):
         figures = {"mtbi_s": None, "step_s": None, "save_stall_s": None}
     observed = figures["mtbi_s"]
@@ -326,7 +376,7 @@ def format_table(rep: dict[str, Any]) -> str:
              f"  {'bucket':<18}{'seconds':>10}{'share':>8}"]
     for name in BUCKETS:
         seconds = rep["buckets"][name]
-        if seconds or name in ("productive", "idle"):
+        if seconds >= 0.005 or name in ("productive", "idle"):
             lines.append(f"  {name:<18}{seconds:>10.2f}{100 * seconds / total:>7.1f}%")
         if name == "startup":
             lines += [f"    {phase:<16}{s:>10.2f}" for phase, s in rep["startup_phases"].items()]
