@@ -61,7 +61,7 @@ import os
 import sys
 import time
 import uuid
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from raytrain_ddp.config import Config
 from raytrain_ddp.driver.console import ProgressPrinter
@@ -140,12 +140,14 @@ def _checked(start: _Start, datasets: Optional[dict[str, Any]]) -> Any:
 
 
 def run_training(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, Any]] = None,
-                 preflighted: bool = False) -> dict[str, Any]:
+                 preflighted: bool = False, sinks: Sequence[Any] = ()) -> dict[str, Any]:
     """Train `cfg` to the end; returns the summary (also written to summary.json).
 
     `code`: the user's model, loss and preprocess (`user.resolve`; by default resolved
     from the config's import paths); `datasets`: Ray Datasets given from Python;
-    `preflighted`: the caller ran `preflight(cfg)` already (the CLI does, before imports).
+    `preflighted`: the caller ran `preflight(cfg)` already (the CLI does, before imports);
+    `sinks`: more takers of the metrics lines (`record`/`flush`/`close`, as `driver/sinks.py`'s;
+    a sweep's trial reports to Tune through one: `raytrain_ddp/sweep/trial.py`).
     """
     start = _start(cfg, code, datasets, preflighted=preflighted)
     cfg, started_here = start.cfg, False
@@ -158,7 +160,7 @@ def run_training(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, 
             return run_local(cfg, start.run_dir, start.fit_id, start.resume_from, start.checked, start.code)
         started_here = connect_user_code(cfg, start.code)
         warn_local_storage(cfg)
-        return _fit(start, _checked(start, datasets), datasets)
+        return _fit(start, _checked(start, datasets), datasets, sinks)
     finally:
         if started_here:
             import ray
@@ -167,7 +169,7 @@ def run_training(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, 
         start.held.release()  # after Ray: no worker of this fit writes any more
 
 
-def connect_user_code(cfg: Config, code: Any) -> bool:
+def connect_user_code(cfg: Config, code: Any, cpus: Optional[int] = None) -> bool:
     """`connect_ray` with the user's modules in the job's runtime_env (`py_modules`): Ray
     accepts local paths only there, and every worker, data task and actor inherits it.
     Ray already initialised by the caller: the modules travel inside the pickles instead."""
@@ -179,7 +181,7 @@ def connect_user_code(cfg: Config, code: Any) -> bool:
     if ray.is_initialized() or (env and _job_has_py_modules()):
         pickle_by_value(code)  # the job's runtime_env is fixed, or Ray cannot merge two py_modules
         env = {}
-    return connect_ray(cfg, runtime_env=env or None)
+    return connect_ray(cfg, runtime_env=env or None, cpus=cpus)
 
 
 def _job_has_py_modules() -> bool:
@@ -187,8 +189,9 @@ def _job_has_py_modules() -> bool:
     return bool(((job_config() or {}).get("runtime_env") or {}).get("py_modules"))
 
 
-def connect_ray(cfg: Config, runtime_env: Optional[dict[str, Any]] = None) -> bool:
-    """Join `run.address` / $RAY_ADDRESS, or start an embedded instance; True if started here."""
+def connect_ray(cfg: Config, runtime_env: Optional[dict[str, Any]] = None, cpus: Optional[int] = None) -> bool:
+    """Join `run.address` / $RAY_ADDRESS, or start an embedded instance; True if started here.
+    `cpus`: the embedded instance's logical CPUs (default: this fit's workers and the data's)."""
     import ray
 
     if ray.is_initialized():  # the caller's Ray (a notebook, or ray.data used before train()): our console too
@@ -202,7 +205,7 @@ def connect_ray(cfg: Config, runtime_env: Optional[dict[str, Any]] = None) -> bo
         ray_console.after_init()
         return False
     cores = os.cpu_count() or 1
-    needed = math.ceil(cfg.scaling.max_workers * cfg.scaling.cpus_per_worker) + DATA_HEADROOM_CPUS
+    needed = cpus or math.ceil(cfg.scaling.max_workers * cfg.scaling.cpus_per_worker) + DATA_HEADROOM_CPUS
     # The dashboard stays on (bound to 127.0.0.1): Ray Train's placement-group cleaner
     # polls the state API it serves, and warns every few seconds without it.
     # address="local": a new instance even if an address file or another cluster is around.
@@ -313,7 +316,7 @@ def nccl_env(use_gpu: bool, environ: Any) -> dict[str, str]:
     return {k: environ.get(k, v) for k, v in NCCL_TRACE_ENV.items()}
 
 
-def _fit(start: _Start, checked: Any, given: Optional[dict[str, Any]]) -> dict[str, Any]:
+def _fit(start: _Start, checked: Any, given: Optional[dict[str, Any]], sinks: Sequence[Any] = ()) -> dict[str, Any]:
     """One fit on Ray: build the trainer, run it, report (summary.json, the printed summary)."""
     from raytrain_ddp.driver import live
     cfg, run_dir = start.cfg, start.run_dir
@@ -324,7 +327,7 @@ def _fit(start: _Start, checked: Any, given: Optional[dict[str, Any]]) -> dict[s
     started = time.time()
     interrupt = Interrupt(job.mailbox)  # ours lets the driver finish (see the module docstring)
     install_sigint_handler(trainer, interrupt.register)
-    recorder = _recorder(cfg, run_dir, job, total_steps)
+    recorder = _recorder(cfg, run_dir, job, total_steps, sinks)
     status, error = run_fit(cfg, trainer, recorder, interrupt)
     return report(cfg, run_dir, job, recorder, status, error, started)
 
@@ -335,9 +338,10 @@ def _with_mailbox(job: Job) -> Job:
     return dataclasses.replace(job, mailbox=open_mailbox())
 
 
-def _recorder(cfg: Config, run_dir: Location, job: Job, total_steps: int) -> Recorder:
-    """What takes rank 0's records: the progress lines, metrics.jsonl and the trackers."""
-    return Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir, job.fit_id)],
+def _recorder(cfg: Config, run_dir: Location, job: Job, total_steps: int, sinks: Sequence[Any] = ()) -> Recorder:
+    """What takes rank 0's records: the progress lines, metrics.jsonl, the trackers, `sinks`."""
+    return Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir, job.fit_id),
+                                          *sinks],
                     job.mailbox, write_metrics="jsonl" in cfg.run.loggers)
 
 
