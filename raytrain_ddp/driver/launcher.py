@@ -59,6 +59,7 @@ import dataclasses
 import math
 import os
 import sys
+import threading
 import time
 import uuid
 from typing import Any, Callable, Optional, Sequence
@@ -140,14 +141,16 @@ def _checked(start: _Start, datasets: Optional[dict[str, Any]]) -> Any:
 
 
 def run_training(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, Any]] = None,
-                 preflighted: bool = False, sinks: Sequence[Any] = ()) -> dict[str, Any]:
+                 preflighted: bool = False, sinks: Sequence[Any] = (),
+                 stop: Optional[threading.Event] = None) -> dict[str, Any]:
     """Train `cfg` to the end; returns the summary (also written to summary.json).
 
     `code`: the user's model, loss and preprocess (`user.resolve`; by default resolved
     from the config's import paths); `datasets`: Ray Datasets given from Python;
     `preflighted`: the caller ran `preflight(cfg)` already (the CLI does, before imports);
     `sinks`: more takers of the metrics lines (`record`/`flush`/`close`, as `driver/sinks.py`'s;
-    a sweep's trial reports to Tune through one: `raytrain_ddp/sweep/trial.py`).
+    a sweep's trial reports to Tune through one: `raytrain_ddp/sweep/trial.py`); `stop`: set
+    from another thread, the fit stops as on Ctrl-C (a sweep's trial that Tune stops).
     """
     start = _start(cfg, code, datasets, preflighted=preflighted)
     cfg, started_here = start.cfg, False
@@ -160,7 +163,7 @@ def run_training(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, 
             return run_local(cfg, start.run_dir, start.fit_id, start.resume_from, start.checked, start.code)
         started_here = connect_user_code(cfg, start.code)
         warn_local_storage(cfg)
-        return _fit(start, _checked(start, datasets), datasets, sinks)
+        return _fit(start, _checked(start, datasets), datasets, sinks, stop)
     finally:
         if started_here:
             import ray
@@ -316,7 +319,8 @@ def nccl_env(use_gpu: bool, environ: Any) -> dict[str, str]:
     return {k: environ.get(k, v) for k, v in NCCL_TRACE_ENV.items()}
 
 
-def _fit(start: _Start, checked: Any, given: Optional[dict[str, Any]], sinks: Sequence[Any] = ()) -> dict[str, Any]:
+def _fit(start: _Start, checked: Any, given: Optional[dict[str, Any]], sinks: Sequence[Any] = (),
+         stop: Optional[threading.Event] = None) -> dict[str, Any]:
     """One fit on Ray: build the trainer, run it, report (summary.json, the printed summary)."""
     from raytrain_ddp.driver import live
     cfg, run_dir = start.cfg, start.run_dir
@@ -328,8 +332,22 @@ def _fit(start: _Start, checked: Any, given: Optional[dict[str, Any]], sinks: Se
     interrupt = Interrupt(job.mailbox)  # ours lets the driver finish (see the module docstring)
     install_sigint_handler(trainer, interrupt.register)
     recorder = _recorder(cfg, run_dir, job, total_steps, sinks)
-    status, error = run_fit(cfg, trainer, recorder, interrupt)
+    done = threading.Event()
+    if stop is not None:  # the caller's stop, as a Ctrl-C: the workers save their step and return
+        threading.Thread(target=_press_on, args=(stop, done, interrupt), daemon=True, name="raytrain-ddp-stop").start()
+    try:
+        status, error = run_fit(cfg, trainer, recorder, interrupt)
+    finally:
+        done.set()
     return report(cfg, run_dir, job, recorder, status, error, started)
+
+
+def _press_on(stop: threading.Event, done: threading.Event, interrupt: Interrupt) -> None:
+    """Until the fit is done: once `stop` is set, a Ctrl-C of our own (`Interrupt.press`)."""
+    while not done.wait(0.25):
+        if stop.is_set():
+            interrupt.press()
+            return
 
 
 def _with_mailbox(job: Job) -> Job:

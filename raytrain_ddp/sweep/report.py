@@ -9,7 +9,8 @@ is and trains the same trajectory). Must not touch: Ray, Tune (it reads files on
 
 A trial's status: finished (its fit ended ok), failed (its fit failed, or Tune's error,
 with why), stopped early (neither, in a sweep that ended: ASHA stopped it, or the
-time budget), unfinished (the sweep was interrupted: the same command continues it).
+time budget; its trial.json says at which step), unfinished (the sweep was interrupted:
+the same command continues it).
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ def _status(trial: dict[str, Any], summary: dict[str, Any], outcome: dict[str, A
     error = trial.get("error") or outcome.get("errors", {}).get(trial.get("trial_id", ""))
     if summary.get("status") in ("failed", "aborted", "unschedulable") or error:
         return f"failed: {summary.get('error') or error or summary.get('status')}"
-    if trial.get("stopped_at_step") is not None or outcome.get("status") == "finished":
-        return "stopped early"
+    if outcome.get("status") == "finished":
+        return "stopped early"  # ASHA or the time budget (trial.json's stopped_at_step says where)
     return "unfinished"
 
 

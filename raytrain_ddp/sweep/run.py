@@ -39,6 +39,7 @@ from raytrain_ddp.sweep.report import SWEEP_FILE
 from raytrain_ddp.sweep.trial import run_trial
 
 TRIAL_CPUS = 0.01  # the trial process itself (see the module docstring)
+TRIALS_CPU = 1  # kept for all trial processes together when counting what fits
 TUNE_DIR = "tune"
 PG_GONE_S = 60.0  # how long the end of a sweep waits for stopped trials' placement groups to go
 
@@ -58,10 +59,10 @@ def per_trial(base: Config) -> tuple[str, float]:
 def concurrency(base: Config, sweep: SweepConfig, resources: dict[str, float], headroom: int) -> tuple[int, str]:
     """(trials at once, the reason said in the plan line) for a cluster holding `resources`."""
     kind, need = per_trial(base)
-    have = float(resources.get(kind, 0.0)) - (headroom if kind == "CPU" else 0)
-    fits = max(1, math.floor(have / need + 1e-9))
+    kept = headroom + TRIALS_CPU if kind == "CPU" else 0
+    fits = max(1, math.floor((float(resources.get(kind, 0.0)) - kept) / need + 1e-9))
     why = (f"the cluster's {resources.get(kind, 0):g} {kind}s"
-           f"{f' less {headroom} for the data' if kind == 'CPU' else ''} over {need:g} {kind} per trial")
+           f"{f' less {kept} for the data and the trial processes' if kept else ''} over {need:g} {kind} per trial")
     if sweep.max_concurrent_trials != "auto":
         n = int(sweep.max_concurrent_trials)
         return n, f"sweep.max_concurrent_trials (fits now: {fits}, from {why}; more wait for workers)"
@@ -78,7 +79,7 @@ def embedded_cpus(base: Config, sweep: SweepConfig, headroom: int) -> int:
         trials = max(1, math.floor(cores / need)) if kind == "CPU" else 1
     trials = min(trials, planned_trials(sweep))
     return math.ceil(trials * (need if kind == "CPU" else base.scaling.max_workers * base.scaling.cpus_per_worker)
-                     + trials * TRIAL_CPUS) + headroom
+                     ) + TRIALS_CPU + headroom
 
 
 def param_space(sweep: SweepConfig) -> dict[str, Any]:

@@ -19,6 +19,7 @@ so a restored sweep ranks it with the others.
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 from raytrain_ddp.config import validate_config
@@ -51,20 +52,12 @@ class TuneReport:
 
     committed_only = True  # only what metrics.jsonl keeps (driver/stream.py's Recorder)
 
-    def __init__(self, run_dir: Location, trial: dict[str, Any]) -> None:
-        self.run_dir, self.trial = run_dir, trial
-
     def record(self, line: dict[str, Any]) -> None:
         if "val_loss" not in line:
             return
         from ray import tune
 
-        try:
-            tune.report(numeric(line))
-        except SystemExit:  # Tune stopped this trial (its report returns so): said in trial.json for the report
-            (self.run_dir / TRIAL_FILE).write_text(json.dumps({**self.trial, "stopped_at_step": line.get("step")})
-                                                   + "\n")
-            raise
+        tune.report(numeric(line))  # raises SystemExit in this thread once Tune stops the trial
 
     def flush(self) -> None:
         pass
@@ -94,16 +87,36 @@ def run_trial(values: dict[str, Any], *, base: dict[str, Any], sweep_dir: str) -
     (run_dir / TRIAL_FILE).write_text(json.dumps(trial) + "\n")
     if completed(run_dir):
         return _report_recorded(run_dir)
+    stop, done = threading.Event(), threading.Event()
+    # Not a daemon: when Tune ends this trial's actor, the interpreter waits for it, so the
+    # fit stops through our Ctrl-C path (step saved, workers and placement group given back).
+    watch = threading.Thread(target=_watch_tune, args=(stop, done), name="raytrain-ddp-tune-stop")
+    watch.start()
     try:
-        summary = run_training(cfg, sinks=[TuneReport(run_dir, trial)])
+        summary = run_training(cfg, sinks=[TuneReport()], stop=stop)
     except NothingToTrain:  # trained to the end by an earlier sweep, whose driver died before its summary
         return _report_recorded(run_dir)
     except UserError as exc:
+        done.set()
         (run_dir / TRIAL_FILE).write_text(json.dumps({"trial_id": trial_id, "values": values,
                                                       "error": str(exc)}) + "\n")
         raise TrialFailed(str(exc)) from None
+    finally:
+        done.set()
+    if stop.is_set():  # Tune stopped it (ASHA, the time budget, the sweep's Ctrl-C): said for the report
+        (run_dir / TRIAL_FILE).write_text(json.dumps({**trial, "stopped_at_step": summary.get("steps")}) + "\n")
+        return None
     if summary.get("status") != "ok":
         raise TrialFailed(f"{summary.get('status')}: {summary.get('error', '')}".rstrip(": "))
+
+
+def _watch_tune(stop: threading.Event, done: threading.Event) -> None:
+    """Set `stop` once Tune asks this trial to stop; return when the trial's fit is done."""
+    from raytrain_ddp.ray_compat import tune_trial_stopping
+
+    while not done.wait(0.25):
+        if not stop.is_set() and tune_trial_stopping():
+            stop.set()
 
 
 def _report_recorded(run_dir: Location) -> None:

@@ -9,6 +9,7 @@ sweep directory written here by hand: ranking, status, best.yaml that `train` ac
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -71,15 +72,18 @@ def test_concurrency_from_the_cluster_and_one_trials_workers():
     from raytrain_ddp.sweep.run import concurrency
 
     base, _, sweep = load_sweep(SWEEP)
-    assert concurrency(base, sweep, {"CPU": 4.0}, 2)[0] == 2  # 2 CPUs for trials, 1 worker each
+    assert concurrency(base, sweep, {"CPU": 5.0}, 2)[0] == 2  # 2 for data, 1 for trial processes, 1 worker each
     assert concurrency(base, sweep, {"CPU": 64.0}, 2)[0] == 6  # no more than the trials
     two = load_sweep(SWEEP, ["scaling.num_workers=2"])
-    assert concurrency(two[0], two[2], {"CPU": 10.0}, 2)[0] == 4
+    assert concurrency(two[0], two[2], {"CPU": 11.0}, 2)[0] == 4
     gpu = load_sweep(SWEEP, ["scaling.use_gpu=true", "scaling.num_workers=2"])
     n, why = concurrency(gpu[0], gpu[2], {"CPU": 64.0, "GPU": 8.0}, 2)
     assert n == 4 and "GPU" in why
     fixed = load_sweep(SWEEP, ["sweep.max_concurrent_trials=3"])
     assert concurrency(fixed[0], fixed[2], {"CPU": 3.0}, 2)[0] == 3  # more than fit: they queue
+    from raytrain_ddp.sweep.run import embedded_cpus
+
+    assert concurrency(base, sweep, {"CPU": float(embedded_cpus(base, sweep, 2))}, 2)[0] == min(6, os.cpu_count())
 
 
 def _trial(root: Path, trial_id: str, values: dict, val_losses: list, status: str | None, **extra) -> None:
