@@ -88,6 +88,9 @@ def sweep(config: ConfigLike = None, *, overrides: Sequence[str] = (), verbose: 
     else:
         path = Path(config) if config is not None else None
         base, _, sweep_cfg = load_sweep(path, list(overrides))
+    from raytrain_ddp.driver.preflight import preflight
+
+    preflight(base)  # a relative storage path under `ray job submit`, a machine too small: before Ray
     base, code = resolve(base, config_path=path)  # import paths next to the YAML too; their modules travel
     before = os.environ.get(VERBOSE_ENV)
     if verbose:

@@ -36,11 +36,12 @@ from raytrain_ddp.config import Config
 from raytrain_ddp.config.sweep import SweepConfig, planned_trials
 from raytrain_ddp.rundir import Location
 from raytrain_ddp.sweep.report import SWEEP_FILE
-from raytrain_ddp.sweep.trial import run_trial
+from raytrain_ddp.sweep.trial import TRIALS_DIR, run_trial
 
 TRIAL_CPUS = 0.01  # the trial process itself (see the module docstring)
 TRIALS_CPU = 1  # kept for all trial processes together when counting what fits
 TUNE_DIR = "tune"
+STOPPING_S = 60.0  # how long the driver waits for stopped trials' fits to save and return
 PG_GONE_S = 60.0  # how long the end of a sweep waits for stopped trials' placement groups to go
 
 
@@ -162,15 +163,30 @@ def run_sweep(base: Config, base_data: dict[str, Any], sweep: SweepConfig, code:
               f"({sweep.mode}); {at_once} at a time ({why})", flush=True)
         started = time.time()
         grid = tuner(base_data, base, sweep, where, at_once).fit()
+        _wait_for_stopping_trials(where)
         outcome = {**_outcome(grid, started), "metric": sweep.metric, "mode": sweep.mode}
         (where / SWEEP_FILE).write_text(json.dumps(outcome, indent=2) + "\n")
     finally:
+        _wait_for_stopping_trials(where)  # before Ray goes: they save the step they are at
         if started_here:
             import ray
 
             ray.shutdown()
     print_report(where)
     return outcome
+
+
+def _wait_for_stopping_trials(where: Location, timeout_s: float = STOPPING_S) -> None:
+    """Tune ends stopped trials without waiting for them; their fits release their holds once
+    their workers have saved and returned. Bounded: what is left resumes from its checkpoint."""
+    from raytrain_ddp.driver.hold import held_live
+
+    trials = where / TRIALS_DIR
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not trials.exists() or not any(held_live(d) for d, info in trials.children() if info.type.name == "Directory"):
+            return
+        time.sleep(0.5)
 
 
 def _outcome(grid: Any, started: float) -> dict[str, Any]:
