@@ -144,6 +144,36 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(quick=args.quick, out=args.out, device=args.device)
 
 
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    """A sweep (`raytrain_ddp/sweep/`), or with --report the table of a sweep directory."""
+    if args.report is not None:
+        from raytrain_ddp.rundir import Location
+        from raytrain_ddp.sweep.report import print_report
+
+        print_report(Location.parse(args.report))
+        return 0
+    from raytrain_ddp.config.sweep import load_sweep
+
+    path, overrides = _config_and_overrides(args)
+    load_sweep(path, overrides)  # a search key or value refused: one line, before torch and Ray are imported
+    from raytrain_ddp.api import sweep
+
+    outcome = sweep(path, overrides=overrides)
+    return 130 if outcome["status"] == "interrupted" else 0 if not outcome["errors"] else 1
+
+
+def _add_sweep(sub: Any) -> None:
+    sweep = sub.add_parser("sweep", help="search hyperparameters on Ray Tune (the config's sweep: section); "
+                           "--report DIR: its trials ranked, their curves, the best config",
+                           epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sweep.add_argument("--verbose", action="store_true", help="also show Ray's own log lines")
+    sweep.add_argument("--report", metavar="DIR", default=None,
+                       help="print a sweep directory's table, write its curves.png and best.yaml (no Ray)")
+    sweep.add_argument("config", nargs="?", default=None, help="YAML config with a sweep: section")
+    sweep.add_argument("overrides", nargs="*", help="key.sub=value overrides, sweep.* among them")
+    sweep.set_defaults(func=_cmd_sweep)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="raytrain-ddp",
@@ -209,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default: benchmarks/bench-<preset>.json, git-ignored)")
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     bench.set_defaults(func=_cmd_bench)
+    _add_sweep(sub)
     return parser
 
 

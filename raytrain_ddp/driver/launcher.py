@@ -59,9 +59,10 @@ import dataclasses
 import math
 import os
 import sys
+import threading
 import time
 import uuid
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from raytrain_ddp.config import Config
 from raytrain_ddp.driver.console import ProgressPrinter
@@ -142,13 +143,17 @@ def _checked(start: _Start, datasets: Optional[dict[str, Any]]) -> Any:
 
 
 def run_training(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, Any]] = None,
-                 preflighted: bool = False, started_at: Optional[float] = None) -> dict[str, Any]:
+                 preflighted: bool = False, started_at: Optional[float] = None, sinks: Sequence[Any] = (),
+                 stop: Optional[threading.Event] = None) -> dict[str, Any]:
     """Train `cfg` to the end; returns the summary (also written to summary.json).
 
     `code`: the user's model, loss and preprocess (`user.resolve`; by default resolved
     from the config's import paths); `datasets`: Ray Datasets given from Python;
     `preflighted`: the caller ran `preflight(cfg)` already (the CLI does, before imports);
     `started_at`: where the start-up timeline starts (the CLI's process start; default now).
+    `sinks`: more takers of the metrics lines (`record`/`flush`/`close`, as `driver/sinks.py`'s;
+    a sweep's trial reports to Tune through one: `raytrain_ddp/sweep/trial.py`); `stop`: set
+    from another thread, the fit stops as on Ctrl-C (a sweep's trial that Tune stops).
     """
     start = _start(cfg, code, datasets, preflighted=preflighted, started_at=started_at)
     cfg, started_here, summary = start.cfg, False, None
@@ -172,7 +177,7 @@ def run_training(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, 
         started_here = connect_user_code(cfg, start.code)
         warn_local_storage(cfg)
         start.timeline.mark("ray")
-        summary = _fit(start, _checked(start, datasets), datasets)
+        summary = _fit(start, _checked(start, datasets), datasets, sinks, stop)
         return summary
     finally:
         if started_here:
@@ -184,7 +189,7 @@ def run_training(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, 
         start.held.release()  # after Ray: no worker of this fit writes any more
 
 
-def connect_user_code(cfg: Config, code: Any) -> bool:
+def connect_user_code(cfg: Config, code: Any, cpus: Optional[int] = None) -> bool:
     """`connect_ray` with the user's modules in the job's runtime_env (`py_modules`): Ray
     accepts local paths only there, and every worker, data task and actor inherits it.
     Ray already initialised by the caller: the modules travel inside the pickles instead."""
@@ -196,7 +201,7 @@ def connect_user_code(cfg: Config, code: Any) -> bool:
     if ray.is_initialized() or (env and _job_has_py_modules()):
         pickle_by_value(code)  # the job's runtime_env is fixed, or Ray cannot merge two py_modules
         env = {}
-    return connect_ray(cfg, runtime_env=env or None)
+    return connect_ray(cfg, runtime_env=env or None, cpus=cpus)
 
 
 def _job_has_py_modules() -> bool:
@@ -204,8 +209,9 @@ def _job_has_py_modules() -> bool:
     return bool(((job_config() or {}).get("runtime_env") or {}).get("py_modules"))
 
 
-def connect_ray(cfg: Config, runtime_env: Optional[dict[str, Any]] = None) -> bool:
-    """Join `run.address` / $RAY_ADDRESS, or start an embedded instance; True if started here."""
+def connect_ray(cfg: Config, runtime_env: Optional[dict[str, Any]] = None, cpus: Optional[int] = None) -> bool:
+    """Join `run.address` / $RAY_ADDRESS, or start an embedded instance; True if started here.
+    `cpus`: the embedded instance's logical CPUs (default: this fit's workers and the data's)."""
     import ray
 
     if ray.is_initialized():  # the caller's Ray (a notebook, or ray.data used before train()): our console too
@@ -219,7 +225,7 @@ def connect_ray(cfg: Config, runtime_env: Optional[dict[str, Any]] = None) -> bo
         ray_console.after_init()
         return False
     cores = os.cpu_count() or 1
-    needed = math.ceil(cfg.scaling.max_workers * cfg.scaling.cpus_per_worker) + DATA_HEADROOM_CPUS
+    needed = cpus or math.ceil(cfg.scaling.max_workers * cfg.scaling.cpus_per_worker) + DATA_HEADROOM_CPUS
     # The dashboard stays on (bound to 127.0.0.1): Ray Train's placement-group cleaner
     # polls the state API it serves, and warns every few seconds without it.
     # address="local": a new instance even if an address file or another cluster is around.
@@ -330,7 +336,8 @@ def nccl_env(use_gpu: bool, environ: Any) -> dict[str, str]:
     return {k: environ.get(k, v) for k, v in NCCL_TRACE_ENV.items()}
 
 
-def _fit(start: _Start, checked: Any, given: Optional[dict[str, Any]]) -> dict[str, Any]:
+def _fit(start: _Start, checked: Any, given: Optional[dict[str, Any]], sinks: Sequence[Any] = (),
+         stop: Optional[threading.Event] = None) -> dict[str, Any]:
     """One fit on Ray: build the trainer, run it, report (summary.json, the printed summary)."""
     from raytrain_ddp.recovery import table
     cfg, run_dir = start.cfg, start.run_dir
@@ -341,12 +348,26 @@ def _fit(start: _Start, checked: Any, given: Optional[dict[str, Any]]) -> dict[s
     started = time.time()
     interrupt = Interrupt(job.mailbox)  # ours lets the driver finish (see the module docstring)
     install_sigint_handler(trainer, interrupt.register)
-    recorder = _recorder(cfg, run_dir, job, total_steps, start.timeline)
+    recorder = _recorder(cfg, run_dir, job, total_steps, start.timeline, sinks)
     start.timeline.attach(run_dir)
     start.timeline.expects_controller = True  # StartupStamps (driver/startup.py) sends each group's start
     start.timeline.mark("datasets")
-    status, error = run_fit(cfg, trainer, recorder, interrupt)
+    done = threading.Event()
+    if stop is not None:  # the caller's stop, as a Ctrl-C: the workers save their step and return
+        threading.Thread(target=_press_on, args=(stop, done, interrupt), daemon=True, name="raytrain-ddp-stop").start()
+    try:
+        status, error = run_fit(cfg, trainer, recorder, interrupt)
+    finally:
+        done.set()
     return report(cfg, run_dir, job, recorder, status, error, started)
+
+
+def _press_on(stop: threading.Event, done: threading.Event, interrupt: Interrupt) -> None:
+    """Until the fit is done: once `stop` is set, a Ctrl-C of our own (`Interrupt.press`)."""
+    while not done.wait(0.25):
+        if stop.is_set():
+            interrupt.press()
+            return
 
 
 def _with_mailbox(job: Job) -> Job:
@@ -355,9 +376,11 @@ def _with_mailbox(job: Job) -> Job:
     return dataclasses.replace(job, mailbox=open_mailbox())
 
 
-def _recorder(cfg: Config, run_dir: Location, job: Job, total_steps: int, timeline: Optional[Timeline] = None) -> Recorder:
-    """What takes rank 0's records: the progress lines, metrics.jsonl and the trackers (and the timeline's stamps)."""
-    return Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir, job.fit_id)],
+def _recorder(cfg: Config, run_dir: Location, job: Job, total_steps: int, timeline: Optional[Timeline] = None,
+              sinks: Sequence[Any] = ()) -> Recorder:
+    """What takes rank 0's records: the progress lines, metrics.jsonl, the trackers, `sinks` (and the timeline's stamps)."""
+    return Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir, job.fit_id),
+                                          *sinks],
                     job.mailbox, write_metrics="jsonl" in cfg.run.loggers, timeline=timeline)
 
 
