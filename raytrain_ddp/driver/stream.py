@@ -29,6 +29,8 @@ holds an event back until every earlier one of its attempt was applied -- see `R
                                              lost rank 0 or a killed driver never wrote
     {"kind": "abort",     "record": {...}}   every rank stopped together (abort.json)
     {"kind": "checkpoint", "step": N, "name": ..., "blocked_s": ...}
+    {"kind": "error",     "record": {...}}   any rank's error, whole (`worker/failure.py`); not
+                                             numbered: applied as it arrives
 The other way, the driver -> the workers: `request_stop` (Ctrl-C), which rank 0 reads at
 its step-boundary polls (`stop_requested`) and all ranks agree on.
 """
@@ -112,6 +114,11 @@ class Mailbox(_Events):
                 return False
             await asyncio.sleep(0.005)
         return True
+
+    async def error(self, record: dict[str, Any]) -> None:
+        """A rank's error, whole (any rank; `worker/failure.py`)."""
+        self._events.append({"kind": "error", "record": record})
+        self._signal().set()
 
     async def request_stop(self) -> None:
         """The driver's Ctrl-C: the workers stop at their next agreed step boundary, saved."""
@@ -277,6 +284,8 @@ class Recorder:
         self.attempts = JsonlFile(run_dir / ATTEMPTS_FILE)
         self.write_metrics = write_metrics
         self.abort: Optional[dict[str, Any]] = None
+        self.errors: list[dict[str, Any]] = []  # the ranks' errors, whole, as they arrived
+        self.on_deterministic_error: Any = None  # called with the first one retrying cannot help
         self.checkpoints: list[dict[str, Any]] = []
         self.last_step = 0
         self._flushed_at = 0.0
@@ -394,6 +403,11 @@ class Recorder:
         elif kind == "abort":
             self.abort = event["record"]
             (self.run_dir / ABORT_FILE).write_text(json.dumps(self.abort))
+        elif kind == "error":
+            self.errors.append(event["record"])
+            if event["record"].get("deterministic") and self.on_deterministic_error is not None:
+                callback, self.on_deterministic_error = self.on_deterministic_error, None  # once
+                callback(event["record"])
         elif kind == "checkpoint":
             self.checkpoints.append({k: event[k] for k in ("step", "name", "blocked_s") if k in event})
             self._commit(int(event["step"]))
@@ -431,6 +445,14 @@ class Recorder:
     @property
     def records(self) -> list[dict[str, Any]]:
         return list(self.metrics.records)
+
+    def error_to_show(self, ray_text: str) -> Optional[str]:
+        """The whole message of the fit's failure when the ranks told it: the first
+        deterministic error, else the last one if Ray's account of it (`ray_text`) was cut."""
+        chosen = next((e for e in self.errors if e.get("deterministic")), None)
+        if chosen is None and self.errors and "truncated" in ray_text:
+            chosen = self.errors[-1]
+        return chosen["message"] if chosen else None
 
     def fit_records(self) -> list[dict[str, Any]]:
         """The lines this fit made and kept (a redone step's line counts once, the committed one)."""

@@ -28,6 +28,7 @@ from raytrain_ddp.data.steps import total_steps as total_steps_of
 from raytrain_ddp.data.worker_data import WorkerData
 from raytrain_ddp.job import Job
 from raytrain_ddp.worker.runtime import RayTrainRuntime
+from raytrain_ddp.worker.failure import tell_driver
 from raytrain_ddp.worker.hooks import load_hooks
 from raytrain_ddp.worker.live import session_for
 from raytrain_ddp.worker.meter import RunLog
@@ -44,6 +45,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     live = session_for(job, runtime)  # run.recovery=live: survivors stay, a newcomer heals (live.py)
     try:
         _train(job, cfg, rank, hooks, live, live.runtime)
+    except Exception as exc:
+        tell_driver(job.mailbox, exc, rank.world_rank)  # whole, and whether a retry can help (failure.py)
+        raise
     finally:
         live.close()
 
