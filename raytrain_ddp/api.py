@@ -33,6 +33,8 @@ def train(config: ConfigLike = None, *, model: Optional[Callable] = None, loss: 
     metrics: `fn(output, batch) -> {name: mean | (sum, count)}`, reported as `val_<name>`.
     Each replaces what the config names; `docs/byo.md` shows a whole run. The console shows
     what `raytrain-ddp train` shows: our lines only, unless `verbose` (Ray's own lines too).
+    Ctrl-C saves the step training is at, writes summary.json (status `interrupted`), then
+    raises `KeyboardInterrupt` (the CLI exits 130); the same call continues from there.
     """
     from raytrain_ddp.driver.launcher import run_training
     from raytrain_ddp.driver.ray_console import VERBOSE_ENV
@@ -44,10 +46,14 @@ def train(config: ConfigLike = None, *, model: Optional[Callable] = None, loss: 
     if verbose:
         os.environ[VERBOSE_ENV] = "1"
     try:
-        return run_training(cfg, code=code, datasets=datasets)
+        summary = run_training(cfg, code=code, datasets=datasets)
     finally:
         if verbose:
             os.environ.pop(VERBOSE_ENV) if before is None else os.environ.__setitem__(VERBOSE_ENV, before)
+    if summary.get("status") == "interrupted":  # saved and written; the script stops, as Python code expects
+        raise KeyboardInterrupt(f"interrupted at step {summary.get('steps')}; {summary['run_dir']}/summary.json "
+                                "says where the same call continues")
+    return summary
 
 
 def prepare_job(config: ConfigLike = None, *, model: Optional[Callable] = None, loss: Optional[Callable] = None,

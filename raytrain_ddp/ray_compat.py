@@ -41,6 +41,7 @@ CONTROLLER_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"  # Ray Train V2's cont
 WORKER_NICENESS_ENV = "RAY_worker_niceness"  # the niceness Ray starts worker processes at (15)
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # the marker resource only the head node has
 TOKEN_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"  # "token auth is on/off"
+PROGRESS_NOTICE_LOGGER = "ray.data._internal.progress"  # "Progress bars disabled. To enable, ..."
 RAY_WORKER_OUTPUT_HANDLER = "ray_print_logs"  # the name of Ray's handler on its worker-output dispatcher
 CONTROLLER_RESTART_STATES = ("RestartingState", "ReschedulingState")  # Ray Train V2's controller states
 COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")  # Ray Data's actor: (name, namespace)
@@ -231,6 +232,11 @@ def job_config(environ: Any = None) -> Optional[dict[str, Any]]:
 def token_notice_logger() -> logging.Logger:
     """The logger of Ray's "token authentication is enabled / disabled" warnings."""
     return logging.getLogger(TOKEN_NOTICE_LOGGER)
+
+
+def progress_notice_logger() -> logging.Logger:
+    """The logger of Ray Data's "Progress bars disabled" warning (we disable them on purpose)."""
+    return logging.getLogger(PROGRESS_NOTICE_LOGGER)
 
 
 def replace_worker_output_handler(name: str, handler: Callable[[dict[str, Any]], None]) -> bool:

@@ -70,7 +70,7 @@ from raytrain_ddp.driver.fit import already_complete, prepare, report, root_mess
 from raytrain_ddp.driver import hold, ray_console
 from raytrain_ddp.driver.interrupt import Interrupt
 from raytrain_ddp.ray_compat import (
-    CONTROLLER_POLL_ENV, install_sigint_handler, job_config,
+    CONTROLLER_POLL_ENV, abort_controller, install_sigint_handler, job_config,
     local_instance_kwargs, preemption_grace, startup_timed_out,
 )
 from raytrain_ddp.driver.placement import Unschedulable, wait_for_placement, worker_resources
@@ -432,7 +432,10 @@ def build_trainer(cfg: Config, run_dir: Location, job: Job, prepared: Any) -> An
 
 def run_fit(cfg: Config, trainer: Any, recorder: Recorder, interrupt: Interrupt) -> tuple[str, Optional[str]]:
     """Wait for placement, then `trainer.fit()` with the recorder running: (status, error)."""
-    status, error = "ok", None
+    status, error, failure = "ok", None, None
+    # A rank's error that retrying cannot help ends the fit now, not after run.max_failures
+    # more attempts (Ray Train's failure policy retries every worker error: ours decides).
+    recorder.on_deterministic_error = lambda record: _end_fit(interrupt.controller)
     try:
         with recorder:
             try:
@@ -452,12 +455,24 @@ def run_fit(cfg: Config, trainer: Any, recorder: Recorder, interrupt: Interrupt)
                 status = "interrupted"
                 interrupt.abort()
             except Exception as exc:  # noqa: BLE001 - reported in summary.json and printed
-                status, error = ("interrupted", None) if interrupt.fired else ("failed", root_message(exc))
+                status, failure = ("interrupted", None) if interrupt.fired else ("failed", exc)
             finally:
                 interrupt.restore()
     except KeyboardInterrupt:  # a second Ctrl-C while the last records were written
         status = "interrupted"
+    if failure is not None:  # the ranks' own account, whole, once the recorder has taken everything
+        error = recorder.error_to_show(str(failure)) or root_message(failure)
     return status, error
+
+
+def _end_fit(controller: Any) -> None:
+    """Stop Ray Train's controller (None: not registered, a fit outside the main thread; Ray's
+    failure policy then retries it as any other error)."""
+    if controller is not None:
+        try:
+            abort_controller(controller)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
 
 
 def _storage(run_dir: Location) -> dict[str, Any]:

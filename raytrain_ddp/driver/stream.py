@@ -38,6 +38,8 @@ holds an event back until every earlier one of its attempt was applied -- see `R
     {"kind": "timeline", "source": "worker" | "controller", "stamps": {...}}  the start-up
                                              timeline's stamps (`timeline.py`): rank 0's with its
                                              first step; the controller's (attempt 0) per group start
+    {"kind": "error",     "record": {...}}   any rank's error, whole (`worker/failure.py`); not
+                                             numbered: applied as it arrives
 The other way, the driver -> the workers: `request_stop` (Ctrl-C), which rank 0 reads at
 its step-boundary polls (`stop_requested`) and all ranks agree on.
 """
@@ -125,6 +127,11 @@ class Mailbox(_Events):
                 return False
             await asyncio.sleep(0.005)
         return True
+
+    async def error(self, record: dict[str, Any]) -> None:
+        """A rank's error, whole (any rank; `worker/failure.py`)."""
+        self._events.append({"kind": "error", "record": record})
+        self._signal().set()
 
     async def request_stop(self) -> None:
         """The driver's Ctrl-C: the workers stop at their next agreed step boundary, saved."""
@@ -306,6 +313,8 @@ class Recorder:
         self.write_metrics = write_metrics
         self.abort: Optional[dict[str, Any]] = None
         self._cause: Optional[str] = None  # why the next worker group starts (`fault` events)
+        self.errors: list[dict[str, Any]] = []  # the ranks' errors, whole, as they arrived
+        self.on_deterministic_error: Any = None  # called with the first one retrying cannot help
         self.checkpoints: list[dict[str, Any]] = []
         self.last_step = 0
         self._flushed_at = 0.0
@@ -437,6 +446,11 @@ class Recorder:
                 self.timeline.controller(event.get("stamps", {}))
             else:
                 self.timeline.worker(int(event.get("attempt", 1)), event.get("stamps", {}))
+        elif kind == "error":
+            self.errors.append(event["record"])
+            if event["record"].get("deterministic") and self.on_deterministic_error is not None:
+                callback, self.on_deterministic_error = self.on_deterministic_error, None  # once
+                callback(event["record"])
         elif kind == "checkpoint":
             self.checkpoints.append({k: event[k] for k in ("step", "name", "blocked_s") if k in event})
             self._amend_attempt_stall(event)
@@ -508,6 +522,14 @@ class Recorder:
     @property
     def records(self) -> list[dict[str, Any]]:
         return list(self.metrics.records)
+
+    def error_to_show(self, ray_text: str) -> Optional[str]:
+        """The whole message of the fit's failure when the ranks told it: the first
+        deterministic error, else the last one if Ray's account of it (`ray_text`) was cut."""
+        chosen = next((e for e in self.errors if e.get("deterministic")), None)
+        if chosen is None and self.errors and "truncated" in ray_text:
+            chosen = self.errors[-1]
+        return chosen["message"] if chosen else None
 
     def fit_records(self) -> list[dict[str, Any]]:
         """The lines this fit made and kept (a redone step's line counts once, the committed one)."""

@@ -133,8 +133,9 @@ class Checkpointer:
             if self.log.attempt > 1 and self.state.last_step is not None:
                 where = ("the newest durable " + where + ", falling back: no survivor wrote a later step "
                          "(every worker was lost, or none finished writing before Ray stopped it)")
-        self.rank.say(f"attempt {self.log.attempt}: {self.rank.world_size} workers on {self.rank.device}, "
-                      f"{accumulation_steps} micro-steps per optimizer step, starting from {where}")
+        workers, micro = self.rank.world_size, accumulation_steps
+        self.rank.say(f"attempt {self.log.attempt}: {workers} worker{'s' * (workers != 1)} on {self.rank.device}, "
+                      f"{micro} micro-step{'s' * (micro != 1)} per optimizer step, starting from {where}")
         if self.job.cfg.run.checkpoint_every_steps == "auto":
             self.choose_auto()
 

@@ -31,6 +31,7 @@ from raytrain_ddp.job import Job
 from raytrain_ddp.recovery import table as recovery_table
 from raytrain_ddp.worker.runtime import RayTrainRuntime, Runtime
 from raytrain_ddp.worker.hooks import Hooks, load_hooks
+from raytrain_ddp.worker.failure import tell_driver
 from raytrain_ddp.worker.meter import RunLog
 from raytrain_ddp.worker.profiler import StepProfiler
 from raytrain_ddp.worker.state import build_state
@@ -55,6 +56,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     stamps = WorkerStamps(rank.is_main, loop_config.get("startup_stamps"))  # the start-up timeline (timeline.py)
     try:
         _train(job, cfg, rank, hooks, recovery, recovery.runtime, stamps)
+    except Exception as exc:
+        tell_driver(job.mailbox, exc, rank.world_rank)  # whole, and whether a retry can help (failure.py)
+        raise
     finally:
         recovery.close()
 

@@ -238,6 +238,14 @@ def test_token_notice_logger():
         _gone("token_notice_logger", f"the logger of {ray_compat.TOKEN_NOTICE_LOGGER}")
 
 
+def test_progress_notice_logger():
+    module = _attr("progress_notice_logger", ray_compat.PROGRESS_NOTICE_LOGGER)
+    assert ray_compat.progress_notice_logger() is logging.getLogger(module.__name__)
+    source = inspect.getsource(module)
+    assert "logging.getLogger(__name__)" in source and "Progress bars disabled" in source, \
+        _gone("progress_notice_logger", f"the logger of {ray_compat.PROGRESS_NOTICE_LOGGER}")
+
+
 def test_replace_worker_output_handler():
     dispatcher = _attr("replace_worker_output_handler", "ray._private.ray_logging:global_worker_stdstream_dispatcher")
     for method in ("add_handler", "remove_handler"):
