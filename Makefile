@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast bench bench-quick compat clean
+.PHONY: demo test test-fast test-bench bench bench-quick compat clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,12 +25,16 @@ demo: $(STAMP)
 
 # Two test processes (pytest-xdist), one file at a time each (tests/conftest.py); TEST_JOBS=0 runs
 # in this process, as a debugger wants. The slowest tests and every failure land in CI's log too.
+# The whole benchmark run (smoke preset) is test-bench's; make test runs each section at toy size.
 TEST_JOBS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=30 -rfE tests
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=30 -rfE -m "not bench_smoke" tests
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=15 -m "not ray" tests
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=15 -m "not ray and not bench" tests
+
+test-bench: $(STAMP)
+	$(PY) -m pytest -q -n 0 -rfE -m bench_smoke tests/bench
 
 # Not in CI's default path: one venv per torch version (the declared floor first, then the
 # newest this project allows), `test-fast` in each; then one venv per Ray version (floor,

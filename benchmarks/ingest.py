@@ -270,7 +270,9 @@ def read_arrays(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return x, table.column("y").to_numpy()
 
 
-def readers(sizes: Sizes, tmp: Path, log=print, device: str = "cpu") -> dict[str, Any]:
+def readers(sizes: Sizes, tmp: Path, log=print, device: str = "cpu", with_ray: bool = True) -> dict[str, Any]:
+    """Samples per second of every reader; `with_ray=False` leaves out the two Ray Data ones
+    (the test suite's toy run of this section, without a Ray instance)."""
     import itertools
 
     import torch
@@ -278,16 +280,18 @@ def readers(sizes: Sizes, tmp: Path, log=print, device: str = "cpu") -> dict[str
     path = write_parquet(tmp / "ingest", sizes.ingest_rows)
     x, y = read_arrays(path)
     tx, ty = torch.from_numpy(x.copy()), torch.from_numpy(y.copy())
-    import ray.data
+    makers: dict[str, Callable[[], Iterable]] = {}
+    if with_ray:
+        import ray.data
 
-    materialized = ray.data.read_parquet(str(path)).materialize()
-    makers: dict[str, Callable[[], Iterable]] = {
-        "ray_data": lambda: ray_data_iter(path),
-        "ray_data_materialized": lambda: ray_data_materialized_iter(materialized),
+        materialized = ray.data.read_parquet(str(path)).materialize()
+        makers["ray_data"] = lambda: ray_data_iter(path)
+        makers["ray_data_materialized"] = lambda: ray_data_materialized_iter(materialized)
+    makers.update({
         "dataloader_stream": lambda: dataloader_stream_iter(path),
         "dataloader_rows": lambda: dataloader_rows_iter(x, y),
         "in_memory": lambda: in_memory_iter(tx, ty, seed=0),
-    }
+    })
     rows = {name: sizes.ingest_rows for name in makers}
     epochs = itertools.count()
     stores: dict[int, Any] = {}

@@ -1,5 +1,8 @@
 """The benchmark suite runs end to end and its JSON holds every section with sane values.
 
+`test_quick_bench_writes_every_section` (marked `bench_smoke`) is `make test-bench`'s, not
+`make test`'s: `make test` runs each section at toy size instead (test_bench_sections.py).
+
 Timings are checked only for being positive and finite (this machine is shared and
 noisy); the exact counts (bytes sent / theoretical minimum, calls on non-final
 micro-steps) are asserted exactly. The suite runs with the `smoke` preset
@@ -43,6 +46,7 @@ def smoke_run(tmp_path_factory):
     return proc, out
 
 
+@pytest.mark.bench_smoke
 @pytest.mark.ray
 @pytest.mark.distributed
 @pytest.mark.timeout(480)
