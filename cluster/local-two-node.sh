@@ -273,6 +273,8 @@ cmd_up() {
   # Short path: Ray puts unix sockets under the temp dir, and those are limited to ~107 bytes.
   dir="$(mktemp -d /tmp/rt2n-XXXX)"
   touch "$dir/rt2n"
+  # Said first, so a caller that gives up on `up` (a timeout) can still `down` what it started.
+  echo "local-two-node: state dir $dir" >&2
   # A token for this cluster only; file mode 600 because it grants full control of the cluster.
   (umask 077; "$PY_BIN" -c 'import secrets; print(secrets.token_hex(32), end="")' > "$dir/auth_token")
 
