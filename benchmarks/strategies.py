@@ -224,10 +224,10 @@ def paired_ratio(a: list[float], b: list[float], steps_per_round: int) -> float:
 def launch_interval(ratios: list[float]) -> tuple[float, float, float]:
     """(geometric mean, low, high): the ratios of independent launches, with the 95 % t
     interval of their mean log. Interval (nan, nan) with one launch."""
+    if len(ratios) < 2:  # the one launch's ratio itself (exp(log(r)) may differ from r in the last bit)
+        return ratios[0], float("nan"), float("nan")
     logs = [math.log(r) for r in ratios]
     mean = statistics.fmean(logs)
-    if len(logs) < 2:
-        return math.exp(mean), float("nan"), float("nan")
     half = _T95.get(len(logs) - 1, 1.96) * statistics.stdev(logs) / math.sqrt(len(logs))
     return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 

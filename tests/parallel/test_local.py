@@ -161,6 +161,8 @@ def test_launch_interval_is_a_t_interval_of_the_log_ratios():
     assert wide[1] < low and wide[2] > high
     one = launch_interval([1.05])
     assert one[0] == pytest.approx(1.05) and math.isnan(one[1]) and math.isnan(one[2])
+    ratio = 3.6607714669911773  # exp(log(r)) is 3.660771466991177: one launch's ratio is returned as it is
+    assert launch_interval([ratio])[0] == ratio
 
 
 def test_auto_tuner_visits_every_candidate_then_keeps_the_fastest():
