@@ -66,7 +66,10 @@ def run(sizes: Any, log: Callable[[str], None] = print, rounds: Optional[int] = 
             for system in order:
                 where = Path(tmp) / f"r{number}_{system}"
                 where.mkdir()
-                one[system] = RUNNERS[system](where, address)
+                try:
+                    one[system] = RUNNERS[system](where, address)
+                except Exception as exc:  # noqa: BLE001 - recorded; the other systems still run
+                    one[system] = {"error": f"{type(exc).__name__}: {str(exc)[-1500:]}"}
                 log(f"  startup round {number + 1}/{rounds}: {system} {_brief(one[system])}")
             if "checkpoint" in one.get("ours_torchrun", {}) and "checkpoint" in one.get("ours_embedded", {}):
                 one["ours_torchrun"]["same_weights"] = same_weights(one["ours_torchrun"]["checkpoint"],
