@@ -226,29 +226,44 @@ class _ray_head:
 
     def __enter__(self) -> str:
         self.tmp.mkdir()
-        port = _free_port()
+        port, dash, client, nm, om, agent, agent_grpc, renv, metrics = (_free_port() for _ in range(9))
         ray = str(Path(sys.executable).with_name("ray"))
-        self.proc = subprocess.Popen([ray, "start", "--head", f"--port={port}", "--num-cpus=4",
-                                      "--node-ip-address=127.0.0.1", "--include-dashboard=false", "--block"],
-                                     env=_env(RAY_TMPDIR=str(self.tmp)), stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        env = _env(RAY_TMPDIR=str(self.tmp))
+        with open(self.tmp / "head.log", "w") as log:  # every port its own, as cluster/local-two-node.sh does
+            self.proc = subprocess.Popen(
+                [ray, "start", "--head", "--block", f"--port={port}", f"--temp-dir={self.tmp / 'ray'}",
+                 "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+                 f"--ray-client-server-port={client}", "--node-ip-address=127.0.0.1", f"--node-manager-port={nm}",
+                 f"--object-manager-port={om}", f"--dashboard-agent-listen-port={agent}",
+                 f"--dashboard-agent-grpc-port={agent_grpc}", f"--runtime-env-agent-port={renv}",
+                 f"--metrics-export-port={metrics}", "--num-cpus=4", "--num-gpus=0", "--disable-usage-stats"],
+                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         address = f"127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            probe = subprocess.run([ray, "status", f"--address={address}"], env=_env(RAY_TMPDIR=str(self.tmp)),
-                                   capture_output=True, timeout=120)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            probe = subprocess.run([ray, "status", f"--address={address}"], env=env, capture_output=True, timeout=120)
             if probe.returncode == 0:
                 return address
             time.sleep(1.0)
-        raise RuntimeError(f"the section's ray start --head at {address} did not come up in 180 s")
+        self.__exit__()
+        raise RuntimeError(f"the section's ray start --head at {address} did not come up:\n"
+                           f"{(self.tmp / 'head.log').read_text()[-2000:]}")
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+        """The head's whole process group (raylet, GCS, workers), even if `ray start` itself ended."""
+        if self.proc is None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
-                self.proc.wait(timeout=60)
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                continue
+            time.sleep(2.0 if sig == signal.SIGTERM else 0.0)
+        self.proc = None
 
 
 def _free_port() -> int:
