@@ -59,7 +59,8 @@ def run(sizes: Any, log: Callable[[str], None] = print, rounds: Optional[int] = 
         return {"skipped": "the smoke preset runs no fit (python -m benchmarks.startup --quick does)"}
     rounds = rounds or (1 if sizes.name == "quick" else 3)
     results: list[dict[str, dict[str, Any]]] = []
-    with tempfile.TemporaryDirectory(prefix="raytrain_ddp_bench_startup_") as tmp, _ray_head(Path(tmp)) as address:
+    # short: Ray's socket paths under it must stay within AF_UNIX's 107 bytes
+    with tempfile.TemporaryDirectory(prefix="rtds_") as tmp, _ray_head(Path(tmp)) as address:
         for number in range(rounds):
             order = SYSTEMS[number % len(SYSTEMS):] + SYSTEMS[:number % len(SYSTEMS)]
             one: dict[str, dict[str, Any]] = {}
