@@ -61,6 +61,8 @@ def run(sizes: Any, log: Callable[[str], None] = print, rounds: Optional[int] = 
     results: list[dict[str, dict[str, Any]]] = []
     # short: Ray's socket paths under it must stay within AF_UNIX's 107 bytes
     with tempfile.TemporaryDirectory(prefix="rtds_") as tmp, _ray_head(Path(tmp)) as address:
+        if address is None:
+            log(f"  startup: {type(_ray_head).__name__}: no head, ours_joined is skipped")
         for number in range(rounds):
             order = SYSTEMS[number % len(SYSTEMS):] + SYSTEMS[:number % len(SYSTEMS)]
             one: dict[str, dict[str, Any]] = {}
@@ -200,11 +202,17 @@ def bare_trainer(where: Path, address: Optional[str] = None) -> dict[str, Any]:
 
 RUNNERS: dict[str, Callable[[Path, Optional[str]], dict[str, Any]]] = {
     "ours_embedded": lambda where, address: ours(where, env=_env(RAY_TMPDIR=str(where))),
-    "ours_joined": lambda where, address: ours(where, env=_env(RAY_ADDRESS=address or "")),
+    "ours_joined": lambda where, address: ours(where, env=_env(RAY_ADDRESS=_required(address))),
     "ours_torchrun": lambda where, address: ours(where, "scaling.launcher=torchrun"),
     "torchrun_ref": torchrun_ref,
     "bare_trainer": bare_trainer,
 }
+
+
+def _required(address: Optional[str]) -> str:
+    if not address:
+        raise RuntimeError("no ray start head to join (see the head's error above)")
+    return address
 
 
 def same_weights(a: str, b: str) -> bool:
@@ -224,8 +232,10 @@ class _ray_head:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp / "head"
         self.proc: Optional[subprocess.Popen] = None
+        self.error = ""
 
-    def __enter__(self) -> str:
+    def __enter__(self) -> Optional[str]:
+        """The head's address; None if it did not come up (`error` says why: ours_joined records it)."""
         self.tmp.mkdir()
         port, dash, client, nm, om, agent, agent_grpc, renv, metrics = (_free_port() for _ in range(9))
         ray = str(Path(sys.executable).with_name("ray"))
@@ -247,8 +257,8 @@ class _ray_head:
                 return address
             time.sleep(1.0)
         self.__exit__()
-        raise RuntimeError(f"the section's ray start --head at {address} did not come up:\n"
-                           f"{(self.tmp / 'head.log').read_text()[-2000:]}")
+        self.error = f"the section's ray start --head did not come up: {(self.tmp / 'head.log').read_text()[-1500:]}"
+        return None
 
     def __exit__(self, *exc: object) -> None:
         """The head's whole process group (raylet, GCS, workers), even if `ray start` itself ended."""
