@@ -62,7 +62,7 @@ def run(sizes: Any, log: Callable[[str], None] = print, rounds: Optional[int] = 
     # short: Ray's socket paths under it must stay within AF_UNIX's 107 bytes
     with tempfile.TemporaryDirectory(prefix="rtds_") as tmp, _ray_head(Path(tmp)) as address:
         if address is None:
-            log(f"  startup: {type(_ray_head).__name__}: no head, ours_joined is skipped")
+            log("  startup: the section's ray start --head did not come up; ours_joined is skipped")
         for number in range(rounds):
             order = SYSTEMS[number % len(SYSTEMS):] + SYSTEMS[:number % len(SYSTEMS)]
             one: dict[str, dict[str, Any]] = {}
