@@ -59,14 +59,20 @@ def run(sizes: Any, log: Callable[[str], None] = print, rounds: Optional[int] = 
         return {"skipped": "the smoke preset runs no fit (python -m benchmarks.startup --quick does)"}
     rounds = rounds or (1 if sizes.name == "quick" else 3)
     results: list[dict[str, dict[str, Any]]] = []
-    with tempfile.TemporaryDirectory(prefix="raytrain_ddp_bench_startup_") as tmp, _ray_head(Path(tmp)) as address:
+    # short: Ray's socket paths under it must stay within AF_UNIX's 107 bytes
+    with tempfile.TemporaryDirectory(prefix="rtds_") as tmp, _ray_head(Path(tmp)) as address:
+        if address is None:
+            log("  startup: the section's ray start --head did not come up; ours_joined is skipped")
         for number in range(rounds):
             order = SYSTEMS[number % len(SYSTEMS):] + SYSTEMS[:number % len(SYSTEMS)]
             one: dict[str, dict[str, Any]] = {}
             for system in order:
                 where = Path(tmp) / f"r{number}_{system}"
                 where.mkdir()
-                one[system] = RUNNERS[system](where, address)
+                try:
+                    one[system] = RUNNERS[system](where, address)
+                except Exception as exc:  # noqa: BLE001 - recorded; the other systems still run
+                    one[system] = {"error": f"{type(exc).__name__}: {str(exc)[-1500:]}"}
                 log(f"  startup round {number + 1}/{rounds}: {system} {_brief(one[system])}")
             if "checkpoint" in one.get("ours_torchrun", {}) and "checkpoint" in one.get("ours_embedded", {}):
                 one["ours_torchrun"]["same_weights"] = same_weights(one["ours_torchrun"]["checkpoint"],
@@ -196,11 +202,17 @@ def bare_trainer(where: Path, address: Optional[str] = None) -> dict[str, Any]:
 
 RUNNERS: dict[str, Callable[[Path, Optional[str]], dict[str, Any]]] = {
     "ours_embedded": lambda where, address: ours(where, env=_env(RAY_TMPDIR=str(where))),
-    "ours_joined": lambda where, address: ours(where, env=_env(RAY_ADDRESS=address or "")),
+    "ours_joined": lambda where, address: ours(where, env=_env(RAY_ADDRESS=_required(address))),
     "ours_torchrun": lambda where, address: ours(where, "scaling.launcher=torchrun"),
     "torchrun_ref": torchrun_ref,
     "bare_trainer": bare_trainer,
 }
+
+
+def _required(address: Optional[str]) -> str:
+    if not address:
+        raise RuntimeError("no ray start head to join (see the head's error above)")
+    return address
 
 
 def same_weights(a: str, b: str) -> bool:
@@ -220,32 +232,49 @@ class _ray_head:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp / "head"
         self.proc: Optional[subprocess.Popen] = None
+        self.error = ""
 
-    def __enter__(self) -> str:
+    def __enter__(self) -> Optional[str]:
+        """The head's address; None if it did not come up (`error` says why: ours_joined records it)."""
         self.tmp.mkdir()
-        port = _free_port()
+        port, dash, client, nm, om, agent, agent_grpc, renv, metrics = (_free_port() for _ in range(9))
         ray = str(Path(sys.executable).with_name("ray"))
-        self.proc = subprocess.Popen([ray, "start", "--head", f"--port={port}", "--num-cpus=4",
-                                      "--node-ip-address=127.0.0.1", "--include-dashboard=false", "--block"],
-                                     env=_env(RAY_TMPDIR=str(self.tmp)), stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        env = _env(RAY_TMPDIR=str(self.tmp))
+        with open(self.tmp / "head.log", "w") as log:  # every port its own, as cluster/local-two-node.sh does
+            self.proc = subprocess.Popen(
+                [ray, "start", "--head", "--block", f"--port={port}", f"--temp-dir={self.tmp / 'ray'}",
+                 "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+                 f"--ray-client-server-port={client}", "--node-ip-address=127.0.0.1", f"--node-manager-port={nm}",
+                 f"--object-manager-port={om}", f"--dashboard-agent-listen-port={agent}",
+                 f"--dashboard-agent-grpc-port={agent_grpc}", f"--runtime-env-agent-port={renv}",
+                 f"--metrics-export-port={metrics}", "--num-cpus=4", "--num-gpus=0", "--disable-usage-stats"],
+                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         address = f"127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            probe = subprocess.run([ray, "status", f"--address={address}"], env=_env(RAY_TMPDIR=str(self.tmp)),
-                                   capture_output=True, timeout=120)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            probe = subprocess.run([ray, "status", f"--address={address}"], env=env, capture_output=True, timeout=120)
             if probe.returncode == 0:
                 return address
             time.sleep(1.0)
-        raise RuntimeError(f"the section's ray start --head at {address} did not come up in 180 s")
+        self.__exit__()
+        self.error = f"the section's ray start --head did not come up: {(self.tmp / 'head.log').read_text()[-1500:]}"
+        return None
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+        """The head's whole process group (raylet, GCS, workers), even if `ray start` itself ended."""
+        if self.proc is None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
-                self.proc.wait(timeout=60)
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                continue
+            time.sleep(2.0 if sig == signal.SIGTERM else 0.0)
+        self.proc = None
 
 
 def _free_port() -> int:

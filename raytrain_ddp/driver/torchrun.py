@@ -185,7 +185,10 @@ def rank_main(payload: str, stamps: Optional[dict[str, float]] = None) -> None:
     from raytrain_ddp.driver.launcher import process_group_timeout_s
     from raytrain_ddp.worker.context import Rank, quiet_worker_console
     from raytrain_ddp.worker.loop import train_loop_per_worker
+    from raytrain_ddp.worker.optim import preload_optimizer_imports
     from raytrain_ddp.worker.runtime import LocalRuntime
+
+    preload_optimizer_imports()  # while the process group forms (issue #39)
 
     stamps = dict(stamps or {}, workers_up=time.time())  # this process up, torch imported
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver asks for a stop through the mailbox

@@ -37,6 +37,7 @@ from raytrain_ddp.worker.profiler import StepProfiler
 from raytrain_ddp.worker.state import build_state
 from raytrain_ddp.worker.step import NonFiniteAbort, validate
 from raytrain_ddp.timeline import WorkerStamps
+from raytrain_ddp.worker.optim import preload_optimizer_imports
 
 if TYPE_CHECKING:
     from raytrain_ddp.config import Config
@@ -54,6 +55,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     # the run's recovery mode, this worker's half (recovery/table.py): it resumes, steps, and names the group
     recovery = recovery_table.worker_half(cfg).for_worker(job, runtime, entered)
     stamps = WorkerStamps(rank.is_main, loop_config.get("startup_stamps"))  # the start-up timeline (timeline.py)
+    preload_optimizer_imports()  # while the data loads (worker/optim.py)
     try:
         _train(job, cfg, rank, hooks, recovery, recovery.runtime, stamps)
     except Exception as exc:

@@ -53,3 +53,11 @@ def test_a_run_directory_is_read_into_the_figures(tmp_path):
     assert got["first_step_s"] == 9.0 and got["wall_s"] == 15.0 and got["last_to_exit_s"] == 1.0
     assert got["step_ms"] == pytest.approx(15.0)  # the median of 10 ms and 20 ms; the first line is left out
     assert startup.run(dataclasses.replace(QUICK, name="smoke"))["skipped"]  # the suite's smoke preset runs no fit
+
+
+def test_the_suite_report_prints_the_table_when_the_section_ran():
+    from benchmarks import report
+
+    ran = report.markdown({"meta": {}, "startup": {"figures": startup.figures([_round(12.0, 20.0, 11.0, 10.0)])}})
+    assert "**Targets** (startup, issue #39)" in ran and "| wall time, embedded Ray (s) | 18.00 | 20 | 18 | yes |" in ran
+    assert "issue #39" not in report.markdown({"meta": {}, "startup": {"skipped": "smoke"}})
