@@ -29,6 +29,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
+import threading
 import time
 from typing import Any, Optional
 
@@ -134,15 +136,16 @@ def tuner(base_data: dict[str, Any], base: Config, sweep: SweepConfig, where: Lo
     )
 
 
-def placement_groups_left(timeout_s: float = PG_GONE_S) -> int:
+def placement_groups_left(timeout_s: float = PG_GONE_S) -> list[dict[str, Any]]:
     """Placement groups still held (not REMOVED), once the stopped trials' have had `timeout_s` to go."""
     import ray
 
     deadline = time.monotonic() + timeout_s
     while True:
-        left = [pg for pg in ray.util.placement_group_table().values() if pg.get("state") != "REMOVED"]
+        left = [{"id": pg_id, "name": pg.get("name"), "state": pg.get("state"), "bundles": pg.get("bundles")}
+                for pg_id, pg in ray.util.placement_group_table().items() if pg.get("state") != "REMOVED"]
         if not left or time.monotonic() > deadline:
-            return len(left)
+            return left
         time.sleep(1.0)
 
 
@@ -161,10 +164,13 @@ def run_sweep(base: Config, base_data: dict[str, Any], sweep: SweepConfig, code:
         print(f"raytrain-ddp: sweep {where.name!r} -> {where}: {planned_trials(sweep)} trials, {sweep.search} "
               f"search over {', '.join(sweep.space) or 'nothing'}, {sweep.scheduler} on {sweep.metric} "
               f"({sweep.mode}); {at_once} at a time ({why})", flush=True)
-        started = time.time()
+        started, before = time.time(), _sigint_handler()
         grid = tuner(base_data, base, sweep, where, at_once).fit()
+        interrupted = before is not None and _sigint_handler() is before  # see `_sigint_handler`
+        if before is not None:
+            signal.signal(signal.SIGINT, before)
         _wait_for_stopping_trials(where)
-        outcome = {**_outcome(grid, started), "metric": sweep.metric, "mode": sweep.mode}
+        outcome = {**_outcome(grid, started, interrupted), "metric": sweep.metric, "mode": sweep.mode}
         (where / SWEEP_FILE).write_text(json.dumps(outcome, indent=2) + "\n")
     finally:
         _wait_for_stopping_trials(where)  # before Ray goes: they save the step they are at
@@ -189,7 +195,16 @@ def _wait_for_stopping_trials(where: Location, timeout_s: float = STOPPING_S) ->
         time.sleep(0.5)
 
 
-def _outcome(grid: Any, started: float) -> dict[str, Any]:
+def _sigint_handler() -> Any:
+    """The SIGINT handler now (None off the main thread). Tune's fit replaces it with its own
+    and puts the one before back only when a Ctrl-C ended the experiment: the same handler
+    after `fit` as before it means interrupted (public signal calls, no Tune internals)."""
+    if threading.current_thread() is not threading.main_thread() or os.environ.get("TUNE_DISABLE_SIGINT_HANDLER"):
+        return None
+    return signal.getsignal(signal.SIGINT)
+
+
+def _outcome(grid: Any, started: float, interrupted: bool) -> dict[str, Any]:
     """What sweep.json holds: finished or interrupted, Tune's errors by trial, what is left."""
     errors = {}
     for result in grid:
@@ -197,6 +212,11 @@ def _outcome(grid: Any, started: float) -> dict[str, Any]:
             trial_id = (result.metrics or {}).get("trial_id") or os.path.basename(str(result.path or ""))
             errors[trial_id] = " ".join(str(result.error).split())[-300:]
     unfinished = len(grid) - grid.num_terminated - grid.num_errors
-    return {"status": "interrupted" if unfinished > 0 else "finished", "trials": len(grid), "errors": errors,
+    return {"status": "interrupted" if interrupted or unfinished > 0 else "finished", "trials": len(grid),
+            "errors": errors,
             "unfinished": unfinished, "elapsed_s": round(time.time() - started, 1),
-            "placement_groups_left": placement_groups_left()}
+            **_left(placement_groups_left())}
+
+
+def _left(groups: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"placement_groups_left": len(groups), **({"placement_groups": groups} if groups else {})}
