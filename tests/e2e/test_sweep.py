@@ -69,7 +69,8 @@ def swept(tmp_path_factory):
             os.killpg(proc.pid, signal.SIGKILL)  # the group this test started
             proc.wait(timeout=30)
     before = {d.name: _summary(d) for d in trials.iterdir() if d.is_dir()}
-    second = subprocess.run(command, env=env, cwd=tmp, capture_output=True, text=True, timeout=1500)
+    second = subprocess.run(command, env=env, cwd=tmp, capture_output=True, text=True, timeout=1500,
+                            start_new_session=True)
     yield tmp, first_rc, before, second
 
 
