@@ -34,15 +34,20 @@ CONFIG = {
 
 
 def switches(trials_dir: Path) -> list[float]:
-    """Seconds from each trial's last metrics line to the next (in time) trial's first step line."""
+    """For each trial that started after another had ended: seconds from the latest such end
+    (a trial's last metrics line) to its own first step line. Holds for any trials at once."""
     spans = []
-    for run_dir in sorted(p for p in trials_dir.iterdir() if p.is_dir()):
+    for run_dir in sorted(p for p in trials_dir.iterdir() if p.is_dir() and (p / "metrics.jsonl").exists()):
         lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
         steps = [r["time"] for r in lines if "loss" in r]
         if steps:
             spans.append((min(steps), max(r["time"] for r in lines)))
-    spans.sort()
-    return [round(nxt[0] - prev[1], 2) for prev, nxt in zip(spans, spans[1:])]
+    gaps = []
+    for start, _ in spans:
+        ended = [end for _, end in spans if end < start]
+        if ended:
+            gaps.append(round(start - max(ended), 2))
+    return gaps
 
 
 def run() -> dict[str, Any]:

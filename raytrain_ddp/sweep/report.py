@@ -137,7 +137,8 @@ def print_report(where: Location, metric: Optional[str] = None, mode: Optional[s
               f"{sum(r['status'] == 'stopped early' for r in rows)} stopped early "
               f"({', '.join(r['trial'] for r in rows if r['status'] == 'stopped early') or 'none'}), "
               f"{sum(r['status'].startswith('failed') for r in rows)} failed; "
-              f"placement groups left: {outcome.get('placement_groups_left')}")
+              f"placement groups left: {outcome.get('placement_groups_left')}"
+              + ("; run the same command to continue it" if outcome.get("status") == "interrupted" else ""))
     plot(rows, metric, where / CURVES_FILE)
     print(f"wrote {where / CURVES_FILE}")
     if (best := best_config(where, rows)) is not None:

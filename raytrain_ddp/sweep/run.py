@@ -20,8 +20,8 @@ Decisions, and why:
 * Resume: Tune's experiment state (`Tuner.restore`) keeps the searcher and the trials'
   states; finished and stopped trials stay so, unfinished and errored ones are run again,
   and each continues from its own run directory by our resume rules (a complete one is
-  not trained again: `trial.py`). A Ctrl-C is Tune's: it saves the state and stops the
-  trials; the command then exits 130.
+  not trained again: `trial.py`). A Ctrl-C is ours (`TUNE_ENV`): the driver stops, its
+  Ray with it, sweep.json says `interrupted`, and the command exits 130.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from typing import Any, Optional
 
@@ -42,7 +43,11 @@ TRIAL_CPUS = 0.01  # the trial process itself (see the module docstring)
 TRIALS_CPU = 1  # kept for all trial processes together when counting what fits
 TUNE_DIR = "tune"
 STOPPING_S = 60.0  # how long the driver waits for stopped trials' fits to save and return
-PG_GONE_S = 60.0  # how long the end of a sweep waits for stopped trials' placement groups to go
+PG_GONE_S = 60.0
+# Ctrl-C is ours, not Tune's: Tune's handler ends the experiment marking the running trials
+# TERMINATED, so a restore would never continue them. A KeyboardInterrupt leaves them
+# running in Tune's saved state (as a killed driver does), saved every 2 s.
+TUNE_ENV = {"TUNE_DISABLE_SIGINT_HANDLER": "1", "TUNE_GLOBAL_CHECKPOINT_S": "2"}  # how long the end of a sweep waits for stopped trials' placement groups to go
 
 
 def sweep_dir_of(base: Config, sweep: SweepConfig) -> Location:
@@ -134,15 +139,16 @@ def tuner(base_data: dict[str, Any], base: Config, sweep: SweepConfig, where: Lo
     )
 
 
-def placement_groups_left(timeout_s: float = PG_GONE_S) -> int:
+def placement_groups_left(timeout_s: float = PG_GONE_S) -> list[dict[str, Any]]:
     """Placement groups still held (not REMOVED), once the stopped trials' have had `timeout_s` to go."""
     import ray
 
     deadline = time.monotonic() + timeout_s
     while True:
-        left = [pg for pg in ray.util.placement_group_table().values() if pg.get("state") != "REMOVED"]
+        left = [{"id": pg_id, "name": pg.get("name"), "state": pg.get("state"), "bundles": pg.get("bundles")}
+                for pg_id, pg in ray.util.placement_group_table().items() if pg.get("state") != "REMOVED"]
         if not left or time.monotonic() > deadline:
-            return len(left)
+            return left
         time.sleep(1.0)
 
 
@@ -162,12 +168,17 @@ def run_sweep(base: Config, base_data: dict[str, Any], sweep: SweepConfig, code:
               f"search over {', '.join(sweep.space) or 'nothing'}, {sweep.scheduler} on {sweep.metric} "
               f"({sweep.mode}); {at_once} at a time ({why})", flush=True)
         started = time.time()
-        grid = tuner(base_data, base, sweep, where, at_once).fit()
+        for name, value in TUNE_ENV.items():
+            os.environ.setdefault(name, value)
+        try:
+            grid = tuner(base_data, base, sweep, where, at_once).fit()
+        except KeyboardInterrupt:
+            _interrupted(where, sweep, started)
+            raise
         _wait_for_stopping_trials(where)
         outcome = {**_outcome(grid, started), "metric": sweep.metric, "mode": sweep.mode}
         (where / SWEEP_FILE).write_text(json.dumps(outcome, indent=2) + "\n")
     finally:
-        _wait_for_stopping_trials(where)  # before Ray goes: they save the step they are at
         if started_here:
             import ray
 
@@ -189,6 +200,15 @@ def _wait_for_stopping_trials(where: Location, timeout_s: float = STOPPING_S) ->
         time.sleep(0.5)
 
 
+def _interrupted(where: Location, sweep: SweepConfig, started: float) -> None:
+    """Ctrl-C: sweep.json says so, and how to go on; Ray's end stops the trials (each resumes
+    from its newest checkpoint, `Tuner.restore` from Tune's last saved state)."""
+    (where / SWEEP_FILE).write_text(json.dumps({"status": "interrupted", "metric": sweep.metric, "mode": sweep.mode,
+                                                "elapsed_s": round(time.time() - started, 1)}, indent=2) + "\n")
+    print(f"raytrain-ddp: sweep interrupted; run the same command to continue it ({where})", file=sys.stderr,
+          flush=True)
+
+
 def _outcome(grid: Any, started: float) -> dict[str, Any]:
     """What sweep.json holds: finished or interrupted, Tune's errors by trial, what is left."""
     errors = {}
@@ -197,6 +217,11 @@ def _outcome(grid: Any, started: float) -> dict[str, Any]:
             trial_id = (result.metrics or {}).get("trial_id") or os.path.basename(str(result.path or ""))
             errors[trial_id] = " ".join(str(result.error).split())[-300:]
     unfinished = len(grid) - grid.num_terminated - grid.num_errors
-    return {"status": "interrupted" if unfinished > 0 else "finished", "trials": len(grid), "errors": errors,
+    return {"status": "interrupted" if unfinished > 0 else "finished", "trials": len(grid),
+            "errors": errors,
             "unfinished": unfinished, "elapsed_s": round(time.time() - started, 1),
-            "placement_groups_left": placement_groups_left()}
+            **_left(placement_groups_left())}
+
+
+def _left(groups: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"placement_groups_left": len(groups), **({"placement_groups": groups} if groups else {})}

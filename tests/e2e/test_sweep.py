@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from raytrain_ddp import checkpoint as ckpt
+from raytrain_ddp.driver.hold import held_live
 from raytrain_ddp.rundir import Location, read_jsonl, read_metrics
 from raytrain_ddp.sweep.report import read_trials
 
@@ -57,7 +58,9 @@ def swept(tmp_path_factory):
         while proc.poll() is None and time.monotonic() < deadline:
             dirs = [d for d in trials.iterdir() if d.is_dir()] if trials.exists() else []
             done = [d for d in dirs if _summary(d).get("status") == "ok"]
-            midway = [d for d in dirs if not _summary(d) and ckpt.find_checkpoints(Location.parse(str(d)))]
+            # still training (a live fit holds it: not one ASHA stopped) and past a checkpoint
+            midway = [d for d in dirs if not _summary(d) and held_live(Location.parse(str(d)))
+                      and ckpt.find_checkpoints(Location.parse(str(d)))]
             if done and midway:
                 break
             time.sleep(0.5)
@@ -69,7 +72,8 @@ def swept(tmp_path_factory):
             os.killpg(proc.pid, signal.SIGKILL)  # the group this test started
             proc.wait(timeout=30)
     before = {d.name: _summary(d) for d in trials.iterdir() if d.is_dir()}
-    second = subprocess.run(command, env=env, cwd=tmp, capture_output=True, text=True, timeout=1500)
+    second = subprocess.run(command, env=env, cwd=tmp, capture_output=True, text=True, timeout=1500,
+                            start_new_session=True)
     yield tmp, first_rc, before, second
 
 

@@ -234,3 +234,31 @@ def test_the_embedded_ray_is_started_once_more_when_its_startup_wait_ran_out(mon
     with pytest.raises(ValueError, match="bad"):  # anything else is Ray's own error, not retried
         launcher._init_local(address="local")
     assert len(tries) == 1
+
+
+def test_a_stop_from_another_thread_is_one_ctrl_c(capsys):
+    """`Interrupt.press` and the launcher's `_press_on`: a sweep's trial that Tune stops asks
+    its workers once, as the first Ctrl-C does, from the thread that watches Tune."""
+    import threading
+
+    from raytrain_ddp.driver.launcher import _press_on
+
+    mailbox = SimpleNamespace(request_stop=_Remote())
+    interrupt = Interrupt(mailbox)
+    interrupt.register("controller")
+    try:
+        stop, done = threading.Event(), threading.Event()
+        watcher = threading.Thread(target=_press_on, args=(stop, done, interrupt))
+        watcher.start()
+        stop.set()
+        watcher.join(timeout=10)
+        interrupt.press()  # a second stop is not a second Ctrl-C (no abort)
+        assert not watcher.is_alive() and interrupt.presses == 1 and mailbox.request_stop.calls == 1
+        quiet = threading.Thread(target=_press_on, args=(threading.Event(), done, Interrupt(mailbox)))
+        done.set()  # the fit ended first: nothing is pressed
+        quiet.start()
+        quiet.join(timeout=10)
+        assert mailbox.request_stop.calls == 1
+    finally:
+        interrupt.restore()
+    assert "the workers save the step they are at" in capsys.readouterr().err
