@@ -6,6 +6,7 @@
 #   cluster/local-two-node.sh status <dir>  # nodes the head sees
 #   cluster/local-two-node.sh kill-node <dir>  # SIGKILL every process of the second node
 #   cluster/local-two-node.sh revive-node <dir>  # start the second node again after kill-node
+#   cluster/local-two-node.sh head          # one node only: a local head for `ray job submit`
 #
 # Every port is picked free (GCS, dashboard, node/object managers, agents, metrics, worker
 # port ranges), so this never clashes with another Ray on the machine. The dashboard (and
@@ -19,6 +20,9 @@
 # directory (<state>/head, <state>/node) with its own Ray temp dir (<state>/ray, <state>/ray-node),
 # so a run whose storage is not shared (run.storage_path=s3://...) is tested as on a real cluster.
 #
+# `head` is `up` without the second node (cluster/local-head.sh wraps it: start | stop), with
+# RT2N_HEAD_CPUS defaulting to the machine's cores plus 2 (at least 4: two workers and Ray
+# Data's tasks), as raytrain-ddp sizes its embedded instance.
 # Knobs (environment): RT2N_HEAD_CPUS / RT2N_NODE_CPUS (default 3 each),
 # RT2N_OBJECT_STORE_BYTES (default 200 MB per node), RT2N_UP_TIMEOUT_S (default 90),
 # PYTHON (default: python next to `ray` on PATH), RAY (default: `ray` on PATH).
@@ -38,7 +42,7 @@ STORE_BYTES="${RT2N_OBJECT_STORE_BYTES:-200000000}"
 UP_TIMEOUT_S="${RT2N_UP_TIMEOUT_S:-90}"
 
 usage() {
-  sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 
@@ -125,7 +129,7 @@ ray.init(address=os.environ["RAY_ADDRESS"], logging_level="ERROR", log_to_driver
 while True:
     alive = [n for n in ray.nodes() if n["Alive"]]
     if len(alive) >= want:
-        print(f"local-two-node: {len(alive)} nodes alive")
+        print(f"local-two-node: {len(alive)} node{'s' * (len(alive) != 1)} alive")
         sys.exit(0)
     if time.time() > deadline:
         print(f"local-two-node: only {len(alive)} of {want} nodes alive after the timeout", file=sys.stderr)
@@ -220,7 +224,7 @@ cmd_down() {
 }
 
 cmd_up() {
-  local dir
+  local nodes="${1:-2}" dir
   # Short path: Ray puts unix sockets under the temp dir, and those are limited to ~107 bytes.
   dir="$(mktemp -d /tmp/rt2n-XXXX)"
   touch "$dir/rt2n"
@@ -259,6 +263,14 @@ EOF
     tail -n 30 "$dir/head.log" >&2; RT2N_KEEP=1 cmd_down "$dir" >&2; exit 1
   fi
 
+  if (( nodes == 1 )); then
+    if ! wait_for_nodes "$dir" 1 >&2; then
+      tail -n 30 "$dir/head.log" >&2; RT2N_KEEP=1 cmd_down "$dir" >&2; exit 1
+    fi
+    echo "local-two-node: head up. Use it with:  source $dir/env  (ray job submit --address \$RT2N_DASHBOARD ...)" >&2
+    echo "$dir"
+    return 0
+  fi
   node_args node_b "$NODE_CPUS" "$N_NM" "$N_OM" "$N_AG" "$N_AGG" "$N_RE" "$N_MET" "$N_WLO"
   # The second node's command, kept for `revive-node` (its ports are free again once it is killed).
   printf '%q ' "$RAY_BIN" start --block --address="127.0.0.1:$GCS" --temp-dir="$dir/ray-node" "${NODE_ARGS[@]}" \
@@ -281,7 +293,8 @@ cmd_status() {
 }
 
 case "${1:-}" in
-  up) cmd_up ;;
+  up) cmd_up 2 ;;
+  head) HEAD_CPUS="${RT2N_HEAD_CPUS:-$(( $(nproc) + 2 > 4 ? $(nproc) + 2 : 4 ))}"; cmd_up 1 ;;
   down) cmd_down "${2:-${RT2N_DIR:-}}" ;;
   status) cmd_status "${2:-${RT2N_DIR:-}}" ;;
   kill-node) cmd_kill_node "${2:-${RT2N_DIR:-}}" ;;
