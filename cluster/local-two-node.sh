@@ -6,6 +6,7 @@
 #   cluster/local-two-node.sh status <dir>  # nodes the head sees
 #   cluster/local-two-node.sh kill-node <dir>  # SIGKILL every process of the second node
 #   cluster/local-two-node.sh revive-node <dir>  # start the second node again after kill-node
+#   cluster/local-two-node.sh head          # one node only: a local head for `ray job submit`
 #
 # Every port is picked free (GCS, dashboard, node/object managers, agents, metrics, worker
 # port ranges), so this never clashes with another Ray on the machine. The dashboard (and
@@ -19,6 +20,9 @@
 # directory (<state>/head, <state>/node) with its own Ray temp dir (<state>/ray, <state>/ray-node),
 # so a run whose storage is not shared (run.storage_path=s3://...) is tested as on a real cluster.
 #
+# `head` is `up` without the second node (cluster/local-head.sh wraps it: start | stop), with
+# RT2N_HEAD_CPUS defaulting to the machine's cores plus 2 (at least 4: two workers and Ray
+# Data's tasks), as raytrain-ddp sizes its embedded instance.
 # Knobs (environment): RT2N_HEAD_CPUS / RT2N_NODE_CPUS (default 3 each),
 # RT2N_OBJECT_STORE_BYTES (default 200 MB per node), RT2N_UP_TIMEOUT_S (default 90),
 # RT2N_START_TRIES (default 3), PYTHON (default: python next to `ray` on PATH), RAY (default:
@@ -45,7 +49,7 @@ START_TRIES="${RT2N_START_TRIES:-3}"
 STARTUP_TIMED_OUT="timed out during startup"  # what `ray start` says when Ray's 30 s wait ran out
 
 usage() {
-  sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 
@@ -146,7 +150,7 @@ while True:
     timed_out()
     alive = [n for n in ray.nodes() if n["Alive"]]
     if len(alive) >= want:
-        print(f"local-two-node: {len(alive)} nodes alive")
+        print(f"local-two-node: {len(alive)} node{'s' * (len(alive) != 1)} alive")
         sys.exit(0)
     if time.time() > deadline:
         print(f"local-two-node: only {len(alive)} of {want} nodes alive after the timeout", file=sys.stderr)
@@ -269,7 +273,7 @@ cmd_down() {
 }
 
 cmd_up() {
-  local dir
+  local nodes="${1:-2}" dir
   # Short path: Ray puts unix sockets under the temp dir, and those are limited to ~107 bytes.
   dir="$(mktemp -d /tmp/rt2n-XXXX)"
   touch "$dir/rt2n"
@@ -310,7 +314,7 @@ EOF
 
   local try rc
   for ((try = 1; try <= START_TRIES; try++)); do
-    rc=0; start_cluster "$dir" "$GCS" "$DASH" || rc=$?
+    rc=0; start_cluster "$dir" "$GCS" "$DASH" "$nodes" || rc=$?
     (( rc == 0 )) && break
     if (( rc != 4 || try == START_TRIES )); then
       tail -n 30 "$dir/head.log" "$dir/node.log" >&2; RT2N_KEEP=1 cmd_down "$dir" >&2; exit 1
@@ -319,15 +323,19 @@ EOF
     [[ -f "$dir/node.pgid" ]] && discard_start "$dir" node
     discard_start "$dir" head
   done
-  echo "local-two-node: up. Use it with:  source $dir/env" >&2
+  if (( nodes == 1 )); then
+    echo "local-two-node: head up. Use it with:  source $dir/env  (ray job submit --address \$RT2N_DASHBOARD ...)" >&2
+  else
+    echo "local-two-node: up. Use it with:  source $dir/env" >&2
+  fi
   echo "local-two-node: stop it with:     $0 down $dir" >&2
   echo "$dir"
 }
 
-# Start the head from head.cmd, then the second node (start_node_and_wait); 4: the head's own
-# start timed out (cmd_up starts both again), 1: any other failure.
+# Start the head from head.cmd, then (nodes 2) the second node (start_node_and_wait); 4: the
+# head's own start timed out (cmd_up starts both again), 1: any other failure.
 start_cluster() {
-  local dir="$1" gcs="$2" dash="$3" head_pid
+  local dir="$1" gcs="$2" dash="$3" nodes="${4:-2}" head_pid
   local -a cmd
   eval "cmd=($(cat "$dir/head.cmd"))"
   head_pid=$(start_group "$dir/head.log" "$dir/head" "${cmd[@]}")
@@ -336,6 +344,10 @@ start_cluster() {
   if ! wait_for_gcs "$dir" "$gcs" "$head_pid"; then
     start_timed_out "$dir" head && return 4
     return 1
+  fi
+  if (( nodes == 1 )); then
+    wait_for_nodes "$dir" 1 >&2
+    return
   fi
   start_node_and_wait "$dir" 2
 }
@@ -348,7 +360,8 @@ cmd_status() {
 }
 
 case "${1:-}" in
-  up) cmd_up ;;
+  up) cmd_up 2 ;;
+  head) HEAD_CPUS="${RT2N_HEAD_CPUS:-$(( $(nproc) + 2 > 4 ? $(nproc) + 2 : 4 ))}"; cmd_up 1 ;;
   down) cmd_down "${2:-${RT2N_DIR:-}}" ;;
   status) cmd_status "${2:-${RT2N_DIR:-}}" ;;
   kill-node) cmd_kill_node "${2:-${RT2N_DIR:-}}" ;;

@@ -214,8 +214,10 @@ def connect_ray(cfg: Config, runtime_env: Optional[dict[str, Any]] = None, cpus:
     `cpus`: the embedded instance's logical CPUs (default: this fit's workers and the data's)."""
     import ray
 
+    needed = cpus or math.ceil(cfg.scaling.max_workers * cfg.scaling.cpus_per_worker) + DATA_HEADROOM_CPUS
     if ray.is_initialized():  # the caller's Ray (a notebook, or ray.data used before train()): our console too
         ray_console.after_init()
+        warn_small_instance(needed)
         return False
     address = cfg.run.address or os.environ.get("RAY_ADDRESS")
     level = ray_console.before_init()  # what of Ray's output reaches the console: ray_console.py
@@ -225,7 +227,6 @@ def connect_ray(cfg: Config, runtime_env: Optional[dict[str, Any]] = None, cpus:
         ray_console.after_init()
         return False
     cores = os.cpu_count() or 1
-    needed = cpus or math.ceil(cfg.scaling.max_workers * cfg.scaling.cpus_per_worker) + DATA_HEADROOM_CPUS
     # The dashboard stays on (bound to 127.0.0.1): Ray Train's placement-group cleaner
     # polls the state API it serves, and warns every few seconds without it.
     # address="local": a new instance even if an address file or another cluster is around.
@@ -234,6 +235,21 @@ def connect_ray(cfg: Config, runtime_env: Optional[dict[str, Any]] = None, cpus:
                 runtime_env=runtime_env)
     ray_console.after_init()
     return True
+
+
+def warn_small_instance(needed: int) -> None:
+    """One line when the Ray this process already started (`ray.init()`, or Ray Data's own
+    start when a dataset is made before `train()`: the machine's cores) has fewer CPUs than
+    the workers plus Ray Data's tasks need: Ray Data's tasks would wait for the workers' CPUs."""
+    import ray
+
+    from raytrain_ddp.ray_compat import started_here
+
+    have = ray.cluster_resources().get("CPU", 0)
+    if started_here() and have < needed:
+        print(f"raytrain-ddp: warning: the Ray instance this process started has {have:g} CPUs; the run needs "
+              f"{needed} (its workers + {DATA_HEADROOM_CPUS} for Ray Data's tasks), which may wait for one "
+              f"another. Call ray.init(num_cpus={needed}) before making the datasets", file=sys.stderr, flush=True)
 
 
 class LocalRayDidNotStart(UserError):

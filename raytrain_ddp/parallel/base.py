@@ -378,7 +378,9 @@ def check_every_parameter_used(strategy: str, module: nn.Module, find_unused_par
 
 
 def unused_message(strategy: str, names: list[str], ranks: list[list[int]], limit: int = 6) -> str:
-    shown = ", ".join(f"'{n}' on rank(s) {r}" for n, r in list(zip(names, ranks))[:limit])
+    """The parameters in name order: the same message whatever order a strategy syncs them in
+    (the driver's single-process check says it as the workers do)."""
+    shown = ", ".join(f"'{n}' on rank(s) {r}" for n, r in sorted(zip(names, ranks))[:limit])
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
     return (
         f"{len(names)} trainable parameter(s) got no gradient in a synchronised backward "

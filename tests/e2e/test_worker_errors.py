@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(900)
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "configs" / "tiny.yaml"
@@ -56,7 +56,7 @@ def _train(tmp_path: Path, name: str, *overrides: str) -> subprocess.CompletedPr
     env["PYTHONUNBUFFERED"] = "1"
     return subprocess.run([sys.executable, "-m", "raytrain_ddp", "train", str(TINY), f"name={name}",
                            f"run.storage_path={tmp_path / 'runs'}", "model.name=auxheads:build", *overrides],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
 
 
 def _message(stderr: str) -> str:

@@ -267,3 +267,18 @@ def test_ray_token_notice_dropped_but_its_warning_kept_and_verbose_keeps_all(mon
     assert passes("Token authentication is disabled for this Ray cluster. Anyone with network access ...")
     monkeypatch.setenv(ray_console.VERBOSE_ENV, "1")
     assert ray_console.before_init() == "INFO"
+
+
+def test_a_ray_this_process_started_too_small_for_the_run_is_said_with_the_fix(monkeypatch, capsys):
+    """#45: Ray Data starts a Ray of the machine's cores when a dataset is made before train()."""
+    import ray
+
+    from raytrain_ddp.driver import launcher
+
+    monkeypatch.setattr(ray_compat, "started_here", lambda: True)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    launcher.warn_small_instance(4)
+    err = capsys.readouterr().err
+    assert "has 2 CPUs; the run needs 4" in err and "ray.init(num_cpus=4)" in err, err
+    launcher.warn_small_instance(2)
+    assert capsys.readouterr().err == ""
