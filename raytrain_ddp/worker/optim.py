@@ -17,11 +17,15 @@ checkpoint, so a resume that changes the total stretches it as the built-ins str
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
 from raytrain_ddp.config import TrainConfig
+
+if TYPE_CHECKING:
+    from raytrain_ddp.config import Config
+    from raytrain_ddp.user import UserCode
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], train: TrainConfig) -> torch.optim.Optimizer:
@@ -137,7 +141,7 @@ class UserSchedule:
                 self.scheduler.step()
 
 
-def build_schedule(optimizer: Any, cfg: Any, total_steps: int, code: Any) -> Any:
+def build_schedule(optimizer: Any, cfg: "Config", total_steps: int, code: "UserCode") -> Any:
     """The user's schedule (`code`: `raytrain_ddp.user.UserCode`) or a built-in one."""
     if code.schedule is None:
         return WarmupCosine.from_config(optimizer, cfg.train, total_steps)
