@@ -36,8 +36,10 @@ test-fast: $(STAMP)
 # newest this project allows), `test-fast` in each; then one venv per Ray version (floor,
 # ceiling; with the floor torch), the Ray tier's compatibility subset in each. Others:
 #   make compat COMPAT_TORCH="2.8.0 2.15.0"   (widen pyproject's range first; CUDA wheels are GBs)
-#   make compat COMPAT_TORCH= COMPAT_RAY="2.60.0"   (only Ray versions; torch 2.13.0)
-COMPAT_TORCH ?= 2.13.0 2.14.1
+#   make compat COMPAT_TORCH= COMPAT_RAY="2.60.0"   (only Ray versions; torch 2.11.0)
+# PIP_CONFIG_FILE=/dev/null: the torch venvs ignore pip's configuration files (a machine's
+# constraints file may cap torch below the versions named here); the system file stays.
+COMPAT_TORCH ?= 2.11.0 2.15.0
 COMPAT_RAY   ?= 2.59.0 2.60.0
 COMPAT_RAY_TESTS ?= tests/unit/test_ray_compat.py tests/unit/test_fault_pieces.py tests/unit/test_node_loss.py \
   tests/e2e/test_train.py tests/e2e/test_interrupt.py tests/elastic/test_replica_recovery.py \
@@ -46,12 +48,12 @@ compat:
 	@set -e; for v in $(COMPAT_TORCH); do \
 	  venv=.venv-torch-$$v; echo "== torch $$v in $$venv"; \
 	  [ -x $$venv/bin/python ] || $(PYTHON) -m venv $$venv; \
-	  $$venv/bin/python -m pip install -q "torch==$$v"; \
-	  $$venv/bin/python -m pip install -q -e ".[dev]" "torch==$$v"; \
+	  PIP_CONFIG_FILE=/dev/null $$venv/bin/python -m pip install -q "torch==$$v"; \
+	  PIP_CONFIG_FILE=/dev/null $$venv/bin/python -m pip install -q -e ".[dev]" "torch==$$v"; \
 	  $$venv/bin/python -c "import torch; print('torch', torch.__version__)"; \
 	  $$venv/bin/python -m pytest -q -m "not ray" tests; \
 	done; \
-	torch=$(firstword $(COMPAT_TORCH) 2.13.0); \
+	torch=$(firstword $(COMPAT_TORCH) 2.11.0); \
 	for v in $(COMPAT_RAY); do \
 	  venv=.venv-ray-$$v; echo "== ray $$v (torch $$torch) in $$venv"; \
 	  [ -x $$venv/bin/python ] || $(PYTHON) -m venv $$venv; \

@@ -1,52 +1,80 @@
 #!/usr/bin/env bash
-# One prepared GPU benchmark run (target: under 8 minutes on one H200).
+# The one prepared GPU run, for the machine as it is (torch 2.11 CUDA, no Ray, no pydantic, no
+# network), from a checkout. Sections and what they measure: benchmarks/gpu_run.py, gpu_checks.py.
 #
-#   bash benchmarks/gpu.sh                 # writes benchmarks/results-gpu.json (+ .png, + .md)
-#   OUT=/tmp/gpu.json bash benchmarks/gpu.sh
+#   benchmarks/gpu.sh --prepare            # here, with an index: the missing wheels into .whl/ (git-ignored)
+#   benchmarks/gpu.sh [--out DIR]          # there: results-gpu.{json,md,png} + gpu.log in DIR ($OUT if set)
+#   benchmarks/gpu.sh --dry-run --out DIR  # any CPU machine: the same flow, CPU stand-ins, tiny sizes
 #
-# Measures: wrapper overhead at world size 1 against the bare model (naive, bucketed,
-# native, torch DDP, DataParallel; fp32), the tiny GPT's tokens/s and model-FLOPs
-# utilisation in bf16 (an ~85 M-parameter config, seq 1024), and Ray Data's wait
-# fraction inside a real 1-GPU training run. From a fresh clone it needs nothing else:
-# without PYTHON=..., it uses .venv and, when that has no CUDA torch and the host has a
-# GPU, installs one there first (torch==$TORCH_VERSION from the package index, a few GB,
-# once; TORCH_INDEX_URL=... picks another index, e.g. a CUDA-specific one).
-# On a host without a GPU it stops with a clear message (exit 2).
-set -euo pipefail
+# Python: the first of $PYTHON, .venv/bin/python, python3 whose torch sees CUDA (the dry run:
+# whose torch imports). What it lacks (pydantic and its few dependencies; Ray cannot travel, 79 MB)
+# comes from the carried wheels ($GPU_WHEELS, default .whl/), else from an index that answers
+# within seconds, else it stops naming what is missing. Overall deadline: $GPU_DEADLINE_S (450 s);
+# each section gets the time left. Exit 0: every section ran or was marked "not run"; 1: one failed.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 
-TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
-PY="${PYTHON:-}"
-if [[ -z "$PY" ]]; then
-  PY=.venv/bin/python
-  has_cuda_torch() { [[ -x "$PY" ]] && "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; }
-  if ! has_cuda_torch && command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
-    echo "gpu.sh: installing a CUDA build of torch==$TORCH_VERSION and this project into .venv (once)"
-    [[ -x "$PY" ]] || python3 -m venv .venv
-    "$PY" -m pip install -q --upgrade pip
-    # --force-reinstall: a CPU build (2.13.0+cpu) also satisfies ==2.13.0
-    "$PY" -m pip install -q --force-reinstall "torch==$TORCH_VERSION" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
-    "$PY" -m pip install -q -e ".[dev]" "torch==$TORCH_VERSION" ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"}
-  fi
-  [[ -x "$PY" ]] || PY=python3
+# pydantic's pins: the versions this project is tested with (pyproject: pydantic>=2.5,<3)
+WHEELS_PINNED="pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0"
+WHEELS="${GPU_WHEELS:-.whl}"
+DEVICE_PY_VERSION="${GPU_PY_VERSION:-3.12}"  # the GPU machine's python3 (device notes: 3.12.3)
+mode=run
+OUTDIR="${OUT:-benchmarks/gpu-out}"
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --prepare) mode=prepare ;;
+    --dry-run) mode=dry ;;
+    --out) OUTDIR="$2"; shift ;;
+    *) echo "gpu.sh: unknown argument '$1' (use --prepare, --dry-run, --out DIR)" >&2; exit 2 ;;
+  esac
+  shift
+done
+started=$(date +%s)
+DEADLINE_S="${GPU_DEADLINE_S:-450}"
+left() { echo $(( DEADLINE_S - ($(date +%s) - started) )); }
+
+if [[ $mode == prepare ]]; then
+  plats=""; for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64; do
+    plats="$plats --platform $p"; done
+  mkdir -p "$WHEELS"
+  # shellcheck disable=SC2086
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$DEVICE_PY_VERSION" \
+    --implementation cp $plats -d "$WHEELS" $WHEELS_PINNED || exit 1
+  ls -la "$WHEELS"; echo "gpu.sh: carry '$WHEELS' with the run (device tool: carry=[\"$WHEELS\"])"
+  exit 0
 fi
-OUT="${OUT:-benchmarks/results-gpu.json}"
-LIMIT_S="${LIMIT_S:-470}"
 
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-"$PY" - <<'EOF'
-import sys
-import torch
-print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}, "
-      f"devices: {torch.cuda.device_count()}")
-if not torch.cuda.is_available():
-    print("gpu.sh: no usable CUDA torch here (no GPU, or PYTHON=... names a Python with a CPU build); "
-          "on a GPU host run it without PYTHON to have .venv set up", file=sys.stderr)
-    sys.exit(2)
-EOF
-"$PY" -c "import raytrain_ddp" 2>/dev/null || "$PY" -m pip install -q -e . --no-deps
+PY=""
+for cand in "${PYTHON:-}" .venv/bin/python python3; do
+  [[ -n "$cand" ]] && command -v "$cand" >/dev/null || continue
+  if [[ $mode == dry ]]; then check="import torch"; else check="import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; fi
+  if timeout 120 "$cand" -c "$check" 2>/dev/null; then PY="$cand"; break; fi
+done
+if [[ -z "$PY" ]]; then
+  echo "gpu.sh: no Python here has a torch that sees CUDA (tried \$PYTHON, .venv/bin/python, python3); --dry-run runs on CPU" >&2
+  exit 2
+fi
+echo "gpu.sh: $PY: $("$PY" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available())')"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
-export RAY_DEDUP_LOGS=1
-export PYTHONUNBUFFERED=1
-timeout --signal=INT --kill-after=20 "$LIMIT_S" \
-  "$PY" -m raytrain_ddp bench --device cuda --out "$OUT" | tee "${OUT%.json}.md"
+SITE="${GPU_SITE:-${TMPDIR:-/tmp}/raytrain-gpu-site}"
+export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if ! "$PY" -c "import pydantic" 2>/dev/null; then
+  if compgen -G "$WHEELS/*.whl" >/dev/null; then
+    echo "gpu.sh: installing the carried wheels from $WHEELS into $SITE"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl || exit 2
+  elif timeout 10 "$PY" -m pip download -q --no-deps -d "${TMPDIR:-/tmp}/gpu-probe" pydantic >/dev/null 2>&1; then
+    echo "gpu.sh: an index answered: installing pydantic into $SITE"
+    # shellcheck disable=SC2086
+    timeout "$(left)" "$PY" -m pip install -q --target "$SITE" $WHEELS_PINNED || exit 2
+  else
+    echo "gpu.sh: pydantic is missing, no wheels in $WHEELS and no index answered: run 'benchmarks/gpu.sh --prepare' where pip works and carry $WHEELS" >&2
+    exit 2
+  fi
+fi
+
+mkdir -p "$OUTDIR"
+export PYTHONUNBUFFERED=1 RAY_DEDUP_LOGS=1
+flags=(--out "$OUTDIR" --deadline-s "$(( $(left) - 5 ))")
+[[ $mode == dry ]] && flags+=(--dry-run)
+timeout --kill-after=5 "$(( $(left) ))" "$PY" -m benchmarks.gpu_run "${flags[@]}"

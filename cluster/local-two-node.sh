@@ -21,7 +21,12 @@
 #
 # Knobs (environment): RT2N_HEAD_CPUS / RT2N_NODE_CPUS (default 3 each),
 # RT2N_OBJECT_STORE_BYTES (default 200 MB per node), RT2N_UP_TIMEOUT_S (default 90),
-# PYTHON (default: python next to `ray` on PATH), RAY (default: `ray` on PATH).
+# RT2N_START_TRIES (default 3), PYTHON (default: python next to `ray` on PATH), RAY (default:
+# `ray` on PATH).
+#
+# A node's `ray start` gives up when its raylet has not registered within Ray's own 30 s (not
+# configurable; seen on a busy 2-core machine): such a start is tried again, with the same
+# ports, RT2N_START_TRIES times in all, as the embedded start of `raytrain-ddp train` does.
 set -euo pipefail
 
 RAY_BIN="${RAY:-$(command -v ray || true)}"
@@ -36,6 +41,8 @@ HEAD_CPUS="${RT2N_HEAD_CPUS:-3}"
 NODE_CPUS="${RT2N_NODE_CPUS:-3}"
 STORE_BYTES="${RT2N_OBJECT_STORE_BYTES:-200000000}"
 UP_TIMEOUT_S="${RT2N_UP_TIMEOUT_S:-90}"
+START_TRIES="${RT2N_START_TRIES:-3}"
+STARTUP_TIMED_OUT="timed out during startup"  # what `ray start` says when Ray's 30 s wait ran out
 
 usage() {
   sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//' >&2
@@ -113,16 +120,30 @@ wait_for_gcs() {
   return 1
 }
 
+# Wait until the head sees $2 nodes alive. Exits 3 at once if a node's log ($dir/head.log,
+# $dir/node.log) says its start-up timed out (see start_timed_out).
 wait_for_nodes() {
   local dir="$1" want="$2"
   # shellcheck disable=SC1091
   ( source "$dir/env"
-    RT2N_WANT="$want" RT2N_TIMEOUT="$UP_TIMEOUT_S" timeout "$((UP_TIMEOUT_S + 10))" "$PY_BIN" - <<'EOF'
+    RT2N_WANT="$want" RT2N_TIMEOUT="$UP_TIMEOUT_S" RT2N_LOGS="$dir/head.log $dir/node.log" \
+    RT2N_TIMED_OUT="$STARTUP_TIMED_OUT" timeout "$((UP_TIMEOUT_S + 10))" "$PY_BIN" - <<'EOF'
 import os, sys, time
+def timed_out():
+    for path in os.environ["RT2N_LOGS"].split():
+        if os.path.exists(path) and os.environ["RT2N_TIMED_OUT"] in open(path, errors="replace").read():
+            print(f"local-two-node: {path}: the node's start-up timed out", file=sys.stderr)
+            sys.exit(3)
+timed_out()
 import ray
 want, deadline = int(os.environ["RT2N_WANT"]), time.time() + float(os.environ["RT2N_TIMEOUT"])
-ray.init(address=os.environ["RAY_ADDRESS"], logging_level="ERROR", log_to_driver=False)
+try:
+    ray.init(address=os.environ["RAY_ADDRESS"], logging_level="ERROR", log_to_driver=False)
+except Exception:
+    timed_out()
+    raise
 while True:
+    timed_out()
     alive = [n for n in ray.nodes() if n["Alive"]]
     if len(alive) >= want:
         print(f"local-two-node: {len(alive)} nodes alive")
@@ -184,6 +205,35 @@ start_node() {
   echo "$node_pid" > "$dir/node.pgid"
 }
 
+# Whether the log of node $2 (head or node) in $1 says its `ray start` timed out.
+start_timed_out() {
+  grep -q "$STARTUP_TIMED_OUT" "$1/$2.log" 2>/dev/null
+}
+
+# Stop what a timed-out start of node $2 (head or node) left, keeping its log as <name>.log.<n>.
+discard_start() {
+  local dir="$1" name="$2" n=1
+  kill_groups "$(cat "$dir/$name.pgid")"
+  while [[ -e "$dir/$name.log.$n" ]]; do n=$((n + 1)); done
+  mv "$dir/$name.log" "$dir/$name.log.$n"
+}
+
+# Start the second node and wait for $2 nodes, once more (START_TRIES in all) while its
+# start timed out. Fails (1) on any other failure, or with the head's start timed out (4).
+start_node_and_wait() {
+  local dir="$1" want="$2" try rc
+  for ((try = 1; try <= START_TRIES; try++)); do
+    start_node "$dir"
+    rc=0; wait_for_nodes "$dir" "$want" >&2 || rc=$?
+    (( rc == 0 )) && return 0
+    start_timed_out "$dir" head && return 4
+    if ! start_timed_out "$dir" node || (( try == START_TRIES )); then return 1; fi
+    echo "local-two-node: the second node did not start within Ray's 30 s (is the machine busy?); try $((try + 1)) of $START_TRIES" >&2
+    discard_start "$dir" node
+  done
+  return 1
+}
+
 # `revive-node <dir>`: the second node again, after `kill-node` (a new node to Ray, same
 # resources and ports), once every process of the killed one is gone; waits for 2 nodes.
 cmd_revive_node() {
@@ -196,8 +246,7 @@ cmd_revive_node() {
   export RAY_health_check_period_ms="${RAY_health_check_period_ms:-1000}"
   export RAY_health_check_timeout_ms="${RAY_health_check_timeout_ms:-1000}"
   export RAY_health_check_failure_threshold="${RAY_health_check_failure_threshold:-3}"
-  start_node "$dir"
-  if ! wait_for_nodes "$dir" 2 >&2; then
+  if ! start_node_and_wait "$dir" 2; then
     tail -n 30 "$dir/node.log" >&2; exit 1
   fi
 }
@@ -247,30 +296,46 @@ export RT2N_DIR=$dir
 export RT2N_DASHBOARD=http://127.0.0.1:$DASH
 EOF
 
-  local head_pid node_pid
   node_args node_a "$HEAD_CPUS" "$H_NM" "$H_OM" "$H_AG" "$H_AGG" "$H_RE" "$H_MET" "$H_WLO"
-  head_pid=$(start_group "$dir/head.log" "$dir/head" "$RAY_BIN" start --head --block \
+  printf '%q ' "$RAY_BIN" start --head --block \
     --port="$GCS" --temp-dir="$dir/ray" \
     --include-dashboard=true --dashboard-host=127.0.0.1 --dashboard-port="$DASH" \
-    --ray-client-server-port="$CLIENT" "${NODE_ARGS[@]}")
-  echo "$head_pid" > "$dir/head.pgid"
-  echo "local-two-node: head pid $head_pid, GCS 127.0.0.1:$GCS, dashboard 127.0.0.1:$DASH" >&2
-  if ! wait_for_gcs "$dir" "$GCS" "$head_pid"; then
-    tail -n 30 "$dir/head.log" >&2; RT2N_KEEP=1 cmd_down "$dir" >&2; exit 1
-  fi
-
+    --ray-client-server-port="$CLIENT" "${NODE_ARGS[@]}" > "$dir/head.cmd"
   node_args node_b "$NODE_CPUS" "$N_NM" "$N_OM" "$N_AG" "$N_AGG" "$N_RE" "$N_MET" "$N_WLO"
   # The second node's command, kept for `revive-node` (its ports are free again once it is killed).
   printf '%q ' "$RAY_BIN" start --block --address="127.0.0.1:$GCS" --temp-dir="$dir/ray-node" "${NODE_ARGS[@]}" \
     > "$dir/node.cmd"
-  start_node "$dir"
 
-  if ! wait_for_nodes "$dir" 2 >&2; then
-    tail -n 30 "$dir/head.log" "$dir/node.log" >&2; RT2N_KEEP=1 cmd_down "$dir" >&2; exit 1
-  fi
+  local try rc
+  for ((try = 1; try <= START_TRIES; try++)); do
+    rc=0; start_cluster "$dir" "$GCS" "$DASH" || rc=$?
+    (( rc == 0 )) && break
+    if (( rc != 4 || try == START_TRIES )); then
+      tail -n 30 "$dir/head.log" "$dir/node.log" >&2; RT2N_KEEP=1 cmd_down "$dir" >&2; exit 1
+    fi
+    echo "local-two-node: the head did not start within Ray's 30 s (is the machine busy?); try $((try + 1)) of $START_TRIES" >&2
+    [[ -f "$dir/node.pgid" ]] && discard_start "$dir" node
+    discard_start "$dir" head
+  done
   echo "local-two-node: up. Use it with:  source $dir/env" >&2
   echo "local-two-node: stop it with:     $0 down $dir" >&2
   echo "$dir"
+}
+
+# Start the head from head.cmd, then the second node (start_node_and_wait); 4: the head's own
+# start timed out (cmd_up starts both again), 1: any other failure.
+start_cluster() {
+  local dir="$1" gcs="$2" dash="$3" head_pid
+  local -a cmd
+  eval "cmd=($(cat "$dir/head.cmd"))"
+  head_pid=$(start_group "$dir/head.log" "$dir/head" "${cmd[@]}")
+  echo "$head_pid" > "$dir/head.pgid"
+  echo "local-two-node: head pid $head_pid, GCS 127.0.0.1:$gcs, dashboard 127.0.0.1:$dash" >&2
+  if ! wait_for_gcs "$dir" "$gcs" "$head_pid"; then
+    start_timed_out "$dir" head && return 4
+    return 1
+  fi
+  start_node_and_wait "$dir" 2
 }
 
 cmd_status() {

@@ -15,6 +15,10 @@
 # Storage: a job runs in a temporary copy of the repo, so the run directory must be an
 # absolute path; on a multi-node cluster it must be storage every node can reach
 # (NFS, or s3://... / gs://... for checkpoints).
+#
+# SUBMISSION_ID=my-run-1 names the job (`ray job submit --submission-id`), so that if this
+# client loses its connection to the dashboard while it follows the job, the job itself
+# goes on and `ray job status my-run-1` / `ray job logs my-run-1` find it again.
 set -euo pipefail
 
 ADDRESS="${1:-${RAY_DASHBOARD_ADDRESS:-http://127.0.0.1:8265}}"
@@ -25,6 +29,6 @@ RAY="${RAY:-ray}"
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
 
 cd "$(dirname "$0")/.."
-exec "$RAY" job submit --address "$ADDRESS" --working-dir . \
+exec "$RAY" job submit --address "$ADDRESS" --working-dir . ${SUBMISSION_ID:+--submission-id "$SUBMISSION_ID"} \
   --runtime-env-json '{"excludes": [".git", ".venv", "runs", "benchmarks/*.png", "*.egg-info"]}' \
   -- python -m raytrain_ddp train "$CONFIG" "run.storage_path=$STORAGE" "$@"

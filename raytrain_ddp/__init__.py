@@ -8,6 +8,7 @@ nor Ray):
 
     train(config, *, model=, loss=, datasets=, preprocess=)   train; returns the summary
     prepare_job(...)                  the inputs of your own TorchTrainer for our loop
+    sweep(config, *, overrides=)      a hyperparameter sweep on Ray Tune; returns its outcome
     train_loop_per_worker             that per-worker loop
     load_model(path)                  a model written by `raytrain-ddp export`
     wrap_model(module, strategy)      the data-parallel wrappers (torch only)
@@ -23,6 +24,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "train": "raytrain_ddp.api",
     "prepare_job": "raytrain_ddp.api",
+    "sweep": "raytrain_ddp.api",
     "train_loop_per_worker": "raytrain_ddp.worker.loop",
     "load_model": "raytrain_ddp.export",
     "wrap_model": "raytrain_ddp.parallel",

@@ -33,6 +33,8 @@ def train(config: ConfigLike = None, *, model: Optional[Callable] = None, loss: 
     metrics: `fn(output, batch) -> {name: mean | (sum, count)}`, reported as `val_<name>`.
     Each replaces what the config names; `docs/byo.md` shows a whole run. The console shows
     what `raytrain-ddp train` shows: our lines only, unless `verbose` (Ray's own lines too).
+    Ctrl-C saves the step training is at, writes summary.json (status `interrupted`), then
+    raises `KeyboardInterrupt` (the CLI exits 130); the same call continues from there.
     """
     from raytrain_ddp.driver.launcher import run_training
     from raytrain_ddp.driver.ray_console import VERBOSE_ENV
@@ -44,10 +46,14 @@ def train(config: ConfigLike = None, *, model: Optional[Callable] = None, loss: 
     if verbose:
         os.environ[VERBOSE_ENV] = "1"
     try:
-        return run_training(cfg, code=code, datasets=datasets)
+        summary = run_training(cfg, code=code, datasets=datasets)
     finally:
         if verbose:
             os.environ.pop(VERBOSE_ENV) if before is None else os.environ.__setitem__(VERBOSE_ENV, before)
+    if summary.get("status") == "interrupted":  # saved and written; the script stops, as Python code expects
+        raise KeyboardInterrupt(f"interrupted at step {summary.get('steps')}; {summary['run_dir']}/summary.json "
+                                "says where the same call continues")
+    return summary
 
 
 def prepare_job(config: ConfigLike = None, *, model: Optional[Callable] = None, loss: Optional[Callable] = None,
@@ -62,6 +68,44 @@ def prepare_job(config: ConfigLike = None, *, model: Optional[Callable] = None, 
                       metrics=metrics)
     cfg, code, datasets = _resolve(config, overrides, code_given, datasets)
     return _prepare_job(cfg, code=code, datasets=datasets)
+
+
+def sweep(config: ConfigLike = None, *, overrides: Sequence[str] = (), verbose: bool = False) -> dict[str, Any]:
+    """Run (or continue) the sweep of `config`'s `sweep:` section on Ray Tune; returns the
+    outcome (the sweep directory's sweep.json: status, trials, errors, placement groups left).
+
+    config: a YAML file or a dict of keys (with its `sweep:` section); `overrides` are
+    `key.sub=value` strings, `sweep.*` among them. Every trial is a full `train` run in
+    `<run.storage_path>/<sweep name>/trials/<trial id>`; the same call continues an
+    interrupted sweep (docs/usage.md#sweeps). Joins Ray as `train` does.
+    """
+    from raytrain_ddp.config.sweep import load_sweep, split_sweep
+    from raytrain_ddp.driver.ray_console import VERBOSE_ENV
+    from raytrain_ddp.sweep.run import run_sweep
+    from raytrain_ddp.user import resolve
+
+    path = None
+    if isinstance(config, dict):
+        data, sweep_cfg = split_sweep(apply_overrides(copy.deepcopy(config), list(overrides)), "<dict>")
+        base = validate_config(data, "<dict>")
+        from raytrain_ddp.config.sweep import check_space
+
+        check_space(base.model_dump(mode="json"), sweep_cfg)
+    else:
+        path = Path(config) if config is not None else None
+        base, _, sweep_cfg = load_sweep(path, list(overrides))
+    from raytrain_ddp.driver.preflight import preflight
+
+    preflight(base)  # a relative storage path under `ray job submit`, a machine too small: before Ray
+    base, code = resolve(base, config_path=path)  # import paths next to the YAML too; their modules travel
+    before = os.environ.get(VERBOSE_ENV)
+    if verbose:
+        os.environ[VERBOSE_ENV] = "1"
+    try:
+        return run_sweep(base, base.model_dump(mode="json"), sweep_cfg, code)
+    finally:
+        if verbose:
+            os.environ.pop(VERBOSE_ENV) if before is None else os.environ.__setitem__(VERBOSE_ENV, before)
 
 
 def _resolve(config: ConfigLike, overrides: Sequence[str], given: dict[str, Any],

@@ -48,11 +48,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     preflight(early)  # refusals before the launcher imports torch and Ray
     refuse_if_held(early)  # another live fit of this run: exit 2 in about a second (driver/hold.py)
     from raytrain_ddp.driver.launcher import run_training
+    from raytrain_ddp.timeline import process_start_time
     from raytrain_ddp.user import resolve
 
     path, overrides = _config_and_overrides(args)
     cfg, code = resolve(load_config(path, overrides), config_path=path)  # import paths: next to the YAML too
-    summary = run_training(cfg, code=code, preflighted=True)  # preflight ran above, on the same settings
+    # preflight ran above, on the same settings; the start-up timeline counts from this process's start
+    summary = run_training(cfg, code=code, preflighted=True, started_at=process_start_time())
     return {"ok": 0, "interrupted": 130}.get(summary.get("status", "ok"), 1)  # see EXIT_CODES
 
 
@@ -86,6 +88,25 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
     out = plot_run(args.run_dir, args.out)
     print(f"wrote {out}")
+    return 0
+
+
+def _cmd_goodput(args: argparse.Namespace) -> int:
+    import json
+
+    from raytrain_ddp.goodput import format_table, report
+    from raytrain_ddp.ops.goodput_plot import plot_goodput
+    from raytrain_ddp.rundir import ATTEMPTS_FILE, Location
+
+    where = Location.parse(args.run_dir)
+    if not (where / ATTEMPTS_FILE).exists():
+        raise UserError(f"{where / ATTEMPTS_FILE} not found: is {args.run_dir!r} a run directory that trained?")
+    rep = report(where)
+    if args.json:
+        print(json.dumps(rep, indent=2))
+        return 0
+    print(format_table(rep))
+    print(f"wrote {plot_goodput(rep, where, args.out)}")
     return 0
 
 
@@ -123,6 +144,36 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(quick=args.quick, out=args.out, device=args.device)
 
 
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    """A sweep (`raytrain_ddp/sweep/`), or with --report the table of a sweep directory."""
+    if args.report is not None:
+        from raytrain_ddp.rundir import Location
+        from raytrain_ddp.sweep.report import print_report
+
+        print_report(Location.parse(args.report))
+        return 0
+    from raytrain_ddp.config.sweep import load_sweep
+
+    path, overrides = _config_and_overrides(args)
+    load_sweep(path, overrides)  # a search key or value refused: one line, before torch and Ray are imported
+    from raytrain_ddp.api import sweep
+
+    outcome = sweep(path, overrides=overrides)
+    return 130 if outcome["status"] == "interrupted" else 0 if not outcome["errors"] else 1
+
+
+def _add_sweep(sub: Any) -> None:
+    sweep = sub.add_parser("sweep", help="search hyperparameters on Ray Tune (the config's sweep: section); "
+                           "--report DIR: its trials ranked, their curves, the best config",
+                           epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sweep.add_argument("--verbose", action="store_true", help="also show Ray's own log lines")
+    sweep.add_argument("--report", metavar="DIR", default=None,
+                       help="print a sweep directory's table, write its curves.png and best.yaml (no Ray)")
+    sweep.add_argument("config", nargs="?", default=None, help="YAML config with a sweep: section")
+    sweep.add_argument("overrides", nargs="*", help="key.sub=value overrides, sweep.* among them")
+    sweep.set_defaults(func=_cmd_sweep)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="raytrain-ddp",
@@ -150,6 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir")
     plot.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/curves.png)")
     plot.set_defaults(func=_cmd_plot)
+
+    goodput = sub.add_parser("goodput", help="where a run's wall time went, over every fit: productive steps, "
+                             "start-up, waits, redone work, recovery, idle; interruptions by cause")
+    goodput.add_argument("run_dir", help="run directory (a local path or s3://...)")
+    goodput.add_argument("--json", action="store_true", help="print the figures as JSON (seconds), no table or picture")
+    goodput.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/goodput.png)")
+    goodput.set_defaults(func=_cmd_goodput)
 
     export = sub.add_parser("export", help="write a run's trained model (bare state_dict + config) for use without Ray")
     export.add_argument("run_dir", help="run directory (its newest valid checkpoint is exported)")
@@ -181,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default: benchmarks/bench-<preset>.json, git-ignored)")
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     bench.set_defaults(func=_cmd_bench)
+    _add_sweep(sub)
     return parser
 
 

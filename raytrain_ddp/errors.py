@@ -60,6 +60,32 @@ def in_user_code(exc: BaseException) -> str:
     return f" (at {where})" if where else ""
 
 
+# Faults of the machine or the network, not of the user's code, even when raised under it
+# (a collective inside a forward, a lost peer): retried by run.max_failures.
+_INFRASTRUCTURE = ("CollectiveTimeoutError", "DistError", "DistBackendError", "DistNetworkError",
+                   "DistStoreError", "OutOfMemoryError", "RayError", "RayActorError")
+
+
+def is_deterministic(exc: BaseException) -> bool:
+    """Whether retrying cannot help: a `UserError` (a config the model refuses, an unused
+    parameter, a model that differs across ranks), or an error raised in the user's own
+    code (its innermost frame is theirs) that is no infrastructure fault (`_INFRASTRUCTURE`,
+    OSError: a lost peer, a full disk, a busy GPU). Such a failure ends the fit at once."""
+    if isinstance(exc, UserError):
+        return True
+    if isinstance(exc, OSError) or any(c.__name__ in _INFRASTRUCTURE for c in type(exc).__mro__):
+        return False
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and _is_users(frames[-1].filename)
+
+
+def whole_message(exc: BaseException) -> str:
+    """The error as the user needs it, nothing cut: `Type: ` (not for our own `UserError`s,
+    whose message is the whole story), every line of the message, and where in the user's
+    code it was raised."""
+    text = str(exc).strip() or type(exc).__name__
+    head = "" if isinstance(exc, UserError) or not str(exc).strip() else f"{type(exc).__name__}: "
+    return head + text + in_user_code(exc)
 
 
 class DataError(UserError, ValueError):

@@ -41,6 +41,7 @@ CONTROLLER_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"  # Ray Train V2's cont
 WORKER_NICENESS_ENV = "RAY_worker_niceness"  # the niceness Ray starts worker processes at (15)
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # the marker resource only the head node has
 TOKEN_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"  # "token auth is on/off"
+PROGRESS_NOTICE_LOGGER = "ray.data._internal.progress"  # "Progress bars disabled. To enable, ..."
 RAY_WORKER_OUTPUT_HANDLER = "ray_print_logs"  # the name of Ray's handler on its worker-output dispatcher
 CONTROLLER_RESTART_STATES = ("RestartingState", "ReschedulingState")  # Ray Train V2's controller states
 COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")  # Ray Data's actor: (name, namespace)
@@ -96,6 +97,15 @@ def controller_callback_base() -> type:
     from ray.train.v2._internal.execution.callback import ControllerCallback
 
     return ControllerCallback
+
+
+def worker_group_callback_base() -> type:
+    """The base class of a Ray Train worker-group callback: its `before_worker_group_start`,
+    `before_init_train_context(workers)` and `after_worker_group_start` run in the controller
+    as a group starts (the start-up timeline's stamps, `driver/startup.py`)."""
+    from ray.train.v2._internal.execution.callback import WorkerGroupCallback
+
+    return WorkerGroupCallback
 
 
 def worker_callback_base() -> type:
@@ -224,6 +234,11 @@ def token_notice_logger() -> logging.Logger:
     return logging.getLogger(TOKEN_NOTICE_LOGGER)
 
 
+def progress_notice_logger() -> logging.Logger:
+    """The logger of Ray Data's "Progress bars disabled" warning (we disable them on purpose)."""
+    return logging.getLogger(PROGRESS_NOTICE_LOGGER)
+
+
 def replace_worker_output_handler(name: str, handler: Callable[[dict[str, Any]], None]) -> bool:
     """Swap Ray's handler of the worker output streamed to the driver (`log_to_driver`) for
     `handler` (called with {"lines": [...], "is_err": bool, ...}); False, Ray's handler kept,
@@ -260,3 +275,15 @@ def serve_partial_groups_whole_datasets() -> bool:
     before_init_train_context._raytrain_live = True  # type: ignore[attr-defined]
     DatasetsCallback.before_init_train_context = before_init_train_context
     return True
+
+
+def tune_trial_stopping() -> bool:
+    """Inside a Ray Tune function trainable: whether Tune has asked this trial to stop
+    (its session's `stop_event`, set by the trainable's `cleanup` when the scheduler stops
+    it or the experiment ends); False outside a trial. A sweep's trial stops its fit
+    through our own Ctrl-C path then (raytrain_ddp/sweep/trial.py)."""
+    from ray.train._internal.session import get_session
+
+    session = get_session()
+    event = getattr(session, "stop_event", None)
+    return bool(event is not None and event.is_set())

@@ -42,6 +42,7 @@ import pyarrow.fs as pafs
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 ATTEMPTS_FILE = "attempts.jsonl"
+TIMELINE_FILE = "timeline.jsonl"  # the start-up timeline (timeline.py)
 SUMMARY_FILE = "summary.json"
 ABORT_FILE = "abort.json"
 TENSORBOARD_DIR = "tensorboard"
@@ -291,6 +292,12 @@ class JsonlFile:
         kept = [r for r in self.records if predicate(r)]
         if len(kept) != len(self.records):
             self.records, self._pending, self._rewrite = kept, [], True
+
+    def sort(self, key: Any) -> None:
+        """Order the records by `key` (lines filled in from a checkpoint go where their step is)."""
+        ordered = sorted(self.records, key=key)
+        if any(a is not b for a, b in zip(ordered, self.records)):
+            self.records, self._pending, self._rewrite = ordered, [], True
 
     def amend_last(self, fields: dict[str, Any]) -> None:
         """Add `fields` to the newest record (an attempt's line learns where it resumed from)."""

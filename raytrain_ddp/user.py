@@ -335,6 +335,7 @@ def check_pipeline(cfg: Config, code: UserCode, sample: dict[str, np.ndarray], s
     except Exception as exc:  # noqa: BLE001 - the user's loss (or a model without its own loss)
         raise UserError(f"train.loss={cfg.train.loss!r} raised {_one_line(exc)}") from None
     _check_scalar(cfg, loss)
+    _check_backward(cfg, model, loss)
     if code.metrics is not None:
         _check_metrics(cfg, code.metrics, output, tensors, fmt.rows(tensors))
     if code.optimizer is not None:
@@ -421,6 +422,18 @@ def _check_scalar(cfg: Config, loss: Any) -> None:
     if not loss.requires_grad:
         raise UserError(f"{key} returned a scalar that does not depend on the model's parameters "
                         "(requires_grad is False: was it computed with .detach(), .item() or numpy?)")
+
+
+def _check_backward(cfg: Config, model: Any, loss: Any) -> None:
+    """The backward of the sample batch, and what the wrappers check after one on the workers:
+    every trainable parameter got a gradient (unless parallel.find_unused_parameters)."""
+    from raytrain_ddp.parallel.base import check_every_parameter_used
+
+    try:
+        loss.backward()
+    except Exception as exc:  # noqa: BLE001 - the user's model or loss
+        raise UserError(f"train.loss={cfg.train.loss!r}: the backward pass raised {_one_line(exc)}") from None
+    check_every_parameter_used(cfg.parallel.strategy, model, cfg.parallel.find_unused_parameters)
 
 
 def _describe(batch: Any) -> str:

@@ -67,6 +67,9 @@ def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[lis
             loaded = {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys, got {type(loaded).__name__}")
+        if "sweep" in loaded:
+            raise ConfigError(f"config file {str(path)!r} has a sweep: section: run it with `raytrain-ddp sweep "
+                              f"{path}`, or train one point of it without that section")
         data = loaded
     storage = os.environ.get(STORAGE_ENV)
     if storage and isinstance(data.get("run", {}), dict) and "storage_path" not in data.get("run", {}):

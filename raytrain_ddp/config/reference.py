@@ -43,6 +43,10 @@ def reference_table(model: type[BaseModel] = Config, prefix: str = "") -> list[t
 
 
 def reference_markdown() -> str:
+    """Every training key, then the `sweep:` section's (`raytrain-ddp sweep` only; config/sweep.py)."""
+    from raytrain_ddp.config.sweep import SweepConfig
+
     lines = ["| key | default | meaning |", "| --- | --- | --- |"]
-    lines += [f"| `{key}` | `{default}` | {desc} |" for key, default, desc in reference_table()]
+    lines += [f"| `{key}` | `{default}` | {desc} |"
+              for key, default, desc in reference_table() + reference_table(SweepConfig, "sweep.")]
     return "\n".join(lines)

@@ -345,6 +345,13 @@ class ScalingConfig(_Section):
         "fit. Each resize restarts from the latest checkpoint, so keep it well above the "
         "checkpoint interval.",
     )
+    launcher: Literal["ray", "torchrun"] = Field(
+        "ray", description="How the workers start: 'ray' (Ray Train's TorchTrainer places them, on "
+        "one machine or a cluster) or 'torchrun' (this machine only: torch.distributed.run starts "
+        "scaling.num_workers processes and no Ray at all, as Ray Train's local mode runs; the same "
+        "loop, data and checkpoints, the same weights bit for bit; no fault tolerance, "
+        "data.sharding=exact only; docs/usage.md#torchrun).",
+    )
     placement_timeout_s: float = Field(
         600.0, ge=0.0,
         description="Seconds to wait for the cluster to place the worker group (a status line "
@@ -408,7 +415,16 @@ class RunConfig(_Section):
         "$RAYTRAIN_DDP_STORAGE_PATH when set (the cluster files set it), else ./runs.",
     )
     log_every_steps: int = Field(10, ge=1, description="Driver progress and metrics.jsonl interval.")
-    checkpoint_every_steps: int = Field(0, ge=0, description="0: checkpoint only at epoch ends.")
+    checkpoint_every_steps: Union[int, Literal["auto"]] = Field(
+        0, description="0: checkpoint only at epoch ends; N: also every N optimizer steps; auto: "
+        "Young's interval sqrt(2 x MTBF x save stall) in steps, from the save stall and step time "
+        "measured on this run and its observed mean time between interruptions (run.expected_mtbf_s "
+        "before there is one), chosen again at every restart and said in one line (docs/usage.md).",
+    )
+    expected_mtbf_s: float = Field(
+        3600.0, gt=0.0, description="checkpoint_every_steps auto: the mean time between interruptions "
+        "to plan with until this run has observed one (raytrain-ddp goodput shows the observed one).",
+    )
     checkpoint_upload: Literal["async", "sync"] = Field(
         "async", description="async: training goes on while Ray uploads the checkpoint to "
         "storage (the step loop waits only for serialising it, see checkpoint_blocked_s in "
@@ -453,6 +469,15 @@ class RunConfig(_Section):
     address: Optional[str] = Field(
         None, description="Ray cluster to join; default: $RAY_ADDRESS, else an embedded local instance."
     )
+
+    @field_validator("checkpoint_every_steps", mode="before")
+    @classmethod
+    def _steps_or_auto(cls, value: Any) -> Any:
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError("must be a number of steps >= 0, or auto")
+        return value
 
     @field_validator("loggers")
     @classmethod

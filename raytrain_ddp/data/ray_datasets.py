@@ -106,10 +106,7 @@ def prepare_datasets(cfg: Config, checked: Prechecked, code: Any = None, given: 
             val_ds = ray.data.read_parquet(info.val.files).select_columns([cfg.data.features, cfg.data.label])
             datasets = {TRAIN: full, VAL: val_ds}
         elif cfg.data.val_fraction > 0:
-            train_ds, val_ds = full.train_test_split(
-                test_size=cfg.data.val_fraction, shuffle=True, seed=cfg.train.seed
-            )
-            datasets = {TRAIN: train_ds, VAL: val_ds}
+            datasets = held_out(cfg, full, info.files, [cfg.data.features, cfg.data.label])
         else:
             datasets = {TRAIN: full}
 
@@ -129,6 +126,30 @@ def prepare_datasets(cfg: Config, checked: Prechecked, code: Any = None, given: 
     split = [TRAIN] if cfg.data.sharding == "streaming" else []
     spec = DataSpec(task, tuple(spec_shape), int(num_classes), int(train_rows), int(val_rows), source)
     return PreparedData(datasets, spec, ray.train.DataConfig(datasets_to_split=split))
+
+
+def held_out(cfg: Config, ds: Any, files: Optional[list[str]], columns: Optional[list[str]]) -> dict[str, Any]:
+    """{train, val}: data.val_fraction of the rows held out by the one rule of every route
+    (`sources.split_table`: the seeded permutation of the row indices, the same rows as
+    local mode and the bundled data). With exact sharding (the rows fit in memory) the table
+    is read here -- parquet `files` with pyarrow, as local mode reads them; a Ray Dataset
+    through Ray -- and split in milliseconds. Streaming and sharded data, which need not fit,
+    are split by Ray Data's seeded `train_test_split` (other rows: docs/usage.md#data)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import ray
+    import ray.data
+
+    if cfg.data.sharding != "exact":
+        train, val = ds.train_test_split(test_size=cfg.data.val_fraction, shuffle=True, seed=cfg.train.seed)
+        return {TRAIN: train, VAL: val}
+    if files is not None:
+        table = pq.read_table(files, columns=columns)
+    else:
+        blocks = [b for b in ray.get(list(ds.to_arrow_refs())) if b.num_rows]
+        table = pa.concat_tables(blocks) if blocks else ds.schema().base_schema.empty_table()
+    train, val = split_table(table, cfg)
+    return {TRAIN: ray.data.from_arrow(train), **({VAL: ray.data.from_arrow(val)} if val is not None else {})}
 
 
 def _prepare_user_data(cfg: Config, checked: Prechecked, code: Any, given: Optional[dict[str, Any]],
@@ -151,7 +172,8 @@ def _prepare_user_data(cfg: Config, checked: Prechecked, code: Any, given: Optio
         val = ray.data.from_arrow(val_table) if val_table is not None else None
         split = False
     if val is None and split:
-        train, val = train.train_test_split(test_size=cfg.data.val_fraction, shuffle=True, seed=cfg.train.seed)
+        held = held_out(cfg, train, info.files if given is None and info is not None else None, None)
+        train, val = held[TRAIN], held.get(VAL)
     datasets = {TRAIN: train, **({VAL: val} if val is not None else {})}
     for name, ds in datasets.items():
         if code is not None and code.preprocess is not None:

@@ -310,7 +310,11 @@ def _check_label_column(file: str, name: str, column: pa.ChunkedArray, lm: bool,
         kind = kind.value_type
         values = pc.list_flatten(column)
     if not pa.types.is_integer(kind):
-        raise DataError(f"{file}: column {name!r} (data.label) has type {column.type}; labels must be integers")
+        hint = ("; to train on a float target (regression), name the model's inputs with data.inputs "
+                "(e.g. data.inputs=[x]) and give a train.loss of your own: the batch then reaches the model and the "
+                "loss as named columns, any dtype (docs/usage.md)") if pa.types.is_floating(kind) else ""
+        raise DataError(f"{file}: column {name!r} (data.label) has type {column.type}; labels must be integers"
+                        f"{hint}")
     if column.null_count:
         raise DataError(f"{file}: column {name!r} (data.label) has {column.null_count} null values")
     bounds = pc.min_max(values)

@@ -50,6 +50,7 @@ APPLIES: dict[str, Callable[[Config], bool]] = {
     "parallel.compress": lambda c: _strategy_takes(c, "compress"),
     "parallel.shm": lambda c: _strategy_takes(c, "shm") and not c.scaling.use_gpu,
     "scaling.resize_interval_s": lambda c: isinstance(c.scaling.num_workers, tuple),
+    "run.expected_mtbf_s": lambda c: c.run.checkpoint_every_steps == "auto",
 }
 
 

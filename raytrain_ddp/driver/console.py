@@ -32,8 +32,8 @@ def print_plan(cfg: Config, spec: Any, run_dir: Path, steps_per_epoch: int, tota
         f"  data      {spec.source}: {spec.train_rows:,} train / {spec.val_rows:,} val rows, task {spec.task}",
         f"  model     {cfg.model.name}, {params:,} parameters, strategy {cfg.parallel.strategy}, "
         f"precision {cfg.train.precision}",
-        f"  batch     global {cfg.train.global_batch_size} = {workers} workers x micro {cfg.train.micro_batch_size}"
-        f" x {k} accumulation steps",
+        f"  batch     global {cfg.train.global_batch_size} = {counted(workers, 'worker')} x micro "
+        f"{cfg.train.micro_batch_size} x {counted(k, 'accumulation step')}",
         f"  schedule  {steps_per_epoch} steps/epoch, {total_steps} steps, lr {cfg.train.lr:g} "
         f"(warmup {cfg.train.warmup_steps}, cosine to {cfg.train.min_lr_ratio:g}x)",
         f"  resume    {_describe_resume(resume_from, total_steps)}",
@@ -69,13 +69,21 @@ def _describe_resume(resume_from: Optional[Path], total_steps: int) -> str:
     return text
 
 
+def counted(n: int, word: str) -> str:
+    """`1 worker`, `2 workers`: a count with its noun in the right number."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def print_summary(summary: dict[str, Any]) -> None:
     fm = summary["final_metrics"]
-    parts = [f"status {summary['status']}", f"{summary['steps']} steps", f"{summary['epochs']:g} epochs",
-             f"{summary['attempts']} attempt(s)", f"{summary['elapsed_s']:.1f}s"]
+    # the seconds are the fit's, from before the worker group starts to its end (not the steps alone)
+    parts = [f"status {summary['status']}", counted(summary["steps"], "step"), f"{summary['epochs']:g} epochs",
+             counted(summary["attempts"], "attempt"), f"{summary['elapsed_s']:.1f}s fit (worker start included)"]
     if "loss" in fm:
         parts.append(f"loss {fm['loss']:.4f}")
     parts += _val_parts(fm)
+    if summary.get("goodput"):  # this fit's share of productive time, then the run's (goodput.py)
+        parts.append(f"goodput {100 * summary['goodput']['fit']:.0f}% (run {100 * summary['goodput']['run']:.0f}%)")
     out = sys.stdout if summary["status"] == "ok" else sys.stderr
     print("raytrain-ddp: " + " | ".join(parts), file=out, flush=True)
     if summary["status"] == "interrupted":

@@ -9,6 +9,7 @@ Ray Data is imported only to prepare datasets for a Ray fit (`prepared` is None)
 from __future__ import annotations
 
 import json
+import sys
 import time
 from typing import Any, Optional
 
@@ -16,8 +17,9 @@ from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import Config
 from raytrain_ddp.data import steps as data_steps
 from raytrain_ddp.driver.console import final_metrics, print_plan, print_summary
+from raytrain_ddp.goodput import summary_figures
 from raytrain_ddp.driver.resume import prune_checkpoints, record_config, restore_config_if_untrained
-from raytrain_ddp.driver.stream import Recorder
+from raytrain_ddp.driver.stream import Recorder, recover_lines
 from raytrain_ddp.job import Job
 from raytrain_ddp.ray_compat import forget_earlier_fits
 from raytrain_ddp.rundir import (
@@ -41,6 +43,8 @@ def prepare(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, check
     if not cfg.scaling.local:  # local mode writes no Ray history (and does not import Ray)
         forget_earlier_fits(run_dir)  # Ray's checkpoint history must never contradict ours (ray_compat.py)
     record_config(cfg, run_dir, resume_from, fit_id)  # config.yaml + config-history.jsonl (resume.py)
+    if resume_from is not None:
+        recover_lines(run_dir, resume_from)  # the lines a killed driver had not written (stream.py)
     for stale in (SUMMARY_FILE, ABORT_FILE):
         (run_dir / stale).delete()
 
@@ -62,9 +66,51 @@ def report(cfg: Config, run_dir: Location, job: Job, recorder: Recorder, status:
     prune_checkpoints(run_dir, cfg.run.num_to_keep)  # run.num_to_keep over all fits, not only this one
     restore_config_if_untrained(run_dir, job.fit_id)
     summary = build_summary(job, status=status, error=error, elapsed_s=time.time() - started, recorder=recorder)
+    if status == "interrupted" and _trained_its_last_step(cfg, job, summary):
+        # Ctrl-C (or SIGTERM) arrived as the last steps trained: the run is complete, and saying
+        # "interrupted ... continues from step N" would send the same command to nothing to train.
+        status = summary["status"] = "ok"
+        summary.pop("error", None)
+        print("raytrain-ddp: the interrupt came as the run trained its last step: the run is complete",
+              file=sys.stderr, flush=True)
+    summary["goodput"] = summary_figures(run_dir, job.fit_id, status, time.time())  # goodput.py
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     recorder.close(status)
     print_summary(summary)
+    return summary
+
+
+def _trained_its_last_step(cfg: Config, job: Job, summary: dict[str, Any]) -> bool:
+    """Whether the newest valid checkpoint is at the run's end (the steps each rank's loop plans)."""
+    total = data_steps.total_steps(cfg, data_steps.steps_per_epoch(job.spec.train_rows, cfg.train.global_batch_size))
+    return summary.get("checkpoint_step") is not None and int(summary["checkpoint_step"]) >= total
+
+
+def already_complete(cfg: Config, run_dir: Location, checkpoint: Any) -> dict[str, Any]:
+    """The same command on a complete run: nothing to train, exit 0, said in one line.
+
+    `metrics.jsonl` first gets back any line of the checkpoint that a killed driver had not
+    written (`recover_lines`). `summary.json` is the finishing fit's when it says `ok`;
+    else (that driver was killed, or interrupted at the end) it is written now, status `ok`.
+    """
+    manifest = ckpt.read_manifest(checkpoint)
+    step = int(manifest.get("step", 0))
+    recover_lines(run_dir, checkpoint)
+    try:
+        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        summary = {}
+    if summary.get("status") != "ok" or summary.get("checkpoint_step") != step:
+        records = read_metrics(run_dir / METRICS_FILE)
+        summary = {"status": "ok", "run_dir": str(run_dir), "steps": step,
+                   "epochs": float(records[-1].get("epoch", 0)) if records else float(manifest.get("epoch", 0)),
+                   "attempts": 0, "final_metrics": final_metrics(records), "checkpoint": str(checkpoint),
+                   "checkpoint_step": step, "resumed_from": str(checkpoint), "workers": None, "elapsed_s": 0.0,
+                   "fit_id": manifest.get("fit_id")}
+        (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    end = f"train.max_steps={cfg.train.max_steps}" if cfg.train.max_steps is not None else f"train.epochs={cfg.train.epochs}"
+    print(f"raytrain-ddp: run {cfg.name!r} is complete: trained to {end} (checkpoint {checkpoint}, step {step}); "
+          "nothing to train. To train further, raise train.max_steps or train.epochs", flush=True)
     return summary
 
 
@@ -98,6 +144,8 @@ def build_summary(job: Job, *, status: str, error: Optional[str], elapsed_s: flo
     }
     if recorder is not None:
         summary["checkpoints"] = recorder.checkpoint_summary()
+        if recorder.timeline is not None:  # the start-up timeline (timeline.py); shutdown_s once the fit ends
+            summary["startup"] = recorder.timeline.summary()
     if error:
         summary["error"] = error
     return summary

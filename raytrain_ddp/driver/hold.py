@@ -86,6 +86,12 @@ def refuse_if_held(cfg: "Config") -> None:
         raise RunHeld(_refusal(run_dir, held, cfg))
 
 
+def held_live(run_dir: Location) -> bool:
+    """Whether a live fit holds `run_dir` now (a sweep waits for its stopping trials so)."""
+    held = _read(run_dir / HOLD_FILE)
+    return held is not None and held.gone(time.time()) is None
+
+
 def take(cfg: "Config", fit_id: str) -> "Hold":
     """Hold `cfg`'s run directory for fit `fit_id`, or raise `RunHeld` naming its live holder."""
     run_dir = run_dir_of(cfg)

@@ -81,6 +81,12 @@ class Interrupt:
               file=sys.stderr, flush=True)
         self.abort()
 
+    def press(self) -> None:
+        """A Ctrl-C from elsewhere, once: a sweep's trial that Tune stops (sweep/trial.py)
+        saves its step and stops as on the first Ctrl-C, giving back its workers."""
+        if not self.presses:
+            self._handle(signal.SIGINT, None)
+
     def abort(self) -> None:
         self.presses = max(self.presses, 1)
         if self.controller is not None:

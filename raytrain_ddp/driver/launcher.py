@@ -59,17 +59,18 @@ import dataclasses
 import math
 import os
 import sys
+import threading
 import time
 import uuid
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from raytrain_ddp.config import Config
 from raytrain_ddp.driver.console import ProgressPrinter
-from raytrain_ddp.driver.fit import prepare, report, root_message
+from raytrain_ddp.driver.fit import already_complete, prepare, report, root_message
 from raytrain_ddp.driver import hold, ray_console
 from raytrain_ddp.driver.interrupt import Interrupt
 from raytrain_ddp.ray_compat import (
-    CONTROLLER_POLL_ENV, install_sigint_handler, job_config,
+    CONTROLLER_POLL_ENV, abort_controller, install_sigint_handler, job_config,
     local_instance_kwargs, preemption_grace, startup_timed_out,
 )
 from raytrain_ddp.driver.placement import Unschedulable, wait_for_placement, worker_resources
@@ -80,6 +81,7 @@ from raytrain_ddp.driver.stream import Recorder, open_mailbox
 from raytrain_ddp.errors import UserError
 from raytrain_ddp.job import Job
 from raytrain_ddp.rundir import Location, is_object_store, run_dir_of
+from raytrain_ddp.timeline import Timeline
 
 DATA_HEADROOM_CPUS = 2
 CONTROLLER_POLL_S = 0.25  # see the module docstring
@@ -103,10 +105,11 @@ class _Start:
     held: hold.Hold
     resume_from: Any
     checked: Any
+    timeline: Timeline
 
 
 def _start(cfg: Config, code: Any, datasets: Optional[dict[str, Any]], *, preflighted: bool = False,
-           before_hold: Optional[Callable[[Location], None]] = None) -> _Start:
+           before_hold: Optional[Callable[[Location], None]] = None, started_at: Optional[float] = None) -> _Start:
     """The preamble `run_training` and `prepare_job` share: the user's code resolved, the
     preflight (once: the CLI runs it before importing torch and Ray, and says so), the run
     directory held, the resume decision, the data checked. The hold is released if a step fails."""
@@ -129,7 +132,7 @@ def _start(cfg: Config, code: Any, datasets: Optional[dict[str, Any]], *, prefli
     except BaseException:
         held.release()
         raise
-    return _Start(cfg, code, run_dir, fit_id, held, resume_from, checked)
+    return _Start(cfg, code, run_dir, fit_id, held, resume_from, checked, Timeline(fit_id, started_at))
 
 
 def _checked(start: _Start, datasets: Optional[dict[str, Any]]) -> Any:
@@ -140,34 +143,53 @@ def _checked(start: _Start, datasets: Optional[dict[str, Any]]) -> Any:
 
 
 def run_training(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, Any]] = None,
-                 preflighted: bool = False) -> dict[str, Any]:
+                 preflighted: bool = False, started_at: Optional[float] = None, sinks: Sequence[Any] = (),
+                 stop: Optional[threading.Event] = None) -> dict[str, Any]:
     """Train `cfg` to the end; returns the summary (also written to summary.json).
 
     `code`: the user's model, loss and preprocess (`user.resolve`; by default resolved
     from the config's import paths); `datasets`: Ray Datasets given from Python;
-    `preflighted`: the caller ran `preflight(cfg)` already (the CLI does, before imports).
+    `preflighted`: the caller ran `preflight(cfg)` already (the CLI does, before imports);
+    `started_at`: where the start-up timeline starts (the CLI's process start; default now).
+    `sinks`: more takers of the metrics lines (`record`/`flush`/`close`, as `driver/sinks.py`'s;
+    a sweep's trial reports to Tune through one: `raytrain_ddp/sweep/trial.py`); `stop`: set
+    from another thread, the fit stops as on Ctrl-C (a sweep's trial that Tune stops).
     """
-    start = _start(cfg, code, datasets, preflighted=preflighted)
-    cfg, started_here = start.cfg, False
+    start = _start(cfg, code, datasets, preflighted=preflighted, started_at=started_at)
+    cfg, started_here, summary = start.cfg, False, None
     try:
-        check_something_to_train(cfg, start.resume_from)  # a finished run: exit 3 before Ray, config.yaml untouched
+        if check_something_to_train(cfg, start.resume_from):  # another command for a finished run: exit 3
+            return already_complete(cfg, start.run_dir, start.resume_from)  # the same command: exit 0, before Ray
         check_loggers(cfg)
+        start.timeline.mark("cli")
         if cfg.scaling.local:  # scaling.num_workers: 0 -- this process, no Ray (driver/local.py)
             from raytrain_ddp.driver.local import run_local
 
-            return run_local(cfg, start.run_dir, start.fit_id, start.resume_from, start.checked, start.code)
+            summary = run_local(cfg, start.run_dir, start.fit_id, start.resume_from, start.checked, start.code,
+                                timeline=start.timeline)
+            return summary
+        if cfg.scaling.launcher == "torchrun":  # this machine's processes, no Ray (driver/torchrun.py)
+            from raytrain_ddp.driver.torchrun import run_torchrun
+
+            summary = run_torchrun(cfg, start.run_dir, start.fit_id, start.resume_from, start.checked, start.code,
+                                   timeline=start.timeline)
+            return summary
         started_here = connect_user_code(cfg, start.code)
         warn_local_storage(cfg)
-        return _fit(start, _checked(start, datasets), datasets)
+        start.timeline.mark("ray")
+        summary = _fit(start, _checked(start, datasets), datasets, sinks, stop)
+        return summary
     finally:
         if started_here:
             import ray
 
             ray.shutdown()
+        # last step -> here: fit_end, summary.json's shutdown_s; printed under --verbose
+        start.timeline.finish(start.run_dir, summary, verbose=ray_console.verbose())
         start.held.release()  # after Ray: no worker of this fit writes any more
 
 
-def connect_user_code(cfg: Config, code: Any) -> bool:
+def connect_user_code(cfg: Config, code: Any, cpus: Optional[int] = None) -> bool:
     """`connect_ray` with the user's modules in the job's runtime_env (`py_modules`): Ray
     accepts local paths only there, and every worker, data task and actor inherits it.
     Ray already initialised by the caller: the modules travel inside the pickles instead."""
@@ -179,7 +201,7 @@ def connect_user_code(cfg: Config, code: Any) -> bool:
     if ray.is_initialized() or (env and _job_has_py_modules()):
         pickle_by_value(code)  # the job's runtime_env is fixed, or Ray cannot merge two py_modules
         env = {}
-    return connect_ray(cfg, runtime_env=env or None)
+    return connect_ray(cfg, runtime_env=env or None, cpus=cpus)
 
 
 def _job_has_py_modules() -> bool:
@@ -187,8 +209,9 @@ def _job_has_py_modules() -> bool:
     return bool(((job_config() or {}).get("runtime_env") or {}).get("py_modules"))
 
 
-def connect_ray(cfg: Config, runtime_env: Optional[dict[str, Any]] = None) -> bool:
-    """Join `run.address` / $RAY_ADDRESS, or start an embedded instance; True if started here."""
+def connect_ray(cfg: Config, runtime_env: Optional[dict[str, Any]] = None, cpus: Optional[int] = None) -> bool:
+    """Join `run.address` / $RAY_ADDRESS, or start an embedded instance; True if started here.
+    `cpus`: the embedded instance's logical CPUs (default: this fit's workers and the data's)."""
     import ray
 
     if ray.is_initialized():  # the caller's Ray (a notebook, or ray.data used before train()): our console too
@@ -202,7 +225,7 @@ def connect_ray(cfg: Config, runtime_env: Optional[dict[str, Any]] = None) -> bo
         ray_console.after_init()
         return False
     cores = os.cpu_count() or 1
-    needed = math.ceil(cfg.scaling.max_workers * cfg.scaling.cpus_per_worker) + DATA_HEADROOM_CPUS
+    needed = cpus or math.ceil(cfg.scaling.max_workers * cfg.scaling.cpus_per_worker) + DATA_HEADROOM_CPUS
     # The dashboard stays on (bound to 127.0.0.1): Ray Train's placement-group cleaner
     # polls the state API it serves, and warns every few seconds without it.
     # address="local": a new instance even if an address file or another cluster is around.
@@ -313,7 +336,8 @@ def nccl_env(use_gpu: bool, environ: Any) -> dict[str, str]:
     return {k: environ.get(k, v) for k, v in NCCL_TRACE_ENV.items()}
 
 
-def _fit(start: _Start, checked: Any, given: Optional[dict[str, Any]]) -> dict[str, Any]:
+def _fit(start: _Start, checked: Any, given: Optional[dict[str, Any]], sinks: Sequence[Any] = (),
+         stop: Optional[threading.Event] = None) -> dict[str, Any]:
     """One fit on Ray: build the trainer, run it, report (summary.json, the printed summary)."""
     from raytrain_ddp.recovery import table
     cfg, run_dir = start.cfg, start.run_dir
@@ -324,9 +348,26 @@ def _fit(start: _Start, checked: Any, given: Optional[dict[str, Any]]) -> dict[s
     started = time.time()
     interrupt = Interrupt(job.mailbox)  # ours lets the driver finish (see the module docstring)
     install_sigint_handler(trainer, interrupt.register)
-    recorder = _recorder(cfg, run_dir, job, total_steps)
-    status, error = run_fit(cfg, trainer, recorder, interrupt)
+    recorder = _recorder(cfg, run_dir, job, total_steps, start.timeline, sinks)
+    start.timeline.attach(run_dir)
+    start.timeline.expects_controller = True  # StartupStamps (driver/startup.py) sends each group's start
+    start.timeline.mark("datasets")
+    done = threading.Event()
+    if stop is not None:  # the caller's stop, as a Ctrl-C: the workers save their step and return
+        threading.Thread(target=_press_on, args=(stop, done, interrupt), daemon=True, name="raytrain-ddp-stop").start()
+    try:
+        status, error = run_fit(cfg, trainer, recorder, interrupt)
+    finally:
+        done.set()
     return report(cfg, run_dir, job, recorder, status, error, started)
+
+
+def _press_on(stop: threading.Event, done: threading.Event, interrupt: Interrupt) -> None:
+    """Until the fit is done: once `stop` is set, a Ctrl-C of our own (`Interrupt.press`)."""
+    while not done.wait(0.25):
+        if stop.is_set():
+            interrupt.press()
+            return
 
 
 def _with_mailbox(job: Job) -> Job:
@@ -335,10 +376,12 @@ def _with_mailbox(job: Job) -> Job:
     return dataclasses.replace(job, mailbox=open_mailbox())
 
 
-def _recorder(cfg: Config, run_dir: Location, job: Job, total_steps: int) -> Recorder:
-    """What takes rank 0's records: the progress lines, metrics.jsonl and the trackers."""
-    return Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir, job.fit_id)],
-                    job.mailbox, write_metrics="jsonl" in cfg.run.loggers)
+def _recorder(cfg: Config, run_dir: Location, job: Job, total_steps: int, timeline: Optional[Timeline] = None,
+              sinks: Sequence[Any] = ()) -> Recorder:
+    """What takes rank 0's records: the progress lines, metrics.jsonl, the trackers, `sinks` (and the timeline's stamps)."""
+    return Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir, job.fit_id),
+                                          *sinks],
+                    job.mailbox, write_metrics="jsonl" in cfg.run.loggers, timeline=timeline)
 
 
 def build_trainer(cfg: Config, run_dir: Location, job: Job, prepared: Any) -> Any:
@@ -350,6 +393,7 @@ def build_trainer(cfg: Config, run_dir: Location, job: Job, prepared: Any) -> An
 
     from raytrain_ddp.worker.loop import train_loop_per_worker
     from raytrain_ddp.driver.node_loss import NodeLossWatch
+    from raytrain_ddp.driver.startup import StartupStamps
     from raytrain_ddp.recovery import table
 
     pg_timeout_s = process_group_timeout_s(cfg.parallel.collective_timeout_s, cfg.scaling.use_gpu)
@@ -377,7 +421,8 @@ def build_trainer(cfg: Config, run_dir: Location, job: Job, prepared: Any) -> An
             worker_runtime_env={"env_vars": env_vars} if env_vars else None,
             # A survivor's copy of the last step is not cut short by the restart (worker/replica.py);
             # a lost node is declared dead before the new group is sized (driver/node_loss.py).
-            callbacks=[NodeLossWatch(), *recovery.callbacks()],
+            callbacks=[NodeLossWatch(mailbox=job.mailbox), *recovery.callbacks(),
+                       *([StartupStamps(job.mailbox)] if job.mailbox is not None else [])],
             logging_config=LoggingConfig(log_level="WARNING"),  # our progress lines say it all
         ),
         datasets=prepared.datasets,
@@ -387,7 +432,10 @@ def build_trainer(cfg: Config, run_dir: Location, job: Job, prepared: Any) -> An
 
 def run_fit(cfg: Config, trainer: Any, recorder: Recorder, interrupt: Interrupt) -> tuple[str, Optional[str]]:
     """Wait for placement, then `trainer.fit()` with the recorder running: (status, error)."""
-    status, error = "ok", None
+    status, error, failure = "ok", None, None
+    # A rank's error that retrying cannot help ends the fit now, not after run.max_failures
+    # more attempts (Ray Train's failure policy retries every worker error: ours decides).
+    recorder.on_deterministic_error = lambda record: _end_fit(interrupt.controller)
     try:
         with recorder:
             try:
@@ -407,12 +455,24 @@ def run_fit(cfg: Config, trainer: Any, recorder: Recorder, interrupt: Interrupt)
                 status = "interrupted"
                 interrupt.abort()
             except Exception as exc:  # noqa: BLE001 - reported in summary.json and printed
-                status, error = ("interrupted", None) if interrupt.fired else ("failed", root_message(exc))
+                status, failure = ("interrupted", None) if interrupt.fired else ("failed", exc)
             finally:
                 interrupt.restore()
     except KeyboardInterrupt:  # a second Ctrl-C while the last records were written
         status = "interrupted"
+    if failure is not None:  # the ranks' own account, whole, once the recorder has taken everything
+        error = recorder.error_to_show(str(failure)) or root_message(failure)
     return status, error
+
+
+def _end_fit(controller: Any) -> None:
+    """Stop Ray Train's controller (None: not registered, a fit outside the main thread; Ray's
+    failure policy then retries it as any other error)."""
+    if controller is not None:
+        try:
+            abort_controller(controller)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
 
 
 def _storage(run_dir: Location) -> dict[str, Any]:

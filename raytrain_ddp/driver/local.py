@@ -31,8 +31,9 @@ from raytrain_ddp.rundir import Location
 
 
 def run_local(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, checked: Any,
-              code: Any) -> dict[str, Any]:
-    """Train `cfg` in this process; returns the summary, as `launcher.run_training` does."""
+              code: Any, timeline: Any = None) -> dict[str, Any]:
+    """Train `cfg` in this process; returns the summary, as `launcher.run_training` does.
+    `timeline`: the fit's start-up timeline (no Ray: `ray` and `datasets` are 0 s)."""
     import torch
 
     from raytrain_ddp.driver.console import ProgressPrinter
@@ -51,9 +52,13 @@ def run_local(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, che
     job = dataclasses.replace(job, mailbox=LocalMailbox())
     device = torch.device("cuda", 0) if cfg.scaling.use_gpu else torch.device("cpu")
     recorder = Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir, job.fit_id)], job.mailbox,
-                        write_metrics="jsonl" in cfg.run.loggers)
+                        write_metrics="jsonl" in cfg.run.loggers, timeline=timeline)
+    if timeline is not None:
+        timeline.mark("ray", applies=False)
+        timeline.mark("datasets", applies=False)  # the rows are read in this process: data_ready
+        timeline.attach(run_dir)
     started, status, error = time.time(), "ok", None
-    with _ctrl_c_stops(job.mailbox) as pressed:
+    with ctrl_c_stops(job.mailbox) as pressed:
         try:
             with recorder, _one_process_group(device):
                 train_loop_per_worker({"job": job, "runtime": LocalRuntime(shards, run_dir, device)})
@@ -68,7 +73,7 @@ def run_local(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, che
 
 
 @contextlib.contextmanager
-def _ctrl_c_stops(mailbox: Any) -> Iterator[list[int]]:
+def ctrl_c_stops(mailbox: Any) -> Iterator[list[int]]:
     """The first Ctrl-C asks the loop to save its step and stop (as in a Ray run), the second
     stops at once (KeyboardInterrupt); yields the presses so far."""
     pressed: list[int] = []

@@ -14,7 +14,9 @@ Sized for the old cluster, the new group then waits for a placement group that n
 node can hold until Ray Train's worker-group start timeout (60 s), long after the kill
 (the numbers: docs/reliability.md#node-loss).
 
-What it does: when the controller enters RESTARTING (or RESCHEDULING), it asks every node
+What it does: at every other state it remembers which nodes are alive; when the controller
+enters RESTARTING (or RESCHEDULING), a remembered node the GCS has declared dead since is
+said as lost at once (Ray's health check noticed first), and it asks every node
 the GCS still calls alive whether its raylet answers (a TCP connect to its node-manager
 port, `PROBE_TIMEOUT_S`). Nodes that do not answer are being lost: it waits until the GCS
 declares them dead (at most `DECLARE_TIMEOUT_S`; a node that answers again is no longer
@@ -90,35 +92,76 @@ def wait_until_declared(lost: list[dict[str, Any]], list_nodes: Callable[[], lis
 
 
 class NodeLossWatch(ray_compat.controller_callback_base()):  # type: ignore[misc]
-    """Before Ray Train sizes a restarted group, wait for lost nodes to be declared dead."""
+    """Before Ray Train sizes a restarted group, wait for lost nodes to be declared dead.
 
-    def __init__(self, timeout_s: float = DECLARE_TIMEOUT_S) -> None:
+    A loss is noticed on either of Ray's paths and said either way: a node whose raylet does
+    not answer (waited for here), or one the GCS already declared dead by its missed health
+    checks before the restart (a node seen alive at an earlier state of this controller).
+    """
+
+    def __init__(self, timeout_s: float = DECLARE_TIMEOUT_S,
+                 list_nodes: Callable[[], list[dict]] | None = None, mailbox: Any = None) -> None:
         self.timeout_s = timeout_s
+        self.mailbox = mailbox  # the driver's: a declared loss names the restart's cause (goodput.py)
+        self._list_nodes = list_nodes  # None: ray.nodes() of the controller's Ray
+        self._seen_alive: set[str] = set()
+
+    def _nodes(self) -> list[dict[str, Any]]:
+        if self._list_nodes is not None:
+            return self._list_nodes()
+        import ray
+
+        return ray.nodes() if ray.is_initialized() else []
 
     def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
-        if not ray_compat.is_restart_state(current_state):
-            return
         try:
-            self._settle()
+            if ray_compat.is_restart_state(current_state):
+                self._settle()
+            else:
+                self._remember_alive()
         except Exception:  # noqa: BLE001 - never fail the controller: Ray's own path remains
             logger.warning("raytrain-ddp: could not check for lost nodes before the restart", exc_info=True)
 
-    def _settle(self) -> None:
-        import ray
+    def _remember_alive(self) -> None:
+        self._seen_alive = {n["NodeID"] for n in self._nodes() if n.get("Alive")}
 
+    def _settle(self) -> None:
         started = time.monotonic()
-        lost = unreachable_nodes(ray.nodes())
-        if not lost:
+        nodes = self._nodes()
+        gone = [n for n in nodes if n["NodeID"] in self._seen_alive and not n.get("Alive")]
+        lost = unreachable_nodes(nodes)
+        if not lost and not gone:
             return
-        names = ", ".join(f"{n['NodeManagerAddress']}:{n['NodeManagerPort']} ({n['NodeID'][:8]})" for n in lost)
-        print(f"raytrain-ddp: node {names} does not answer; waiting for Ray to declare it dead "
-              "before the new worker group is sized", flush=True)
-        declared, pending = wait_until_declared(lost, ray.nodes, timeout_s=self.timeout_s)
+        if gone:
+            print(f"raytrain-ddp: node {_names(gone)} was declared dead by Ray", flush=True)
+        declared, pending = {n["NodeID"] for n in gone}, set()
+        if lost:
+            print(f"raytrain-ddp: node {_names(lost)} does not answer; waiting for Ray to declare it dead "
+                  "before the new worker group is sized", flush=True)
+            newly, pending = wait_until_declared(lost, self._nodes, timeout_s=self.timeout_s)
+            declared |= newly
         if declared:
             refresh_coordinator()
+            self._tell_driver()
+        self._seen_alive -= declared
         print(f"raytrain-ddp: {len(declared)} node(s) declared dead"
               + (f", {len(pending)} still undecided" if pending else "")
               + f" after {time.monotonic() - started:.1f}s; sizing the new worker group", flush=True)
+
+
+    def _tell_driver(self) -> None:
+        """The restart that follows is a node loss: the driver's recorder writes it into the next
+        attempt's line of attempts.jsonl (`cause`)."""
+        if self.mailbox is None:
+            return
+        try:
+            self.mailbox.put.remote({"kind": "fault", "attempt": 0, "seq": 0, "cause": "node lost", "time": time.time()})
+        except Exception:  # noqa: BLE001 - a record of the cause never decides the restart
+            pass
+
+
+def _names(nodes: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{n['NodeManagerAddress']}:{n['NodeManagerPort']} ({n['NodeID'][:8]})" for n in nodes)
 
 
 def refresh_coordinator(timeout_s: float = 5.0) -> bool:

@@ -11,11 +11,12 @@ By default the console shows the plan, progress, the summary and real warnings:
   print for the user (`[rank 0] ...`, `raytrain-ddp...`) pass, once each (a two-node
   cluster delivered them twice), without Ray's coloured `(RayTrainWorker pid=...)`
   prefix. Everything else Ray's processes print — C++ `core_worker.cc` notices,
-  deprecation warnings of Ray's own internals, "Progress bars disabled", a cleaner
+  deprecation warnings of Ray's own internals, a cleaner
   thread's traceback when several Ray instances share a machine — stays in Ray's logs.
   A failing run still says why: `fit` raises and the summary line carries the cause.
 * Ray's informational warning that token authentication is on (it is, on purpose) is
-  dropped; the warning that it is *off* is kept.
+  dropped; the warning that it is *off* is kept. So is Ray Data's "Progress bars
+  disabled" (we disable them), in the driver as in the workers.
 * Colour only on a terminal: with `--verbose` Ray's prefixes are left uncoloured when
   stdout is piped (`RAY_COLOR_PREFIX=0`).
 
@@ -38,6 +39,7 @@ from raytrain_ddp import ray_compat
 VERBOSE_ENV = "RAYTRAIN_DDP_VERBOSE"
 OUR_LINES = ("[rank ", "raytrain-ddp")
 _TOKEN_ON = "Token authentication is enabled for this Ray cluster"
+_PROGRESS_OFF = "Progress bars disabled"  # Ray Data's notice: we turned them off on purpose
 
 
 def verbose() -> bool:
@@ -49,16 +51,27 @@ class _DropTokenNotice(logging.Filter):
         return not str(record.getMessage()).startswith(_TOKEN_ON)
 
 
+class _DropProgressNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith(_PROGRESS_OFF)
+
+
 def before_init() -> str:
     """Call before `ray.init`; returns the logging level to pass it."""
     if not sys.stdout.isatty():
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     if verbose():
         return "INFO"
-    logger = ray_compat.token_notice_logger()
-    if not any(isinstance(f, _DropTokenNotice) for f in logger.filters):
-        logger.addFilter(_DropTokenNotice())
+    _drop_notices()
     return "WARNING"
+
+
+def _drop_notices() -> None:
+    """Ray's notices of what we set on purpose (token auth on, progress bars off) are dropped."""
+    for logger, kind in ((ray_compat.token_notice_logger(), _DropTokenNotice),
+                         (ray_compat.progress_notice_logger(), _DropProgressNotice)):
+        if not any(isinstance(f, kind) for f in logger.filters):
+            logger.addFilter(kind())
 
 
 class WorkerLines:
@@ -90,6 +103,7 @@ def after_init() -> None:
         return
     import ray.data
 
+    _drop_notices()
     ray.data.DataContext.get_current().enable_progress_bars = False
     for name in ("ray", "ray.data", "ray.train"):
         if logging.getLogger(name).getEffectiveLevel() < logging.WARNING:

@@ -147,20 +147,25 @@ class NothingToTrain(UserError):
     exit_code = 3
 
 
-def check_something_to_train(cfg: Config, resume_from: Any) -> None:
-    """Raise `NothingToTrain` when the checkpoint a run resumes from is already at its end.
+def check_something_to_train(cfg: Config, resume_from: Any) -> bool:
+    """True when the run is complete and this is the command that trained it: nothing to do,
+    exit 0 (a job-retry policy that reruns until exit 0 stops here). Raise `NothingToTrain`
+    when the checkpoint is at its end but the command asks for something else (another lr,
+    a lower `train.max_steps`): exit 3, the command cannot be honoured. False otherwise.
 
-    Decided from the checkpoint's manifest (its step and completed epochs) and the
+    Decided from the checkpoint's manifest (its step, completed epochs and config) and the
     config alone, so a finished run re-run with new settings stops before Ray starts
     and before its `config.yaml` could be rewritten. The worker loop stops at the same
     point: `train.max_steps` reached, or (without it) `train.epochs` epochs completed.
     """
     if resume_from is None:
-        return
+        return False
     manifest = ckpt.read_manifest(resume_from)
     step, epoch = int(manifest.get("step", 0)), int(manifest.get("epoch", 0))
     if not trained_to_the_end(cfg, step, epoch):
-        return
+        return False
+    if same_command(cfg, resume_from):
+        return True
     max_steps, epochs = cfg.train.max_steps, cfg.train.epochs
     reached = f"train.max_steps={max_steps}" if max_steps is not None else f"train.epochs={epochs}"
     extend = f"train.max_steps={2 * max_steps}" if max_steps is not None else f"train.epochs={2 * epochs}"
@@ -168,6 +173,24 @@ def check_something_to_train(cfg: Config, resume_from: Any) -> None:
         f"run {cfg.name!r} is already trained to {reached} (checkpoint {resume_from}: step {step}, "
         f"epoch {epoch}): nothing to train. Extend it ({extend}) or start a new run ({unused_name(cfg)})"
     )
+
+
+# How a run is executed, not what it trains: a complete run re-run with other values of these
+# is still "the same command" (the worker count of a retried job may differ, say).
+EXECUTION_ONLY = ("scaling.", "run.", "parallel.", "train.micro_batch_size", "data.prefetch_batches")
+
+
+def same_command(cfg: Config, checkpoint: Any) -> bool:
+    """Whether `cfg` asks for what the checkpoint was trained to: its recorded config, execution
+    keys aside (`EXECUTION_ONLY`). A checkpoint without a recorded config counts as the same."""
+    import yaml
+
+    state = ckpt.load_checkpoint(checkpoint)
+    recorded = state.get("run", {}).get("config")
+    if not isinstance(recorded, str):
+        return True
+    old, new = flatten(yaml.safe_load(recorded)), flatten(yaml.safe_load(cfg.to_yaml()))
+    return all(k.startswith(EXECUTION_ONLY) for k in old.keys() | new.keys() if old.get(k) != new.get(k))
 
 
 def trained_to_the_end(cfg: Config, step: int, epoch: int) -> bool:

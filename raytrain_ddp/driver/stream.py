@@ -28,7 +28,18 @@ holds an event back until every earlier one of its attempt was applied -- see `R
                                              since the previous one) fill in any up to N that a
                                              lost rank 0 or a killed driver never wrote
     {"kind": "abort",     "record": {...}}   every rank stopped together (abort.json)
-    {"kind": "checkpoint", "step": N, "name": ..., "blocked_s": ...}
+    {"kind": "checkpoint", "step": N, "name": ..., "blocked_s": ...}  the attempt's line in
+                                             attempts.jsonl counts them (`checkpoints`,
+                                             `checkpoint_blocked_s`, `preempted` after a save
+                                             before a preemption); a resume adds to it what
+                                             the dropped lines had cost (`redone_*`)
+    {"kind": "fault", "cause": "node lost"}  the controller declared a node dead before the
+                                             restart (`node_loss.py`): the next attempt's `cause`
+    {"kind": "timeline", "source": "worker" | "controller", "stamps": {...}}  the start-up
+                                             timeline's stamps (`timeline.py`): rank 0's with its
+                                             first step; the controller's (attempt 0) per group start
+    {"kind": "error",     "record": {...}}   any rank's error, whole (`worker/failure.py`); not
+                                             numbered: applied as it arrives
 The other way, the driver -> the workers: `request_stop` (Ctrl-C), which rank 0 reads at
 its step-boundary polls (`stop_requested`) and all ranks agree on.
 """
@@ -61,6 +72,10 @@ class _Events:
         self._attempts = 0
         self._received: dict[int, int] = {}  # attempt -> puts queued so far
         self._stop = False
+        self._durable = (0, 0)  # (attempt, step): the run directory durably holds that attempt's lines up to step
+
+    def _durable_for(self, attempt: int) -> int:
+        return self._durable[1] if self._durable[0] == attempt else 0
 
     def _queue_attempt(self, record: dict[str, Any]) -> int:
         self._attempts += 1
@@ -113,9 +128,22 @@ class Mailbox(_Events):
             await asyncio.sleep(0.005)
         return True
 
+    async def error(self, record: dict[str, Any]) -> None:
+        """A rank's error, whole (any rank; `worker/failure.py`)."""
+        self._events.append({"kind": "error", "record": record})
+        self._signal().set()
+
     async def request_stop(self) -> None:
         """The driver's Ctrl-C: the workers stop at their next agreed step boundary, saved."""
         self._stop = True
+
+    async def set_durable(self, attempt: int, step: int) -> None:
+        """The driver wrote metrics.jsonl: it durably holds `attempt`'s history up to `step`."""
+        self._durable = (attempt, step)
+
+    async def durable_for(self, attempt: int) -> int:
+        """Asked by rank 0 before a checkpoint: lines up to this step need not travel in it."""
+        return self._durable_for(attempt)
 
     async def stop_requested(self) -> bool:
         """Asked by rank 0 at its step-boundary polls (`worker/preemption.py`)."""
@@ -157,6 +185,12 @@ class LocalMailbox(_Events):
 
     def request_stop(self) -> None:
         self._stop = True
+
+    def set_durable(self, attempt: int, step: int) -> None:
+        self._durable = (attempt, step)
+
+    def durable_for(self, attempt: int) -> int:
+        return self._durable_for(attempt)
 
     def stop_requested(self) -> bool:
         return self._stop
@@ -265,8 +299,9 @@ class Recorder:
     """
 
     def __init__(self, run_dir: Location, fit_id: str, sinks: list[Any], mailbox: Any = None,
-                 write_metrics: bool = True) -> None:
+                 write_metrics: bool = True, timeline: Any = None) -> None:
         self.run_dir, self.fit_id, self.sinks, self.mailbox = run_dir, fit_id, list(sinks), mailbox
+        self.timeline = timeline  # the fit's start-up timeline (timeline.py), or None
         self._trackers = [s for s in self.sinks if getattr(s, "committed_only", False)]
         self._held: dict[tuple[int, str], dict[str, Any]] = {}  # lines the trackers have not had yet
         self._handed: set[tuple[int, str]] = set()  # (step, kind) the trackers have had in this fit
@@ -277,9 +312,14 @@ class Recorder:
         self.attempts = JsonlFile(run_dir / ATTEMPTS_FILE)
         self.write_metrics = write_metrics
         self.abort: Optional[dict[str, Any]] = None
+        self._cause: Optional[str] = None  # why the next worker group starts (`fault` events)
+        self.errors: list[dict[str, Any]] = []  # the ranks' errors, whole, as they arrived
+        self.on_deterministic_error: Any = None  # called with the first one retrying cannot help
         self.checkpoints: list[dict[str, Any]] = []
         self.last_step = 0
         self._flushed_at = 0.0
+        self._durable_said = (0, 0)
+        self._resumed_attempt = 0  # the newest attempt whose `resumed` event (and its drops) was applied
         self._order = Reorder()
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -363,15 +403,22 @@ class Recorder:
             self._fit_lines.add(key)
             self.metrics.append([record])
             self.last_step = max(self.last_step, int(record.get("step", 0)))
+            if self.timeline is not None and "loss" in record and "time" in record:
+                self.timeline.last_step(float(record["time"]))
             for sink in self.sinks:
                 if sink not in self._trackers:
                     self._call(sink, "record", record)
             if self._trackers and key not in self._handed:
                 self._held[key] = record
         elif kind == "attempt":
-            self.attempts.append([event["record"]])
+            cause, self._cause = self._cause, None  # a node loss the controller declared before this start
+            self.attempts.append([{**event["record"], **({"cause": cause} if cause else {})}])
+        elif kind == "fault":
+            self._cause = event.get("cause")
         elif kind == "resumed":
             step = int(event["step"])
+            self._resumed_attempt = max(self._resumed_attempt, int(event.get("attempt", 0)))
+            redone = _redone(self.metrics.records, step)  # what the dropped lines had cost (goodput.py)
             self.metrics.keep(lambda r: r.get("step", 0) <= step)
             self._held = {key: r for key, r in self._held.items() if key[0] <= step}
             if not self._fit_started:
@@ -383,7 +430,7 @@ class Recorder:
                 logger.warning("record stream: resumed at step %d, below a reported checkpoint; the trackers "
                                "keep their first point of the steps up to %d", step, max(k[0] for k in self._handed))
             self._lines = {_line_key(r) for r in self.metrics.records}
-            self.attempts.amend_last({"resumed_step": step, **event.get("origin", {})})
+            self.attempts.amend_last({"resumed_step": step, **event.get("origin", {}), **redone})
             self.last_step = step
             # The checkpoint's lines up to `step` that this file lacks: those a lost rank 0 did
             # not deliver (a survivor's copy carries its step's), or that a killed driver had
@@ -394,9 +441,33 @@ class Recorder:
         elif kind == "abort":
             self.abort = event["record"]
             (self.run_dir / ABORT_FILE).write_text(json.dumps(self.abort))
+        elif kind == "timeline" and self.timeline is not None:
+            if event.get("source") == "controller":
+                self.timeline.controller(event.get("stamps", {}))
+            else:
+                self.timeline.worker(int(event.get("attempt", 1)), event.get("stamps", {}))
+        elif kind == "error":
+            self.errors.append(event["record"])
+            if event["record"].get("deterministic") and self.on_deterministic_error is not None:
+                callback, self.on_deterministic_error = self.on_deterministic_error, None  # once
+                callback(event["record"])
         elif kind == "checkpoint":
             self.checkpoints.append({k: event[k] for k in ("step", "name", "blocked_s") if k in event})
+            self._amend_attempt_stall(event)
             self._commit(int(event["step"]))
+
+    def _amend_attempt_stall(self, event: dict[str, Any]) -> None:
+        """The attempt's line in attempts.jsonl keeps its checkpoints' count and stall (the
+        saves after its last metrics line too: the final one), for `raytrain-ddp goodput`."""
+        mine = [r for r in self.attempts.records
+                if r.get("fit_id") == self.fit_id and r.get("attempt") == event.get("attempt")]
+        if not mine or mine[-1] is not self.attempts.records[-1]:
+            return  # a late event of an older attempt: its line is no longer the last
+        record = mine[-1]
+        self.attempts.amend_last({"checkpoints": int(record.get("checkpoints", 0)) + 1,
+                                  "checkpoint_blocked_s": float(record.get("checkpoint_blocked_s", 0.0))
+                                  + float(event.get("blocked_s", 0.0)),
+                                  **({"preempted": True} if event.get("preemption") else {})})
 
     def _commit(self, step: Optional[int]) -> None:
         """Hand the trackers the held lines up to `step` (None: all), in step order, train first."""
@@ -423,14 +494,42 @@ class Recorder:
         self.attempts.flush()
         if self.write_metrics:
             self.metrics.flush()
+        self._say_durable()
         for sink in self.sinks:
             self._call(sink, "flush")
+
+    def _say_durable(self) -> None:
+        """Tell rank 0 how far metrics.jsonl now durably holds the newest attempt's history, so
+        that its checkpoints stop carrying those lines (`RunLog.lines_to_save`). Said only for an
+        attempt whose `resumed` event was applied: the lines it redoes are out of the file by then."""
+        durable = (self._resumed_attempt, max((int(r.get("step", 0)) for r in self.metrics.records), default=0))
+        if self.mailbox is None or durable == self._durable_said or durable[0] == 0:
+            return
+        self._durable_said = durable
+        if isinstance(self.mailbox, LocalMailbox):
+            self.mailbox.set_durable(*durable)
+            return
+        import ray
+
+        if ray.is_initialized():
+            try:
+                self.mailbox.set_durable.remote(*durable)
+            except Exception as exc:  # noqa: BLE001 - the mailbox is gone: rank 0 keeps carrying its lines
+                logger.debug("mailbox unavailable: %s", exc)
 
     # ------------------------------------------------------------ what the summary reads
 
     @property
     def records(self) -> list[dict[str, Any]]:
         return list(self.metrics.records)
+
+    def error_to_show(self, ray_text: str) -> Optional[str]:
+        """The whole message of the fit's failure when the ranks told it: the first
+        deterministic error, else the last one if Ray's account of it (`ray_text`) was cut."""
+        chosen = next((e for e in self.errors if e.get("deterministic")), None)
+        if chosen is None and self.errors and "truncated" in ray_text:
+            chosen = self.errors[-1]
+        return chosen["message"] if chosen else None
 
     def fit_records(self) -> list[dict[str, Any]]:
         """The lines this fit made and kept (a redone step's line counts once, the committed one)."""
@@ -445,6 +544,41 @@ class Recorder:
             return {"count": 0}
         return {"count": len(blocked), "blocked_s_total": round(sum(blocked), 4),
                 "blocked_s_mean": round(sum(blocked) / len(blocked), 4), "blocked_s_max": round(max(blocked), 4)}
+
+
+def recover_lines(run_dir: Location, checkpoint: Any) -> int:
+    """Before a fit (or the same command on a complete run): `metrics.jsonl` gets back the lines
+    up to the checkpoint's step that it lacks, from the checkpoint's manifest, which carries
+    every line the driver had not said it wrote (`RunLog.lines_to_save`); in step order.
+    Returns how many. So a driver SIGKILLed between a checkpoint and its next write of the file
+    (object stores: about once a second) loses no committed line, even after the last step."""
+    from raytrain_ddp import checkpoint as ckpt
+
+    manifest = ckpt.read_manifest(checkpoint)
+    step = int(manifest.get("step", 0))
+    metrics = JsonlFile(run_dir / METRICS_FILE)
+    have = {_line_key(r) for r in metrics.records}
+    missing = {_line_key(r): r for r in manifest.get("lines", [])
+               if int(r.get("step", 0)) <= step and _line_key(r) not in have}
+    if not missing:
+        return 0
+    metrics.append(missing.values())
+    metrics.sort(key=lambda r: (_line_key(r)[0], _line_key(r)[1] != "train"))
+    metrics.flush()
+    print(f"raytrain-ddp: metrics.jsonl: {len(missing)} line(s) up to step {step} taken back from {checkpoint} "
+          "(the driver that trained them ended before writing them)", flush=True)
+    return len(missing)
+
+
+def _redone(records: list[dict[str, Any]], step: int) -> dict[str, Any]:
+    """The lines past `step` that a resume drops: their steps are done again. Their step count,
+    seconds (steps and validation) and the newest line's time go into the resuming attempt's line."""
+    dropped = [r for r in records if int(r.get("step", 0)) > step]
+    if not dropped:
+        return {}
+    return {"redone_steps": sum(int(r.get("window_steps", 0)) for r in dropped),
+            "redone_s": sum(float(r.get("steps_s", 0.0)) + float(r.get("validation_s", 0.0)) for r in dropped),
+            "redone_until": max(float(r.get("time", 0.0)) for r in dropped)}
 
 
 def _line_key(record: dict[str, Any]) -> tuple[int, str]:

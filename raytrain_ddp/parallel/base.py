@@ -27,6 +27,7 @@ from raytrain_ddp.parallel.errors import (  # noqa: F401 - re-exported: `from ..
     UnusedParameterError,
 )
 from raytrain_ddp.parallel import torch_compat
+from raytrain_ddp.parallel import registry
 from raytrain_ddp.parallel.startup import broadcast_coalesced, check_structure, sync_initial_state  # noqa: F401
 from raytrain_ddp.parallel.watch import (  # noqa: F401
     COLLECTIVES,
@@ -363,6 +364,17 @@ class ScratchBase(WrappedModel):
         self._handles = []
         self._set_world()  # the default group of the process that loads it (world 1 without one)
         self._attach()
+
+
+def check_every_parameter_used(strategy: str, module: nn.Module, find_unused_parameters: bool) -> None:
+    """After one backward in a single process: the rule the wrappers apply at every world size
+    (torch DDP's too: at world size 1 its next forward raises), with the wrappers' message, so
+    the driver's precheck and local mode refuse what the workers would."""
+    if find_unused_parameters or not registry.get(strategy).requires_all_used:
+        return
+    names = [name for name, p in module.named_parameters() if p.requires_grad and p.grad is None]
+    if names:
+        raise UnusedParameterError(unused_message(strategy, names, [[0]] * len(names)))
 
 
 def unused_message(strategy: str, names: list[str], ranks: list[list[int]], limit: int = 6) -> str:

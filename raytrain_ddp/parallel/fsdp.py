@@ -164,6 +164,7 @@ class FullyShardedDP(WrappedModel):
         self.wrapped = module
         self._buffers_due = True
         self.units: list[nn.Module] = []
+        self._ran, self._owners = set(), []
         if self.world_size == 1:  # nothing to shard: the module itself, as `LocalModel`
             return
         check_fsdp2_support()  # before any collective: every rank fails alike on an older torch
@@ -190,6 +191,52 @@ class FullyShardedDP(WrappedModel):
             unit.set_force_sum_reduction_for_comms(gloo)  # gloo has no ReduceOp.AVG
         module.set_reduce_scatter_unused_params(find_unused_parameters)
         self._stats["buckets"] = len(self.units)
+        self._ran: set[str] = set()  # submodules whose forward ran with grad enabled since the last step
+        self._owners: list[tuple[nn.Parameter, list[str]]] = []
+        if find_unused_parameters:
+            self._watch_forwards()
+
+    # -- unused parameters: torch DDP's grad None -----------------------------------------
+    def _watch_forwards(self) -> None:
+        """Forward hooks on each submodule that owns parameters (public hooks, no FSDP internals),
+        and each trainable parameter's owners (a tied one has several)."""
+        owners: dict[int, tuple[nn.Parameter, list[str]]] = {}
+        for name, sub in self.wrapped.named_modules():
+            own = list(sub.named_parameters(recurse=False, remove_duplicate=False))
+            for _, param in own:
+                if param.requires_grad:
+                    owners.setdefault(id(param), (param, []))[1].append(name)
+            if own:
+                sub.register_forward_hook(lambda m, args, out, name=name: self._ran.add(name)
+                                          if torch.is_grad_enabled() else None)
+        self._owners = list(owners.values())
+
+    @torch.no_grad()
+    def drop_unused_grads(self) -> None:
+        """Before the optimizer step: a parameter no forward on any rank used since the last step
+        gets grad None, as torch DDP leaves it, so the optimizer creates no state for it and never
+        moves it (no weight decay). FSDP2 reduce-scatters zeros for it instead
+        (`set_reduce_scatter_unused_params`, needed while ranks differ). "Unused": none of its
+        modules' forwards ran on any rank, and its gradient is zero on every rank (a parameter
+        read from another module's code got a real one). One small all-reduce (MAX) per step,
+        only with find_unused_parameters."""
+        if not self._owners:
+            return
+        device = self._owners[0][0].device
+        flags = torch.zeros(len(self._owners), 2, device=device)
+        for i, (param, names) in enumerate(self._owners):
+            grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+            flags[i, 0] = float(any(n in self._ran for n in names))
+            flags[i, 1] = float(grad is not None and bool(grad.count_nonzero()))
+        self._ran.clear()
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._pg)
+        for (param, _), (ran, nonzero) in zip(self._owners, flags.tolist()):
+            if not ran and not nonzero:
+                param.grad = None
+
+    def forget_forwards(self) -> None:
+        """A window ended without a step (zero_grad): its forwards say nothing about the next."""
+        self._ran.clear()
 
     @property
     def module(self) -> nn.Module:
@@ -289,9 +336,11 @@ class FSDPOptimizer:
         return f"FSDPOptimizer({self._inner!r})"
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        self._wrapper.drop_unused_grads()  # torch DDP's grad None for what no forward used
         return self._inner.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._wrapper.forget_forwards()
         self._inner.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, group: dict[str, Any]) -> None:

@@ -42,6 +42,9 @@ class Strategy:
     # reads the group's size from its C++ base, which torchft builds once with size 1; native
     # takes its DDP group and the side group of its unused-parameter check)
     live_subgroups: int = 0
+    # without find_unused_parameters, a trainable parameter no gradient reached is an error
+    # (`UnusedParameterError`), as in torch DDP; FSDP2 reduce-scatters zeros for it instead
+    requires_all_used: bool = True
 
     @property
     def replicated(self) -> bool:
@@ -66,7 +69,8 @@ _TABLE = (
     Strategy("zero1", "raytrain_ddp.parallel.zero1:Zero1DDP", "sharded",
              options=("bucket_cap_mb", "compress", "first_bucket_mb")),
     Strategy("fsdp", "raytrain_ddp.parallel.fsdp:FullyShardedDP", "sharded",
-             options=("bucket_cap_mb", "compress", "param_dtype"), shards_parameters=True),
+             options=("bucket_cap_mb", "compress", "param_dtype"), shards_parameters=True,
+             requires_all_used=False),
 )
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in _TABLE}
 NAMES: tuple[str, ...] = tuple(STRATEGIES)

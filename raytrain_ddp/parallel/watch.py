@@ -136,7 +136,7 @@ def wait_work(work, what: Union[str, Callable[[], str]], timeout_s: Optional[flo
             verdict = f"failed ({type(exc).__name__}: {text.strip().splitlines()[0] if text else ''})"
         raise CollectiveTimeoutError(_stuck_message(what, verdict, world_rank, world_size)) from exc
     if stream and timeout_s is not None:
-        COLLECTIVES.track(work, what, timeout_s, world_rank, world_size)
+        COLLECTIVES.track(work, what, timeout_s, world_rank, world_size, device=device)
 
 
 def _stuck_message(what: Union[str, Callable[[], str]], verdict: str, world_rank: int, world_size: int) -> str:
@@ -163,6 +163,10 @@ class CollectiveWatch:
     `poll_s`: the oldest unfinished work past its deadline is reported once, through
     `report` (default: stderr, the log, and NCCL's flight recorder dumped). `is_completed`
     on NCCL queries a CUDA event: it never blocks.
+
+    The thread first makes the training thread's CUDA device its own (`thread_device`): a
+    new thread starts on device 0, and its first `is_completed` (cudaEventQuery) would open
+    a CUDA context there, ~0.5 GiB on GPU 0 for every local rank k > 0 of a node (issue #41).
     """
 
     def __init__(self, report: Optional[Callable[[str], None]] = None, poll_s: Optional[float] = None,
@@ -176,14 +180,14 @@ class CollectiveWatch:
         self.reported: list[str] = []
 
     def track(self, work, what: Union[str, Callable[[], str]], timeout_s: float, world_rank: int,
-              world_size: int) -> None:
+              world_size: int, device: Optional[torch.device] = None) -> None:
         with self._lock:
             self._drop_completed()
             self._inflight.append(_Tracked(self._clock() + timeout_s, work, what, timeout_s, world_rank, world_size))
             if self._thread is None and self._poll_s != 0:
                 poll = self._poll_s or min(5.0, max(0.05, timeout_s / 20))
-                self._thread = threading.Thread(target=self._run, args=(poll,), name="raytrain-collective-watch",
-                                                daemon=True)
+                self._thread = threading.Thread(target=self._run, args=(poll, thread_device(device)),
+                                                name="raytrain-collective-watch", daemon=True)
                 self._thread.start()
 
     def _drop_completed(self) -> None:
@@ -205,13 +209,25 @@ class CollectiveWatch:
         self._report(message)
         return message
 
-    def _run(self, poll_s: float) -> None:
+    def _run(self, poll_s: float, device: Optional[torch.device] = None) -> None:
+        if device is not None:
+            torch.cuda.set_device(device)
         while True:
             time.sleep(poll_s)
             try:
                 self.check()
             except Exception:  # noqa: BLE001 - a watch must never take the worker down
                 logging.getLogger(__name__).exception("collective watch")
+
+
+def thread_device(device: Optional[torch.device]) -> Optional[torch.device]:
+    """The CUDA device a helper thread must set before touching CUDA (None for CPU tensors).
+
+    Called on the training thread: a `cuda` without an index means its current device.
+    """
+    if device is None or device.type != "cuda":
+        return None
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def report_stuck_collective(message: str) -> None:

@@ -47,6 +47,7 @@ enabled raises instead. Changing `requires_grad` after the optimizer exists rais
 `RequiresGradChangeError` (the shards would move under the optimizer's state).
 """
 
+# Over 500 lines: the wrapper and its optimizer share one shard layout (_Shard, _Slice, padding).
 from __future__ import annotations
 
 import itertools
@@ -181,6 +182,8 @@ class Zero1DDP(BucketedDDP):
             if not self._scaled[i]:
                 self._views[i].div_(self.world_size)
         shard = self._shards[bucket.index]
+        if bucket.index == 0 and not self._slices:  # the padding that carried the last flag: clean
+            self.pad_slice()[1].zero_()
         send = bucket.buffer if self._wire_dtype is None else bucket.buffer.to(self._wire_dtype)
         out = shard.grad if self._wire_dtype is None else torch.empty(shard.size, dtype=self._wire_dtype,
                                                                       device=send.device)
@@ -226,18 +229,27 @@ class Zero1DDP(BucketedDDP):
         chunks is all-reduced (MAX, one scalar), and where it is non-finite every rank
         writes a NaN into one element of its first slice. All ranks then skip (or step)
         together, and `update()` backs the scale off identically. A tensor all the way:
-        no host sync, and on CUDA the all-reduce is stream-ordered.
+        no host sync, and on CUDA the all-reduce is stream-ordered. Every rank takes part, also
+        one whose chunks hold only padding: its flag lands there (`pad_slice`).
         """
-        if not self._slices:
+        if not self._shards:  # no trainable parameter at all: the same on every rank
             return
         grads = [s.grad for s in self._shards]
         worst = torch.stack(torch_compat.foreach_norm(grads, math.inf)).amax().float()
         work = dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self._pg, async_op=True)
         self._stats["control_bytes"] += worst.element_size()
         self._wait(work, "all-reduce of the non-finite-gradient flag")
-        first = self._slices[0].grad[:1]
+        first = self._slices[0].grad[:1] if self._slices else self.pad_slice()[1]
         # +0 where every chunk is finite (the value unchanged), NaN where some rank saw inf/NaN
         first.add_(torch.where(torch.isfinite(worst), 0.0, math.nan).to(first.dtype))
+
+    def pad_slice(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(parameter, gradient) views of one padding element of this rank's first chunk: for a
+        rank whose chunks hold no parameter, its optimizer steps this element (read by no
+        parameter), so a GradScaler there checks the agreed flag and skips with its peers
+        (`GradScaler.update` also refuses an optimizer with nothing checked)."""
+        shard = self._shards[0]
+        return shard.chunk[:1], shard.grad[:1]
 
     # -- the optimizer side ---------------------------------------------------------------
     def make_optimizer(self, factory: OptimizerFactory):
@@ -342,9 +354,21 @@ class ZeroOptimizer:
         self._group_slices = [[s for s in self._slices if group_of[s.index] == gi] for gi in range(len(hyper))]
         for h, slices in zip(hyper, self._group_slices):
             template.add_param_group({**h, "params": [s.tensor for s in slices]})
+        self._padded = not self._slices and bool(wrapper._shards) and bool(template.param_groups)
+        if self._padded:  # only padding here: see `Zero1DDP.pad_slice`
+            pad, pad_grad = wrapper.pad_slice()
+            pad.grad = pad_grad
+            template.param_groups[0]["params"].append(pad)
         self._inner = template
         for s in self._slices:
             s.tensor.grad = s.grad
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """Where the inner optimizer takes a GradScaler's `grad_scale` / `found_inf` (fused):
+        no `.item()` of found_inf; the skip is on the device, and the all-gather runs on
+        every rank either way (a skipped step gathers unchanged chunks)."""
+        return bool(getattr(self._inner, "_step_supports_amp_scaling", False))
 
     # -- what a torch optimizer exposes ----------------------------------------------------
     @property
@@ -382,7 +406,14 @@ class ZeroOptimizer:
             )
         for s, has in zip(self._slices, with_grad):  # a parameter no rank used is not stepped
             s.tensor.grad = s.grad if has else None
-        self._inner.step()
+        handed = [k for k in ("grad_scale", "found_inf") if k in self.__dict__]  # set by a GradScaler
+        for key in handed:
+            setattr(self._inner, key, self.__dict__[key])
+        try:
+            self._inner.step()
+        finally:
+            for key in handed:
+                delattr(self._inner, key)
         self._wrapper._synced = False
         self._wrapper._stale = True
         self._wrapper._all_gather_params()
@@ -471,5 +502,7 @@ class ZeroOptimizer:
                 ids.append(position)
                 position += 1
             inner_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})
+        if self._padded:  # the padding element's state starts afresh
+            inner_groups[0]["params"].append(position)
         self._inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})
 

@@ -2,7 +2,8 @@
 
 Owns: restoring the state a worker group starts from (and saying where from: scratch, a
 durable checkpoint, or a survivor's copy); saving at the cadences a run has — periodic
-(`run.checkpoint_every_steps`), just-in-time before a preemption (`preemption.py`
+(`run.checkpoint_every_steps`; `auto`: Young's interval from the run's own measurements,
+chosen again at each worker group's start, `goodput.py`), just-in-time before a preemption (`preemption.py`
 decides when), at every epoch end, which is also the final save, and when a peer dies
 (each survivor writes the last completed step: `replica.py`);
 handing each checkpoint to `ray.train.report`, and measuring how long each one held the
@@ -41,8 +42,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 import pyarrow.fs as pafs
 
 from raytrain_ddp import checkpoint as ckpt
+from raytrain_ddp.goodput import PROBE_STEPS
 from raytrain_ddp.job import Job
-from raytrain_ddp.parallel.collectives import check_same, max_over_ranks
+from raytrain_ddp.parallel.collectives import check_same, from_main, max_over_ranks
 from raytrain_ddp.rundir import Location
 from raytrain_ddp.worker.context import Rank
 from raytrain_ddp.worker.meter import RunLog
@@ -69,7 +71,8 @@ class Checkpointer:
                  agree: Optional[Callable[[Sequence[float]], list[float]]] = None) -> None:
         self.job, self.rank, self.state, self.log = job, rank, state, log
         self.runtime = runtime or RayTrainRuntime()  # where checkpoints go (worker/runtime.py)
-        self.every = job.cfg.run.checkpoint_every_steps
+        self.every = job.cfg.run.checkpoint_every_steps  # "auto": chosen in `restore` (`choose_auto`)
+        self._probe_from: Optional[tuple[int, float]] = None  # auto, unmeasured: (step, time) the attempt began
         self.upload = getattr(job.cfg.run, "checkpoint_upload", "async")
         self._hooks, self._agree, self._before_report = hooks, agree, before_report
         self.guard = self._new_guard()
@@ -79,6 +82,7 @@ class Checkpointer:
         self.saved_step = 0
         self.last_saved = ""  # the name of this group's newest checkpoint
         self._copied_step, self._copy_lock = 0, threading.Lock()
+        self._last_blocked = 0.0  # the newest save's stall
         self._staged: list[str] = []  # rank 0's staging copies Ray has not uploaded (and deleted) yet
         if state.last_step is not None:
             WINDOW.attach(self.write_copy)  # Ray's shutdown call writes it if the loop cannot
@@ -129,8 +133,28 @@ class Checkpointer:
             if self.log.attempt > 1 and self.state.last_step is not None:
                 where = ("the newest durable " + where + ", falling back: no survivor wrote a later step "
                          "(every worker was lost, or none finished writing before Ray stopped it)")
-        self.rank.say(f"attempt {self.log.attempt}: {self.rank.world_size} workers on {self.rank.device}, "
-                      f"{accumulation_steps} micro-steps per optimizer step, starting from {where}")
+        workers, micro = self.rank.world_size, accumulation_steps
+        self.rank.say(f"attempt {self.log.attempt}: {workers} worker{'s' * (workers != 1)} on {self.rank.device}, "
+                      f"{micro} micro-step{'s' * (micro != 1)} per optimizer step, starting from {where}")
+        if self.job.cfg.run.checkpoint_every_steps == "auto":
+            self.choose_auto()
+
+    def choose_auto(self, measured: Optional[dict[str, float]] = None) -> None:
+        """`run.checkpoint_every_steps: auto`: Young's interval, chosen by rank 0 from the run
+        directory's figures (`goodput.cadence_inputs`), or from `measured` (this attempt's first
+        save), the same on every rank, said in one line. Until a save was measured: a probe save
+        `PROBE_STEPS` into the attempt (`every` 0 meanwhile)."""
+        from raytrain_ddp.goodput import auto_interval, cadence_inputs
+
+        steps = 0
+        if self.rank.is_main:
+            inputs = cadence_inputs(self.runtime.run_dir(self.job.run_dir), self.job.cfg.run.expected_mtbf_s,
+                                    self.job.fit_id)
+            chosen, why = auto_interval({**inputs, **(measured or {})})
+            steps = chosen or 0
+            self.rank.say(why)
+        self.every = int(from_main(steps, self.rank.device))
+        self._probe_from = (self.state.progress.step, time.perf_counter()) if not self.every else None
 
     @contextlib.contextmanager
     def last_step_on_peer_loss(self) -> Iterator[None]:
@@ -195,12 +219,18 @@ class Checkpointer:
         """
         step = self.state.progress.step
         periodic = bool(self.every) and step % self.every == 0
+        probe = self._probe_from is not None and step - self._probe_from[0] >= PROBE_STEPS
         signalled = self.guard.after_step(step)  # a collective: the same answer on every rank
         preempted = signalled and not self.guard.stopping
         # Never on an epoch's last step: the epoch-end save follows at the same step,
         # right after validation (a stop then waits for the next boundary).
-        if (periodic or signalled) and not end_of_epoch:
+        if (periodic or signalled or probe) and not end_of_epoch:
             self.save({"loss": self.log.last_loss, **({"preemption": 1} if preempted else {})}, durable=signalled)
+            if probe:  # auto's first save on this run: its stall and the steps before it decide
+                began_step, began = self._probe_from
+                took = self._last_blocked
+                self.choose_auto({"save_stall_s": took, "step_s": (time.perf_counter() - began - took)
+                                  / max(1, step - began_step)})
             if self.guard.stopping:
                 self.log.stopped(step, self.last_saved)
                 return True
@@ -229,11 +259,11 @@ class Checkpointer:
                                        asynchronous=self.upload == "async" and not durable, runtime=self.runtime,
                                        lines=self.log.lines_to_save())
             self._staged += [staged] if staged else []
-        blocked = time.perf_counter() - started
+        blocked = self._last_blocked = time.perf_counter() - started
         if self.upload != "async" or durable:  # in storage now (see `saved_step`)
             self.saved_step = progress.step
         self.last_saved = name
-        self.log.checkpoint_saved(progress.step, name, blocked)
+        self.log.checkpoint_saved(progress.step, name, blocked, preemption=bool(metrics.get("preemption")))
         # What the preemption policy plans with. Asynchronous saves block for less than
         # a synchronous just-in-time save takes; its own duration replaces this one.
         self.guard.checkpoint_took(blocked)

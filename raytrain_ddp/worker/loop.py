@@ -31,10 +31,12 @@ from raytrain_ddp.job import Job
 from raytrain_ddp.recovery import table as recovery_table
 from raytrain_ddp.worker.runtime import RayTrainRuntime, Runtime
 from raytrain_ddp.worker.hooks import Hooks, load_hooks
+from raytrain_ddp.worker.failure import tell_driver
 from raytrain_ddp.worker.meter import RunLog
 from raytrain_ddp.worker.profiler import StepProfiler
 from raytrain_ddp.worker.state import build_state
 from raytrain_ddp.worker.step import NonFiniteAbort, validate
+from raytrain_ddp.timeline import WorkerStamps
 
 if TYPE_CHECKING:
     from raytrain_ddp.config import Config
@@ -51,20 +53,27 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     entered = time.time()  # the training function's start (a live newcomer says its timeline from here)
     # the run's recovery mode, this worker's half (recovery/table.py): it resumes, steps, and names the group
     recovery = recovery_table.worker_half(cfg).for_worker(job, runtime, entered)
+    stamps = WorkerStamps(rank.is_main, loop_config.get("startup_stamps"))  # the start-up timeline (timeline.py)
     try:
-        _train(job, cfg, rank, hooks, recovery, recovery.runtime)
+        _train(job, cfg, rank, hooks, recovery, recovery.runtime, stamps)
+    except Exception as exc:
+        tell_driver(job.mailbox, exc, rank.world_rank)  # whole, and whether a retry can help (failure.py)
+        raise
     finally:
         recovery.close()
 
 
 def _train(job: Job, cfg: "Config", rank: "Rank", hooks: Hooks, recovery: Union["Steady", "LiveSession"],
-           runtime: Runtime) -> None:
+           runtime: Runtime, stamps: WorkerStamps) -> None:
     data = WorkerData(cfg, job.spec, rank.world_rank, rank.world_size, rank.device, shards=runtime.shards())
+    stamps.mark("data_ready")
     total_steps = total_steps_of(cfg, data.steps_per_epoch)  # as the driver computes it (data/steps.py)
     state = build_state(job, rank, total_steps, recovery.wrapper_group())
     log = RunLog(job, rank, state, data, total_steps)  # records this attempt
+    stamps.mark("model_built")
     hooks.on_attempt(rank, log.attempt, state.module)
     checkpointer = recovery.resume(job, rank, state, log, hooks, data.accumulation_steps)
+    stamps.mark("state_restored")
     progress = state.progress
     profiler = StepProfiler(job, rank, state, total_steps)  # run.profile: a trace of a few steps
     with checkpointer.last_step_on_peer_loss():  # a worker dies: the survivors write the last step
@@ -75,6 +84,7 @@ def _train(job: Job, cfg: "Config", rank: "Rank", hooks: Hooks, recovery: Union[
                 for window in profiler.steps(data.train_windows(epoch, skip_steps=progress.steps_into_epoch)):
                     result = recovery.train_step(state, window, data.accumulation_steps, cfg.train, rank)  # counts it
                     hooks.after_step(progress.step)
+                    stamps.first_step_done(log.outbox)
                     log.step(result, progress.epoch_ended(data.steps_per_epoch))
                     if progress.step >= total_steps:
                         break

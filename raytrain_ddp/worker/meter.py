@@ -19,8 +19,10 @@ its all-reduces (naive, bucketed, native on CPU) `comm_ms` (gradient communicati
 step), `exposed_comm_ms` (the part of it the step waited for after backward) and
 `comm_overlap_fraction` (the part backward hid, 0..1),
 `checkpoint_blocked_s` (seconds the step loop waited for checkpoints since the previous
-line), `nonfinite_steps` (cumulative) and `attempt`. Validation lines carry `step`,
-`epoch`, `time`, `val_loss`, `val_accuracy` (classifiers, and token accuracy for lm:
+line), `steps_s` and `window_steps` (the wall seconds and the number of the optimizer steps
+since the previous line: what `raytrain-ddp goodput` adds up), `nonfinite_steps`
+(cumulative) and `attempt`. Validation lines carry `step`,
+`epoch`, `time`, `validation_s` (how long validation held the step loop), `val_loss`, `val_accuracy` (classifiers, and token accuracy for lm:
 `worker/step.accuracy_counts`), `val_perplexity` (lm) and `val_<name>` for each of the
 user's `train.metrics` (`worker/user_metrics.py`).
 """
@@ -100,6 +102,8 @@ class StepMeter:
             "data_wait_fraction": min(1.0, max(0.0, waited / seconds)),
             "allreduce_calls": (comm.get("allreduce_calls", 0) - self._comm_start.get("allreduce_calls", 0)) / steps,
             "allreduce_bytes": (comm.get("allreduce_bytes", 0) - self._comm_start.get("allreduce_bytes", 0)) / steps,
+            "steps_s": self._seconds,  # the window's step time in seconds (goodput.py adds them up)
+            "window_steps": self._steps,
         }
         if "comm_s" in comm:  # the wrapper times its all-reduces (see WrappedModel.comm_stats)
             comm_s = comm["comm_s"] - self._comm_start.get("comm_s", 0.0)
@@ -125,6 +129,7 @@ class Outbox:
         self.mailbox = mailbox if enabled else None
         self.attempt = 0
         self.seq = 0
+        self._durable, self._durable_ref = 0, None
 
     def start_attempt(self, record: dict[str, Any]) -> int:
         """This worker group's attempt number (1, 2, ...), counted by the driver's mailbox."""
@@ -144,6 +149,26 @@ class Outbox:
     def stop_requested(self) -> bool:
         """Whether the driver asked the run to stop (its Ctrl-C); False on ranks other than 0."""
         return bool(self._call("stop_requested", wait=True)) if self.mailbox is not None else False
+
+    def durable_step(self) -> int:
+        """The newest step whose lines the run directory durably holds, as the driver last said
+        for this attempt (0: not known). Never waits: the answer to the previous ask, if it has
+        come, and a new ask; so it may lag, never lead (a lower answer only carries more lines)."""
+        if self.mailbox is None:
+            return 0
+        fn = self.mailbox.durable_for
+        if not hasattr(fn, "remote"):  # an in-process mailbox
+            self._durable = int(self._call("durable_for", self.attempt, wait=True) or 0)
+            return self._durable
+        import ray
+
+        if self._durable_ref is not None:
+            ready, _ = ray.wait([self._durable_ref], timeout=0)
+            if not ready:
+                return self._durable
+            self._durable = max(self._durable, int(ray.get(ready[0]) or 0))
+        self._durable_ref = fn.remote(self.attempt)
+        return self._durable
 
     def _call(self, method: str, *args: Any, wait: bool) -> Any:
         fn = getattr(self.mailbox, method)
@@ -176,12 +201,12 @@ class RunLog:
         self._blocked_s = 0.0  # checkpoint time the step loop waited for, since the previous line
         self._tuning_said = False
         self._transport_said = False
+        self._paused_at = time.perf_counter()  # when the current pause (validation, a save) began
         # The lines made at the last completed step (train, validation), on every rank: a
         # survivor's copy of that step carries them, since rank 0's sends die with rank 0.
         self.step_lines: list[dict[str, Any]] = []
-        # Rank 0's lines since its last checkpoint: the next checkpoint carries them, so a
-        # driver killed before writing them (object stores flush about once a second) loses
-        # none -- the next run's driver takes those it lacks from the checkpoint it resumes.
+        # Rank 0's lines the driver has not said it wrote durably: every checkpoint carries
+        # them (`lines_to_save`), so a driver killed before writing them loses none.
         self.unsaved_lines: list[dict[str, Any]] = []
 
     def _record_attempt(self) -> int:
@@ -202,6 +227,8 @@ class RunLog:
         the lost worker may have been rank 0, whose last sends died with it.
         """
         self.outbox.send("resumed", step=step, origin=origin or {}, lines=list(lines or []))
+        if self.rank.is_main:  # carried on by the next checkpoints until the driver says it wrote them
+            self.unsaved_lines = [r for r in lines or [] if int(r.get("step", 0)) <= step]
         self.meter = StepMeter(self.job.cfg.train.global_batch_size, self.data.wait_seconds,
                                self.state.wrapper.comm_stats)
 
@@ -224,15 +251,18 @@ class RunLog:
         return math.nan if self._last_result is None else self._last_result.loss
 
     def validation(self, val: dict[str, float]) -> dict[str, float]:
-        if val:
-            self._line({"step": self.state.progress.step, "epoch": self._epochs(), "time": time.time(), **val})
+        if val:  # called inside `paused()`, right after validating: the pause so far is validation's
+            self._line({"step": self.state.progress.step, "epoch": self._epochs(), "time": time.time(),
+                        "validation_s": time.perf_counter() - self._paused_at, **val})
         self.outbox.flush()  # the epoch's lines are with the driver before its checkpoint
         return val
 
-    def checkpoint_saved(self, step: int, name: str, blocked_s: float) -> None:
-        """A checkpoint held the step loop for `blocked_s` (counted into the next train line)."""
+    def checkpoint_saved(self, step: int, name: str, blocked_s: float, preemption: bool = False) -> None:
+        """A checkpoint held the step loop for `blocked_s` (counted into the next train line);
+        `preemption`: the just-in-time save before one (the restart's cause, `goodput.py`)."""
         self._blocked_s += blocked_s
-        self.outbox.send("checkpoint", step=step, name=name, blocked_s=blocked_s)
+        self.outbox.send("checkpoint", step=step, name=name, blocked_s=blocked_s,
+                         **({"preemption": True} if preemption else {}))
 
     def stopped(self, step: int, name: str) -> None:
         """The driver asked to stop (Ctrl-C) and every rank stops after `step`, saved as `name`."""
@@ -252,6 +282,7 @@ class RunLog:
     def paused(self) -> Iterator[None]:
         """Validation and checkpoints count towards neither step time nor data wait."""
         self.meter.pause(self.data.wait_seconds)
+        self._paused_at = time.perf_counter()
         try:
             yield
         finally:
@@ -287,9 +318,13 @@ class RunLog:
             self.outbox.send("metrics", record=record)
 
     def lines_to_save(self) -> list[dict[str, Any]]:
-        """The lines a checkpoint of this step carries (rank 0's since the last one), handed over once."""
-        lines, self.unsaved_lines = self.unsaved_lines, []
-        return lines
+        """The lines a checkpoint of this step carries: every line of rank 0's that the run
+        directory may not durably hold yet (past the step the driver last said it wrote, for this
+        attempt). A driver killed before writing them (object stores are rewritten about once a
+        second) loses none: the next start takes them from the checkpoint it resumes."""
+        durable = self.outbox.durable_step()
+        self.unsaved_lines = [r for r in self.unsaved_lines if int(r.get("step", 0)) > durable]
+        return list(self.unsaved_lines)
 
     def _window(self) -> dict[str, Any]:
         blocked, self._blocked_s = self._blocked_s, 0.0

@@ -49,6 +49,10 @@ ALLREDUCE_NAMES = ("gloo:all_reduce", "nccl:all_reduce", "shm:all_reduce")  # sh
 # takes is the NCCL kernels' on the GPU (ncclDevKernel_AllReduce_..., ncclKernel_... by version).
 NCCL_KERNEL_PREFIX = "nccl"
 GPU_KERNEL_CATEGORIES = ("kernel",)
+# Kineto repeats each CPU-side label (ProfilerStep#, data, forward) on the GPU's timeline as a
+# `gpu_user_annotation` span (the kernels it launched): counting those would double the steps and
+# mix GPU time into the host's parts, so the step parts read CPU-side spans only (issue #41 item 5).
+GPU_ANNOTATION_CATEGORY = "gpu_user_annotation"
 
 
 class StepProfiler:
@@ -198,7 +202,7 @@ def summarize_trace(path: os.PathLike | str) -> dict[str, Any]:
     (name, ms over all recorded steps).
     """
     events = [e for e in json.loads(Path(path).read_text()).get("traceEvents", [])
-              if e.get("ph") == "X" and "dur" in e]
+              if e.get("ph") == "X" and "dur" in e and e.get("cat") != GPU_ANNOTATION_CATEGORY]
     steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")]
     n = max(1, len(steps))
 

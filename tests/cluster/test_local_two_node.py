@@ -344,7 +344,8 @@ def test_a_lost_node_costs_at_most_one_step_and_the_run_goes_on_with_the_survivo
 
     The survivor writes the last completed step, the GCS declares the node dead within its
     health-check window (1 s x 3, set by local-two-node.sh as by the cluster files), the
-    controller callback (driver/node_loss.py) waits for that before the new group is sized,
+    controller callback (driver/node_loss.py) waits for that before the new group is sized
+    (or finds it already declared, when Ray's health check came first; either is said),
     and the run goes on with one worker: <= 1 step redone, metrics 1..44 once, the same final
     parameters as the uninterrupted two-node run. Before the node-loss callback the new group
     was sized for both nodes and waited for Ray Train's 60 s start timeout (71 s measured).
@@ -390,7 +391,10 @@ def test_a_lost_node_costs_at_most_one_step_and_the_run_goes_on_with_the_survivo
     assert second["resumed_from"] == "replica" or resumed == last_before, attempts  # a checkpoint at the kill step
     if second["resumed_from"] == "replica":
         assert "written by surviving rank" in out, out[-4000:]
-    assert "does not answer; waiting for Ray to declare it dead" in out and "declared dead after" in out, out[-4000:]
+    # The loss is noticed and said, whichever of Ray's paths saw it first: the raylet does not
+    # answer (and is waited for), or the GCS already declared it dead by its missed health checks.
+    noticed = ("does not answer; waiting for Ray to declare it dead" in out) or ("was declared dead by Ray" in out)
+    assert noticed and "1 node(s) declared dead after" in out, out[-4000:]
     back = min(r["time"] for r in lines if r["attempt"] == 2) - killed_at
     print(f"node lost at step ~{seen}: resumed at {resumed} ({second['resumed_from']}), "
           f"next trained step {back:.1f}s after the kill")

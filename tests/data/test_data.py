@@ -54,7 +54,8 @@ def test_digits_export_roundtrip(tmp_path):
         ({"x": pa.array([[1.0, 2.0]] * 4), "label": pa.array([0, 1, 0, 1])}, "column 'y' (data.label) not found"),
         ({"x": pa.array([[1.0, 2.0]] * 4), "y": pa.array([0, None, 0, 1])}, "'y' (data.label) has 1 null"),
         ({"x": pa.array(["a", "b", "c", "d"]), "y": pa.array([0, 1, 0, 1])}, "'x' (data.features) has type string"),
-        ({"x": pa.array([[1.0, 2.0]] * 4), "y": pa.array([0.5, 1.0, 0.0, 1.0])}, "labels must be integers"),
+        ({"x": pa.array([[1.0, 2.0]] * 4), "y": pa.array([0.5, 1.0, 0.0, 1.0])}, "labels must be integers; to train on a "
+                                                                            "float target (regression), name the model's inputs with data.inputs"),
         ({"x": pa.array([[1.0, 2.0], [1.0], [1.0, 2.0], [3.0, 4.0]]), "y": pa.array([0, 1, 0, 1])}, "different lengths"),
         ({"x": pa.array([[1.0, 2.0]] * 4), "y": pa.array([0, -1, 0, 1])}, "negative"),
         ({"x": pa.array([], pa.list_(pa.float32())), "y": pa.array([], pa.int64())}, "zero rows"),

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import secrets
 import signal
 import socket
@@ -118,9 +119,69 @@ def ray_head(tmp_path):
         subprocess.run(["rm", "-rf", str(temp_dir)], check=False, timeout=60)
 
 
-def _submit(env: dict[str, str], *args: str, timeout_s: float) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(REPO / "examples" / "submit_quickstart.sh"), *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout_s)
+# The client lost its HTTP connection to the head's dashboard (http.client's RemoteDisconnected,
+# seen under the suite's own load, issue #42; or aiohttp's while it follows the logs): the job,
+# if it was created, runs on without it.
+CONNECTION_LOST = re.compile(r"RemoteDisconnected|Connection aborted|Connection reset|ConnectionResetError|"
+                             r"ConnectionRefusedError|Connection refused|ServerDisconnectedError|"
+                             r"ClientConnectorError|ClientOSError|Max retries exceeded")
+AUTH_REFUSED = re.compile(r"401|unauthorized|authentication", re.IGNORECASE)
+SUBMIT_TRIES = 3
+
+
+def _submit(env: dict[str, str], address: str, *args: str, timeout_s: float,
+            refused: bool = False) -> subprocess.CompletedProcess:
+    """examples/submit_quickstart.sh with a submission id of its own. A client that lost its
+    connection to the dashboard is not the job's outcome: the job is found again by its id
+    (`ray job status` / `ray job logs`, each retried) and its own end is returned; a job that
+    was never created is submitted again, at most `SUBMIT_TRIES` times in all. A submission
+    expected to be refused (`refused`) is retried only while its answer is a lost connection."""
+    deadline = time.monotonic() + timeout_s
+    for attempt in range(1, SUBMIT_TRIES + 1):
+        job_id = f"rtj-{secrets.token_hex(6)}"
+        done = subprocess.run(["bash", str(REPO / "examples" / "submit_quickstart.sh"), address, *args], cwd=REPO,
+                              env={**env, "SUBMISSION_ID": job_id}, capture_output=True, text=True,
+                              timeout=max(1.0, deadline - time.monotonic()))
+        text = done.stdout + done.stderr
+        if done.returncode == 0 or not CONNECTION_LOST.search(text) or (refused and AUTH_REFUSED.search(text)):
+            return done
+        print(f"job {job_id}: the client lost its connection to {address} (try {attempt}); asking the head",
+              file=sys.stderr)
+        if refused:
+            continue
+        found = _follow(env, address, job_id, deadline)
+        if found is not None:
+            return subprocess.CompletedProcess(done.args, found.returncode, done.stdout + found.stdout,
+                                               done.stderr + found.stderr)
+    return done
+
+
+def _job_cli(env: dict[str, str], address: str, *args: str, deadline: float) -> subprocess.CompletedProcess:
+    """`ray job ARGS`, run again (until `deadline`) while its own connection is what failed."""
+    while True:
+        out = subprocess.run([str(VENV_BIN / "ray"), "job", *args, "--address", address], env=env,
+                             capture_output=True, text=True, timeout=max(1.0, min(120.0, deadline - time.monotonic())))
+        if out.returncode == 0 or not CONNECTION_LOST.search(out.stdout + out.stderr) or time.monotonic() > deadline:
+            return out
+        time.sleep(2)
+
+
+def _follow(env: dict[str, str], address: str, job_id: str, deadline: float) -> subprocess.CompletedProcess | None:
+    """The job's own end, found by its id: None if the head never created it, else its logs and
+    final status line, with rc 0 if it succeeded."""
+    while True:
+        status = _job_cli(env, address, "status", job_id, deadline=deadline)
+        text = status.stdout + status.stderr
+        if "does not exist" in text:
+            return None
+        finished = re.search(rf"Job '{job_id}' (succeeded|failed|was stopped)", text)
+        if finished or time.monotonic() > deadline:
+            break
+        time.sleep(3)
+    logs = _job_cli(env, address, "logs", job_id, deadline=deadline + 60)
+    ok = bool(finished) and finished.group(1) == "succeeded"
+    return subprocess.CompletedProcess(status.args, 0 if ok else 1, logs.stdout + status.stdout,
+                                       logs.stderr + status.stderr)
 
 
 def test_job_submit_with_token_trains_and_without_token_is_refused(ray_head, tmp_path):
@@ -131,7 +192,7 @@ def test_job_submit_with_token_trains_and_without_token_is_refused(ray_head, tmp
     empty_home = tmp_path / "home"
     empty_home.mkdir()
     refused = _submit(_clean_env(HOME=str(empty_home), RAY_AUTH_MODE="disabled", **base),
-                      ray_head["address"], "name=refused", timeout_s=120)
+                      ray_head["address"], "name=refused", timeout_s=120, refused=True)
     assert refused.returncode != 0
     text = (refused.stdout + refused.stderr).lower()
     assert "401" in text or "unauthorized" in text or "authentication" in text, text[-2000:]
@@ -141,7 +202,7 @@ def test_job_submit_with_token_trains_and_without_token_is_refused(ray_head, tmp
     wrong = tmp_path / "wrong_token"
     wrong.write_text(secrets.token_hex(32))
     refused = _submit(_clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(wrong), **base),
-                      ray_head["address"], "name=refused", timeout_s=120)
+                      ray_head["address"], "name=refused", timeout_s=120, refused=True)
     assert refused.returncode != 0
 
     done = _submit(_clean_env(**ray_head["auth"], **base), ray_head["address"],

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from raytrain_ddp.rundir import read_metrics
+from raytrain_ddp.testing.timeline_checks import timeline_problems
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -85,6 +86,8 @@ def test_local_mode_trains_without_ray_stops_in_your_debugger_and_resumes(tmp_pa
     assert summary["status"] == "ok" and summary["steps"] == 30 and summary["workers"] == 1, summary
     lines = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in lines] == list(range(1, 31)) and lines[-1]["loss"] < lines[0]["loss"]
+    assert timeline_problems(run_dir, summary) == []  # the start-up timeline, without Ray (issue #39)
+    assert summary["startup"]["attempts"][0]["phases"]["ray"] == 0
 
     again = subprocess.run([*command[:-2], "train.max_steps=40", "run.log_every_steps=1"], cwd=tmp_path,
                            env={**env, "PYTHONBREAKPOINT": "0"},  # this time without stopping

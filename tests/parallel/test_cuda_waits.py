@@ -139,3 +139,27 @@ def test_auto_tuning_on_cuda_times_the_gpu_not_the_enqueue():
     span = GpuSpan(event=_Event)
     span.start()
     assert span.seconds() == pytest.approx(0.025) and log == ["record", "record", "synchronize"]
+
+
+def test_the_watch_thread_sets_the_ranks_cuda_device_first(monkeypatch):
+    """Issue #41 item 2: a new thread starts on CUDA device 0, so a watch that queried events
+    without `set_device` opened a context on GPU 0 for every local rank k > 0."""
+    import threading
+
+    calls: list[tuple[str, object]] = []
+    checked = threading.Event()
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append((threading.current_thread().name, d)))
+
+    class _Seen(_Work):
+        def is_completed(self) -> bool:
+            if threading.current_thread().name == "raytrain-collective-watch":
+                checked.set()
+            return False
+
+    watch = CollectiveWatch(report=lambda message: None, poll_s=0.01)
+    watch.track(_Seen(), "all-reduce of bucket 1/1", 60.0, 3, 4, device=torch.device("cuda", 3))
+    assert checked.wait(5), "the watch thread never looked at the work"
+    assert calls == [("raytrain-collective-watch", torch.device("cuda", 3))]  # before its first query
+    assert watch_module.thread_device(None) is None and watch_module.thread_device(torch.device("cpu")) is None
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 5)
+    assert watch_module.thread_device(torch.device("cuda")) == torch.device("cuda", 5)

@@ -70,3 +70,53 @@ def test_one_ranks_overflow_makes_every_rank_skip_together():
     for a, b in zip(r0["params"], r1["params"]):
         assert torch.equal(a, b)  # the later steps stepped (and all-gathered) on both
     assert not all(torch.equal(a, b) for a, b in zip(r0["params"], make_model(seed=1).float().parameters()))
+
+
+def _padding_only_ranks(world_rank: int, world_size: int) -> dict:
+    """One 2-element parameter over 3 ranks: rank 2's chunk is padding only (issue #41 item 4)."""
+    out: dict = {}
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(1, 1, bias=True)
+        wrapper = wrap_model(model, "zero1", bucket_cap_mb=1.0)
+        opt = wrapper.make_optimizer(lambda params: torch.optim.AdamW(params, lr=0.1, fused=fused))
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        items = {"n": 0}
+        real_item = torch.Tensor.item
+
+        def counted(self):
+            items["n"] += 1
+            return real_item(self)
+
+        scales, found = [], []
+        for step in range(3):
+            x = torch.full((4, 1), float("inf") if step == 0 and world_rank == 2 else 1.0 + world_rank)
+            loss = wrapper(x).square().mean()
+            scaler.scale(loss).backward()
+            torch.Tensor.item = counted
+            try:
+                scaler.step(opt)  # fused: found_inf goes to the kernel, never read on the host
+            finally:
+                torch.Tensor.item = real_item
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            scales.append(scaler.get_scale())
+        out[fused] = {"slices": len(opt._slices), "amp": opt._step_supports_amp_scaling, "items": items["n"],
+                      "scales": scales, "params": [p.detach().clone() for p in model.parameters()]}
+    return out
+
+
+def test_a_rank_with_only_padding_agrees_and_fused_steps_never_read_found_inf():
+    results = run_ranks(_padding_only_ranks, 3, timeout_s=90)
+    for fused in (False, True):
+        by_rank = [r[fused] for r in results]
+        assert [r["slices"] for r in by_rank] == [1, 1, 0]  # rank 2 holds padding only
+        assert [r["amp"] for r in by_rank] == [fused] * 3
+        for r in by_rank:  # rank 2's inf (in rank 0's and 1's chunks): everyone skipped and backed off
+            assert r["scales"] == [2.0**9, 2.0**9, 2.0**9], r
+            for a, b in zip(r["params"], by_rank[0]["params"]):
+                assert torch.equal(a, b)
+        if fused:
+            assert [r["items"] for r in by_rank] == [0, 0, 0]  # no host read of found_inf
+        else:
+            assert all(r["items"] > 0 for r in by_rank)  # torch's own path: it reads found_inf

@@ -232,15 +232,18 @@ def test_any_fault_sequence_then_the_same_command_continues_exactly(reference, t
             begun = re.search(r"resume +(?:from \S+ \(step (\d+)\)|fresh start)", out)
             assert begun and int(begun.group(1) or 0) == continues_at, tail
         continues_at = None
-        if code == 130:  # Ctrl-C: says where the next run starts
+        if code == 130:  # Ctrl-C: says where the next run starts, and never of a run already complete
             said = re.search(r"the same command continues from step (\d+)", out)
             assert said or "starts from the beginning" in out, tail
             continues_at = int(said.group(1)) if said else 0
+            assert continues_at < TOTAL, tail  # issue #44: its last step done, a run is complete (status ok)
         if code == 0:
             break
     else:
         pytest.fail("the run never completed:\n" + "\n".join(story))
     tail = "\n".join(story)
+    again = run_command(tmp_path, "seq", Invocation(), samples, len(story))  # before Ray: about a second
+    assert again["code"] == 0 and "is complete" in again["out"], tail + "\n" + again["out"][-2000:]
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["steps"] == TOTAL, (tail, summary)

@@ -29,7 +29,7 @@ from raytrain_ddp.driver.resume import (
     CONFIG_HISTORY_FILE, NothingToTrain, ResumeError, check_something_to_train, prune_checkpoints, record_config,
     resolve_resume, restore_config_if_untrained,
 )
-from raytrain_ddp.rundir import CONFIG_FILE
+from raytrain_ddp.rundir import CONFIG_FILE, read_metrics
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -128,6 +128,30 @@ def test_finished_run_rerun_exits_3_before_ray_and_keeps_its_config(tmp_path, ca
     # max_steps: the same rule counted in steps
     with pytest.raises(NothingToTrain, match=r"train\.max_steps=20\b.*train\.max_steps=40"):
         check_something_to_train(_cfg(tmp_path, "train.max_steps=20"), resolve_resume(trained, run_dir))
+
+
+def test_the_same_command_on_a_complete_run_exits_0_and_says_it_is_complete(tmp_path, capsys, no_ray):
+    """Issue #44: a job-retry policy that reruns until exit 0 stops here. A killed driver had
+    written neither the last step's metrics line nor summary.json: both are there after."""
+    trained = _cfg(tmp_path, "scaling.num_workers=2")
+    run_dir = tmp_path / "tiny"
+    line = {"step": 44, "epoch": 2.0, "time": 1.0, "loss": 0.25}
+    state = {"model": {}, "optimizer": {}, "schedule": {}, "progress": {"step": 44, "epoch": 2, "steps_into_epoch": 0},
+             "rng": ckpt.rng_state(), "run": {"world_size": 2, "fit_id": "a" * 32, "config": trained.to_yaml()}}
+    ckpt.save_checkpoint(run_dir / "checkpoint_00000044_e2s0_aaaaaaaa", state, lines=[line])
+    (run_dir / CONFIG_FILE).write_text(trained.to_yaml())
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({**line, "step": s}) + "\n" for s in range(1, 44)))
+
+    # the same command, with another worker count (how it runs, not what it trains)
+    assert main(["train", str(TINY), f"run.storage_path={tmp_path}", "scaling.num_workers=1"]) == 0
+    out = capsys.readouterr().out
+    assert "run 'tiny' is complete: trained to train.epochs=2" in out and "step 44" in out, out
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 45))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["steps"] == 44 and summary["final_metrics"]["loss"] == 0.25
+    assert check_something_to_train(trained, resolve_resume(trained, run_dir)) is True
+    assert main(["train", str(TINY), f"run.storage_path={tmp_path}"]) == 0  # and again: still complete
+    assert (run_dir / CONFIG_FILE).read_text() == trained.to_yaml()
 
 
 def test_model_change_hint_names_a_command_that_works(tmp_path):

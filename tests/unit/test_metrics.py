@@ -270,18 +270,65 @@ def test_a_checkpoint_carries_the_lines_since_the_previous_one_and_fills_a_kille
     assert records[0]["loss"] == 1.0 and records[2]["loss"] == pytest.approx(1 / 3)
 
 
-def test_rank0_hands_each_line_to_one_checkpoint():
+def test_rank0s_checkpoints_carry_each_line_until_the_driver_wrote_it():
+    """Issue #44: each checkpoint carries every line the driver has not said it wrote durably
+    (before, each line went into one checkpoint only, so a driver killed with two checkpoints
+    reported since its last write of metrics.jsonl lost the older one's lines)."""
     import types
 
     import torch
 
-    from raytrain_ddp.worker.meter import RunLog
+    from raytrain_ddp.driver.stream import LocalMailbox
+    from raytrain_ddp.worker.meter import Outbox, RunLog
 
+    mailbox = LocalMailbox()
     log = RunLog.__new__(RunLog)
     log.rank = types.SimpleNamespace(is_main=True)
     log.step_lines, log.unsaved_lines = [], []
-    log.outbox = types.SimpleNamespace(send=lambda *a, **k: None)
-    for step in (1, 2):
+    log.outbox = Outbox(mailbox)
+    log.outbox.attempt = 2
+    for step in (1, 2, 3):
         log._line({"step": step, "loss": torch.tensor(0.5)})
-    assert [r["step"] for r in log.lines_to_save()] == [1, 2] and log.lines_to_save() == []
+    assert [r["step"] for r in log.lines_to_save()] == [1, 2, 3]
+    assert [r["step"] for r in log.lines_to_save()] == [1, 2, 3]  # not written yet: carried again
+    mailbox.set_durable(1, 3)  # another attempt's history: says nothing about this one's lines
+    assert [r["step"] for r in log.lines_to_save()] == [1, 2, 3]
+    mailbox.set_durable(2, 2)
+    assert [r["step"] for r in log.lines_to_save()] == [3]
     assert log.step_lines[0]["loss"] == 0.5  # plain numbers, as metrics.jsonl holds them
+
+
+def test_the_recorder_says_how_far_metrics_jsonl_holds_the_attempt_after_its_resume(tmp_path):
+    from raytrain_ddp.driver.stream import LocalMailbox, Recorder
+
+    mailbox = LocalMailbox()
+    line = {"epoch": 0.1, "time": 1.0}
+    rec = Recorder(Location.parse(tmp_path / "run"), "fit1", [], mailbox)
+    rec.handle([{"kind": "attempt", "attempt": 1, "seq": 0, "record": {"fit_id": "fit1", "world_size": 2}}])
+    assert mailbox.durable_for(1) == 0  # no resume applied yet: the file may still hold lines it redoes
+    rec.handle([{"kind": "resumed", "attempt": 1, "seq": 1, "step": 0, "origin": {}, "lines": []},
+                *({"kind": "metrics", "attempt": 1, "seq": s + 1, "record": {**line, "step": s, "loss": 1.0}}
+                  for s in (1, 2))])
+    assert mailbox.durable_for(1) == 2 and mailbox.durable_for(2) == 0
+    rec.stop()
+
+
+def test_recover_lines_puts_a_killed_drivers_unwritten_lines_back_in_step_order(tmp_path):
+    import json
+
+    from raytrain_ddp import checkpoint as ckpt
+    from raytrain_ddp.driver.stream import recover_lines
+    from raytrain_ddp.rundir import read_metrics
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 4)))
+    state = {"model": {}, "optimizer": {}, "progress": {"step": 5, "epoch": 0}, "run": {"fit_id": "f"}}
+    state.update({k: {} for k in ckpt.REQUIRED_KEYS if k not in state})
+    carried = [{"step": s, "loss": 0.5} for s in (3, 4, 5, 6)] + [{"step": 5, "val_loss": 0.2}]
+    where = ckpt.save_checkpoint(run / "checkpoint_00000005", state, lines=carried)
+    assert recover_lines(Location.parse(run), where) == 3  # 3, 5 and 5's validation; 4 is there, 6 is past it
+    records = read_metrics(run)
+    assert [(r["step"], "val_loss" in r) for r in records] == \
+        [(1, False), (2, False), (3, False), (4, False), (5, False), (5, True)]
+    assert records[3]["loss"] == 1.0 and recover_lines(Location.parse(run), where) == 0

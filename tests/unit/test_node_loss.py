@@ -65,3 +65,30 @@ def test_only_a_restart_triggers_the_check():
     watch._settle = lambda: 1 / 0  # type: ignore[method-assign]
     watch.after_controller_state_update(RunningState(), RestartingState())  # never fails the controller
 
+
+
+def test_a_node_ray_declared_dead_before_the_restart_is_said_and_counted(monkeypatch, capsys):
+    """Ray's own health check may declare the node dead before the controller restarts the
+    group (issue #42: the raylet's missed heartbeats came first): the loss is said all the same."""
+    from raytrain_ddp.driver import node_loss
+
+    class RunningState:
+        pass
+
+    class RestartingState:
+        pass
+
+    refreshed = []
+    monkeypatch.setattr(node_loss, "refresh_coordinator", lambda: refreshed.append(1) or True)
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        views = iter([[_node("a", port), _node("b", port)], [_node("a", port), _node("b", port, alive=False)]])
+        watch = NodeLossWatch(list_nodes=lambda: next(views))
+        watch.after_controller_state_update(RunningState(), RunningState())  # remembers a and b alive
+        watch.after_controller_state_update(RunningState(), RestartingState())  # b declared dead since
+    out = capsys.readouterr().out
+    assert "node 127.0.0.1:%d (b) was declared dead by Ray" % port in out, out
+    assert "1 node(s) declared dead after" in out and "does not answer" not in out, out
+    assert refreshed == [1]

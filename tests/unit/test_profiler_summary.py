@@ -45,3 +45,21 @@ def test_cpu_trace_is_read_as_before(tmp_path):
     summary = summarize_trace(_write(tmp_path, events))
     assert summary["all-reduce"] == pytest.approx(3.0) and summary["all-reduce_source"] == "host spans"
     assert "gpu_busy" not in summary
+
+
+def test_gpu_side_copies_of_our_labels_are_not_counted_twice(tmp_path):
+    """Issue #41 item 5: a real Kineto trace repeats ProfilerStep#, data and forward as
+    `gpu_user_annotation` spans on the GPU's timeline; only the CPU-side ones count."""
+    cpu = [_span("ProfilerStep#1", 0, 10_000, cat="user_annotation"), _span("data", 0, 1_000, cat="user_annotation"),
+           _span("forward", 1_000, 3_000, cat="user_annotation"),
+           _span("ProfilerStep#2", 10_000, 10_000, cat="user_annotation"),
+           _span("data", 10_000, 1_000, cat="user_annotation"), _span("forward", 11_000, 3_000, cat="user_annotation")]
+    gpu = [_span(e["name"], e["ts"] + 500, e["dur"] * 2, cat="gpu_user_annotation", tid=7) for e in cpu]
+    kernels = [_span("void gemm_kernel<...>", 1_500, 2_000, cat="kernel", tid=7)]
+    summary = summarize_trace(_write(tmp_path, cpu + gpu + kernels))
+    assert summary["steps"] == 2
+    assert summary["step"] == pytest.approx(10.0) and summary["data"] == pytest.approx(1.0)
+    assert summary["forward"] == pytest.approx(3.0)
+    assert summary["gpu_busy"] == pytest.approx(1.0)  # 2 ms of kernels over 2 steps
+    assert all(name not in ("data", "forward") or ms == pytest.approx(2.0 if name == "data" else 6.0)
+               for name, ms in summary["top"])  # self time: host spans only

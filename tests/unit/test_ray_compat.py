@@ -97,6 +97,13 @@ def test_controller_callback_base():
         _gone("controller_callback_base", "ControllerCallback.after_controller_state_update(previous_state, current_state)")
 
 
+def test_worker_group_callback_base():
+    base = _attr("worker_group_callback_base", "ray.train.v2._internal.execution.callback:WorkerGroupCallback")
+    assert ray_compat.worker_group_callback_base() is base
+    for hook in ("before_worker_group_start", "before_init_train_context", "after_worker_group_start"):
+        assert callable(getattr(base, hook, None)), _gone("worker_group_callback_base", f"WorkerGroupCallback.{hook}")
+
+
 def test_worker_callback_base():
     base = _attr("worker_callback_base", "ray.train.v2._internal.execution.callback:WorkerCallback")
     assert ray_compat.worker_callback_base() is base
@@ -231,6 +238,14 @@ def test_token_notice_logger():
         _gone("token_notice_logger", f"the logger of {ray_compat.TOKEN_NOTICE_LOGGER}")
 
 
+def test_progress_notice_logger():
+    module = _attr("progress_notice_logger", ray_compat.PROGRESS_NOTICE_LOGGER)
+    assert ray_compat.progress_notice_logger() is logging.getLogger(module.__name__)
+    source = inspect.getsource(module)
+    assert "logging.getLogger(__name__)" in source and "Progress bars disabled" in source, \
+        _gone("progress_notice_logger", f"the logger of {ray_compat.PROGRESS_NOTICE_LOGGER}")
+
+
 def test_replace_worker_output_handler():
     dispatcher = _attr("replace_worker_output_handler", "ray._private.ray_logging:global_worker_stdstream_dispatcher")
     for method in ("add_handler", "remove_handler"):
@@ -350,3 +365,11 @@ def test_startup_timed_out():
         _gone("startup_timed_out", f"the message {ray_compat.STARTUP_TIMEOUT_TEXT!r} of ray/_private/node.py")
     assert ray_compat.startup_timed_out(Exception("The current node timed out during startup. This could ..."))
     assert not ray_compat.startup_timed_out(ValueError("anything else"))
+
+
+def test_tune_trial_stopping():
+    get_session = _attr("tune_trial_stopping", "ray.train._internal.session:get_session")
+    session_cls = _attr("tune_trial_stopping", "ray.train._internal.session:_TrainSession")
+    assert "self.stop_event.set()" in inspect.getsource(session_cls.finish), \
+        _gone("tune_trial_stopping", "_TrainSession.finish's stop_event.set()")
+    assert get_session() is None and ray_compat.tune_trial_stopping() is False  # outside a trial

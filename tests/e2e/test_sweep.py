@@ -1,0 +1,121 @@
+"""`raytrain-ddp sweep` end to end (issue #43), in one sweep run twice: Ctrl-C, then the same command.
+
+The acceptance sweep, shrunk to fit the suite: 6 trials over `train.lr` (loguniform) and
+the MLP's width on the quickstart's digits, ASHA, 1-worker trials, 2 at a time, 2
+epochs each. The CLI is interrupted (SIGINT to its process alone, as a terminal's
+Ctrl-C) once a trial has finished and another is past a checkpoint; the same command
+then runs the sweep to its end. Checked: the interrupted command exits 130; no finished
+trial runs again (its summary's fit is the same); the interrupted ones continue from
+their checkpoints (a second fit resumed past step 0) and their metrics.jsonl holds no
+step twice; the report ranks the trials by val_loss and names the stopped ones; the
+sweep leaves 0 placement groups; best.yaml retrained with `train` gives the best trial's
+val_loss bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from raytrain_ddp import checkpoint as ckpt
+from raytrain_ddp.rundir import Location, read_jsonl, read_metrics
+from raytrain_ddp.sweep.report import read_trials
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(2400)]
+
+REPO = Path(__file__).resolve().parents[2]
+SWEEP = REPO / "examples" / "configs" / "sweep.yaml"
+CLI = Path(sys.executable).parent / "raytrain-ddp"
+SMALL = ["train.epochs=2", "run.checkpoint_every_steps=5", "run.log_every_steps=5", "sweep.max_concurrent_trials=2"]
+
+
+def _summary(run_dir: Path) -> dict:
+    path = run_dir / "summary.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sweep")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RAYTRAIN_DDP_"))}
+    env.update(PYTHONUNBUFFERED="1")
+    command = [str(CLI), "sweep", str(SWEEP), f"run.storage_path={tmp / 'runs'}", *SMALL]
+    trials = tmp / "runs" / "sweep" / "trials"
+    log = open(tmp / "first.log", "wb")
+    proc = subprocess.Popen(command, env=env, cwd=tmp, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 1200
+        while proc.poll() is None and time.monotonic() < deadline:
+            dirs = [d for d in trials.iterdir() if d.is_dir()] if trials.exists() else []
+            done = [d for d in dirs if _summary(d).get("status") == "ok"]
+            midway = [d for d in dirs if not _summary(d) and ckpt.find_checkpoints(Location.parse(str(d)))]
+            if done and midway:
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, (tmp / "first.log").read_text()[-4000:]
+        os.kill(proc.pid, signal.SIGINT)
+        first_rc = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the group this test started
+            proc.wait(timeout=30)
+    before = {d.name: _summary(d) for d in trials.iterdir() if d.is_dir()}
+    second = subprocess.run(command, env=env, cwd=tmp, capture_output=True, text=True, timeout=1500)
+    yield tmp, first_rc, before, second
+
+
+def test_interrupted_sweep_continues_keeping_finished_trials(swept):
+    tmp, first_rc, before, second = swept
+    assert first_rc == 130, (tmp / "first.log").read_text()[-4000:]
+    assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
+    trials = tmp / "runs" / "sweep" / "trials"
+    finished_before = {name for name, s in before.items() if s.get("status") == "ok"}
+    resumed = []
+    for run_dir in (d for d in trials.iterdir() if d.is_dir()):
+        if run_dir.name in finished_before:  # not run again: the same fit wrote its summary
+            assert _summary(run_dir)["fit_id"] == before[run_dir.name]["fit_id"], run_dir.name
+        fits = [r for r in read_jsonl(run_dir / "attempts.jsonl")]
+        if len({r["fit_id"] for r in fits}) > 1:
+            resumed.append(max(int(r.get("resumed_step") or 0) for r in fits))
+        keys = Counter((r["step"], "loss" in r) for r in read_metrics(run_dir / "metrics.jsonl"))
+        assert not [k for k, n in keys.items() if n > 1], (run_dir.name, keys)
+    assert resumed and all(step > 0 for step in resumed), resumed  # from their checkpoints, not from scratch
+
+
+def test_report_ranks_names_the_stopped_and_leaves_no_placement_group(swept):
+    tmp, _, _, second = swept
+    where = tmp / "runs" / "sweep"
+    outcome = json.loads((where / "sweep.json").read_text())
+    assert outcome["status"] == "finished" and outcome["trials"] == 6, outcome
+    assert outcome["placement_groups_left"] == 0, outcome
+    rows = read_trials(Location.parse(str(where)), "val_loss", "min")
+    assert len(rows) == 6
+    best = [r["best"] for r in rows]
+    assert best == sorted(best), best
+    stopped = [r["trial"] for r in rows if r["status"] == "stopped early"]
+    assert all(r["status"] in ("finished", "stopped early") for r in rows), [r["status"] for r in rows]
+    assert f"{len(stopped)} stopped early ({', '.join(stopped) or 'none'})" in second.stdout
+    report = subprocess.run([str(CLI), "sweep", "--report", str(where)], capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0 and rows[0]["trial"] in report.stdout.splitlines()[1], report.stdout
+    assert (where / "curves.png").stat().st_size > 0
+
+
+def test_best_config_retrains_to_the_best_trials_val_loss_bit_for_bit(swept):
+    tmp = swept[0]
+    where = tmp / "runs" / "sweep"
+    best_row = next(r for r in read_trials(Location.parse(str(where)), "val_loss", "min") if r["status"] == "finished")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RAYTRAIN_DDP_"))}
+    out = subprocess.run([str(CLI), "train", str(where / "best.yaml")], env=env, cwd=tmp, capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    retrained = _summary(tmp / "runs" / "sweep-best")["final_metrics"]["val_loss"]
+    assert retrained == best_row["final"], (retrained, best_row)
