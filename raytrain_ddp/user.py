@@ -27,7 +27,7 @@ import pickle
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import numpy as np
 
@@ -35,6 +35,9 @@ from raytrain_ddp.config import BUILTIN_LOSSES, BUILTIN_MODELS, BUILTIN_OPTIMIZE
 from raytrain_ddp.data.columns import column_arrays, user_column_arrays, uses_own_data
 from raytrain_ddp.errors import UserError
 from raytrain_ddp.job import DataSpec
+
+if TYPE_CHECKING:
+    from raytrain_ddp.job import Job
 
 SAMPLE_ROWS = 8  # rows the driver pushes through preprocess, factory, forward and loss
 
@@ -108,7 +111,7 @@ class UserCode:
         return ray.cloudpickle.dumps(self)
 
     @staticmethod
-    def for_job(job: Any) -> "UserCode":
+    def for_job(job: "Job") -> "UserCode":
         """On a worker: the driver's resolved code, or (a job built by hand) the config's paths."""
         if job.user_code:
             return pickle.loads(job.user_code)

@@ -9,12 +9,15 @@ against the hardware. Must not touch: loading, the filesystem, torch.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 from raytrain_ddp.parallel import registry
 
+if TYPE_CHECKING:
+    from raytrain_ddp.config import Config
 
-def cross_field(cfg: Any) -> None:
+
+def cross_field(cfg: "Config") -> None:
     """Raise a ValueError naming the keys when `cfg` (a `Config`) is inconsistent."""
     valid = cfg.valid_worker_counts()
     if not valid:
@@ -40,7 +43,7 @@ def cross_field(cfg: Any) -> None:
         )
 
 
-def _check_launcher(cfg: Any) -> None:
+def _check_launcher(cfg: "Config") -> None:
     """scaling.launcher=torchrun: a fixed worker count of this machine, in-memory data."""
     if cfg.scaling.launcher != "torchrun":
         return
@@ -52,7 +55,7 @@ def _check_launcher(cfg: Any) -> None:
                          "reads through Ray Data; use data.sharding=exact")
 
 
-def _check_parallel(cfg: Any) -> None:
+def _check_parallel(cfg: "Config") -> None:
     """parallel.* against the strategy's row of the registry."""
     p = cfg.parallel
     spec = registry.get(p.strategy, "parallel.strategy")
@@ -68,7 +71,7 @@ def _check_parallel(cfg: Any) -> None:
                          f"{p.strategy!r} (it supports {', '.join(spec.precision)})")
 
 
-def batch_error(cfg: Any, num_workers: Optional[int] = None) -> str:
+def batch_error(cfg: "Config", num_workers: Optional[int] = None) -> str:
     g, b = cfg.train.global_batch_size, cfg.train.micro_batch_size
     lo, hi = (num_workers, num_workers) if num_workers else (cfg.scaling.min_workers, cfg.scaling.max_workers)
     span = math.lcm(*range(lo, min(hi, lo + _MAX_SUGGEST_SPAN) + 1))
@@ -89,7 +92,7 @@ def batch_error(cfg: Any, num_workers: Optional[int] = None) -> str:
     )
 
 
-def _elastic_error(cfg: Any, valid: list[int], invalid: list[int]) -> str:
+def _elastic_error(cfg: "Config", valid: list[int], invalid: list[int]) -> str:
     g, b = cfg.train.global_batch_size, cfg.train.micro_batch_size
     lo, hi = cfg.scaling.min_workers, cfg.scaling.max_workers
     every = math.lcm(*range(lo, min(hi, lo + _MAX_SUGGEST_SPAN) + 1)) * b

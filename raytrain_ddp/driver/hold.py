@@ -31,10 +31,13 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from raytrain_ddp.errors import UserError
 from raytrain_ddp.rundir import HOLD_FILE, Location, run_dir_of, unused_name
+
+if TYPE_CHECKING:
+    from raytrain_ddp.config import Config
 
 HEARTBEAT_S = 5.0  # the holder rewrites its heartbeat this often
 STALE_S = 20.0  # a hold whose heartbeat is older is taken over (four heartbeat periods)
@@ -74,7 +77,7 @@ class Holder:
                 f"last heartbeat {max(0.0, now - self.heartbeat):.0f} s ago")
 
 
-def refuse_if_held(cfg: Any) -> None:
+def refuse_if_held(cfg: "Config") -> None:
     """Raise `RunHeld` if a live fit holds `cfg`'s run directory (read only: the CLI asks
     this before importing torch and Ray, so a refusal takes about a second)."""
     run_dir = run_dir_of(cfg)
@@ -89,7 +92,7 @@ def held_live(run_dir: Location) -> bool:
     return held is not None and held.gone(time.time()) is None
 
 
-def take(cfg: Any, fit_id: str) -> "Hold":
+def take(cfg: "Config", fit_id: str) -> "Hold":
     """Hold `cfg`'s run directory for fit `fit_id`, or raise `RunHeld` naming its live holder."""
     run_dir = run_dir_of(cfg)
     loc = run_dir / HOLD_FILE
@@ -169,7 +172,7 @@ def _missing_dirs(run_dir: Location) -> list[Path]:
     return missing
 
 
-def _refusal(run_dir: Location, held: Holder, cfg: Any) -> str:
+def _refusal(run_dir: Location, held: Holder, cfg: "Config") -> str:
     return (f"run directory {run_dir} is held by a running fit: {held.describe(time.time())}; a hold ends with "
             f"its fit, at once when its pid is gone from this host, else {STALE_S:.0f} s after its last heartbeat. "
             f"Train under another name ({unused_name(cfg)}), wait for it to end, or once it has ended continue "

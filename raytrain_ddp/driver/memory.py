@@ -17,15 +17,18 @@ of a worker OOM-killed in the middle of its first epoch.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from raytrain_ddp.errors import UserError
+
+if TYPE_CHECKING:
+    from raytrain_ddp.config import Config
 
 EXACT_COPIES = 3.0
 GiB = 1024 ** 3
 
 
-def check_exact_fits(cfg: Any, data_bytes: int, nodes: Optional[list[dict[str, Any]]] = None) -> None:
+def check_exact_fits(cfg: "Config", data_bytes: int, nodes: Optional[list[dict[str, Any]]] = None) -> None:
     """Raise a `UserError` when exact sharding's per-worker copy exceeds a worker's memory share.
 
     `nodes`: Ray's `ray.nodes()` (asked here when None); nothing is checked without them.
@@ -47,7 +50,7 @@ def check_exact_fits(cfg: Any, data_bytes: int, nodes: Optional[list[dict[str, A
         "or fewer workers per node (scaling.cpus_per_worker)")
 
 
-def worker_share(cfg: Any, nodes: list[dict[str, Any]]) -> Optional[tuple[float, float, int]]:
+def worker_share(cfg: "Config", nodes: list[dict[str, Any]]) -> Optional[tuple[float, float, int]]:
     """(bytes per worker, the node's memory, workers on it) on the smallest node that runs workers."""
     shares = []
     for node in nodes:

@@ -44,11 +44,14 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from raytrain_ddp.driver.resume import flatten
 from raytrain_ddp.errors import UserError
 from raytrain_ddp.rundir import TENSORBOARD_DIR, Location
+
+if TYPE_CHECKING:
+    from raytrain_ddp.config import Config
 
 SKIP = {"step", "epoch", "time", "attempt"}  # positions and bookkeeping, not curves
 PACKAGES = {"tensorboard": ("tensorboardX", "tensorboardX (installed with ray[train])"),
@@ -58,7 +61,7 @@ ENDED = {"ok": "FINISHED", "interrupted": "KILLED"}  # MLflow's statuses; anythi
 MLFLOW_BATCH = 100  # params per log_batch call (MLflow's limit; metrics allow 1000)
 
 
-def check_loggers(cfg: Any) -> None:
+def check_loggers(cfg: "Config") -> None:
     """A clear error, before Ray starts, when a logger's package is missing."""
     for logger in cfg.run.loggers:
         if logger in PACKAGES and importlib.util.find_spec(PACKAGES[logger][0]) is None:
@@ -66,7 +69,7 @@ def check_loggers(cfg: Any) -> None:
                             f"installed; pip install {PACKAGES[logger][0]}, or drop it from run.loggers")
 
 
-def make_sinks(cfg: Any, run_dir: Location, fit_id: str = "") -> list[Any]:
+def make_sinks(cfg: "Config", run_dir: Location, fit_id: str = "") -> list[Any]:
     sinks: list[Any] = []
     if "tensorboard" in cfg.run.loggers:
         sinks.append(TensorBoardSink(run_dir))
@@ -88,7 +91,7 @@ def scalars(line: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def config_tree(cfg: Any) -> dict[str, Any]:
+def config_tree(cfg: "Config") -> dict[str, Any]:
     """The config as plain nested data (what config.yaml holds)."""
     import yaml
 
@@ -140,7 +143,7 @@ class TensorBoardSink:
 class MlflowSink:
     committed_only = True
 
-    def __init__(self, cfg: Any, run_dir: Location, fit_id: str = "") -> None:
+    def __init__(self, cfg: "Config", run_dir: Location, fit_id: str = "") -> None:
         from mlflow import MlflowClient
         from mlflow.entities import Param
 
@@ -179,7 +182,7 @@ class WandbSink:
     committed_only = True
     EXIT_CODES = {"ok": 0, "interrupted": 255}  # wandb.finish's exit code; anything else 1 (failed)
 
-    def __init__(self, cfg: Any, run_dir: Location, fit_id: str = "") -> None:
+    def __init__(self, cfg: "Config", run_dir: Location, fit_id: str = "") -> None:
         import wandb
 
         config = {**config_tree(cfg), "raytrain_ddp": {"fit_id": fit_id, "run_dir": run_dir.uri}}

@@ -40,10 +40,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Sized
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from raytrain_ddp.parallel.base import WrappedModel
 
 PARTIAL_MODES = ("scale", "drop")
 
@@ -65,7 +68,7 @@ class AccumulationWindow:
     sequence must hold at most `expected`).
     """
 
-    def __init__(self, wrapper: Any, micro_batches: Iterable[Any], *, expected: int,
+    def __init__(self, wrapper: "WrappedModel", micro_batches: Iterable[Any], *, expected: int,
                  partial: str = "scale", count: Optional[Callable[[Any], int]] = None) -> None:
         if expected < 1:
             raise ValueError(f"expected={expected} micro-batches per window must be >= 1")
@@ -117,7 +120,7 @@ class AccumulationWindow:
         return self.size
 
 
-def accumulation_window(wrapper: Any, micro_batches: Iterable[Any], *, expected: int,
+def accumulation_window(wrapper: "WrappedModel", micro_batches: Iterable[Any], *, expected: int,
                         partial: str = "scale",
                         count: Optional[Callable[[Any], int]] = None) -> AccumulationWindow:
     """One optimizer step's micro-steps: all but the last under `wrapper.no_sync()`.

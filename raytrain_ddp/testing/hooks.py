@@ -56,11 +56,14 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from raytrain_ddp.testing.envspec import read_env_spec
 from raytrain_ddp.worker.hooks import HOOKS_ENV, Hooks
 from raytrain_ddp.worker.preemption import Signal
+
+if TYPE_CHECKING:
+    from raytrain_ddp.worker.context import Rank
 
 FAULT_ENV = "RAYTRAIN_DDP_FAULT"
 START_FAULT_ENV = "RAYTRAIN_DDP_FAULT_AT_START"
@@ -194,11 +197,11 @@ class TestHooks(Hooks):
         self.world_rank, self.attempt, self.next_step = 0, 1, 1
         self.world_size, self.rows = 1, []  # RAYTRAIN_DDP_SAMPLE_LOG
 
-    def on_start(self, rank: Any) -> None:
+    def on_start(self, rank: "Rank") -> None:
         if self.start_fault is not None:
             self.start_fault.strike_if_due(rank.world_rank, "start")
 
-    def on_attempt(self, rank: Any, attempt: int, module: Any) -> None:
+    def on_attempt(self, rank: "Rank", attempt: int, module: Any) -> None:
         if self.start_fault is not None:
             self.start_fault.strike_if_due(rank.world_rank, "joined")
         self.world_rank, self.attempt = rank.world_rank, attempt

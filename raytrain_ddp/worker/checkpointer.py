@@ -270,7 +270,7 @@ class Checkpointer:
 
 
 def report_checkpoint(state_dict: Optional[Any], metrics: dict[str, Any], name: str,
-                      asynchronous: bool = True, runtime: Any = None,
+                      asynchronous: bool = True, runtime: "Runtime" = None,
                       lines: Optional[list[dict[str, Any]]] = None) -> Optional[str]:
     """Hand one checkpoint to Ray Train: rank 0 passes `state_dict` (a callable), the others None.
 
@@ -325,7 +325,7 @@ def publish_orphaned_uploads(job: Job, run_dir: Location) -> list[Location]:
     return published
 
 
-def find_resume_state(job: Job, runtime: Any = None) -> Optional[tuple[dict, Any]]:
+def find_resume_state(job: Job, runtime: "Runtime" = None) -> Optional[tuple[dict, Any]]:
     """The state this worker group starts from, or None for a fresh start.
 
     First the newest valid checkpoint this fit wrote: the one Ray offers a restarted

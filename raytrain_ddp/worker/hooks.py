@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+if TYPE_CHECKING:
+    from raytrain_ddp.worker.context import Rank
 
 HOOKS_ENV = "RAYTRAIN_DDP_HOOKS"
 
@@ -20,10 +23,10 @@ HOOKS_ENV = "RAYTRAIN_DDP_HOOKS"
 class Hooks:
     """Called by every rank; each method is a no-op here."""
 
-    def on_start(self, rank: Any) -> None:
+    def on_start(self, rank: "Rank") -> None:
         """This worker's loop starts (a live replacement's too), before it joins any group."""
 
-    def on_attempt(self, rank: Any, attempt: int, module: Any) -> None:
+    def on_attempt(self, rank: "Rank", attempt: int, module: Any) -> None:
         """A worker group started (attempt 1, 2, ...); `module` is the bare model."""
 
     def after_step(self, step: int) -> None:

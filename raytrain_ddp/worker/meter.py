@@ -33,11 +33,15 @@ import asyncio
 import contextlib
 import math
 import time
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from raytrain_ddp.job import Job
 from raytrain_ddp.parallel.collectives import from_main
 from raytrain_ddp.worker.context import Rank
+
+if TYPE_CHECKING:
+    from raytrain_ddp.worker.state import TrainState
+    from raytrain_ddp.data.worker_data import WorkerData
 
 
 class StepMeter:
@@ -187,7 +191,7 @@ class RunLog:
     step and on an epoch's last step, averaged over the steps since the previous line.
     """
 
-    def __init__(self, job: Job, rank: Rank, state: Any, data: Any, total_steps: int) -> None:
+    def __init__(self, job: Job, rank: Rank, state: "TrainState", data: "WorkerData", total_steps: int) -> None:
         self.job, self.rank, self.state, self.data = job, rank, state, data
         self.total_steps = total_steps
         self.outbox = Outbox(getattr(job, "mailbox", None), enabled=rank.is_main)

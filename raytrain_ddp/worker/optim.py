@@ -20,11 +20,15 @@ import importlib
 import math
 import sys
 import threading
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
 from raytrain_ddp.config import TrainConfig
+
+if TYPE_CHECKING:
+    from raytrain_ddp.config import Config
+    from raytrain_ddp.user import UserCode
 
 
 OPTIMIZER_IMPORTS = ("torch._dynamo",)  # what torch's first Optimizer imports (add_param_group)
@@ -154,7 +158,7 @@ class UserSchedule:
                 self.scheduler.step()
 
 
-def build_schedule(optimizer: Any, cfg: Any, total_steps: int, code: Any) -> Any:
+def build_schedule(optimizer: Any, cfg: "Config", total_steps: int, code: "UserCode") -> Any:
     """The user's schedule (`code`: `raytrain_ddp.user.UserCode`) or a built-in one."""
     if code.schedule is None:
         return WarmupCosine.from_config(optimizer, cfg.train, total_steps)

@@ -32,10 +32,13 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from raytrain_ddp.job import Job
 from raytrain_ddp.worker.context import Rank
+
+if TYPE_CHECKING:
+    from raytrain_ddp.worker.state import TrainState
 
 PROFILE_DIR = "profile"
 SUMMARY_FILE = "summary.md"
@@ -55,7 +58,7 @@ GPU_ANNOTATION_CATEGORY = "gpu_user_annotation"
 class StepProfiler:
     """Records steps [start_step, start_step + steps) on rank 0; a no-op everywhere else."""
 
-    def __init__(self, job: Job, rank: Rank, state: Any, total_steps: int) -> None:
+    def __init__(self, job: Job, rank: Rank, state: "TrainState", total_steps: int) -> None:
         spec = job.cfg.run.profile
         self.job, self.rank, self.state, self.total_steps = job, rank, state, total_steps
         self.first, self.last = spec.start_step, spec.start_step + spec.steps - 1

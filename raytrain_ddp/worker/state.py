@@ -19,7 +19,7 @@ import contextlib
 import random
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional
 
 import numpy as np
 import torch
@@ -31,6 +31,9 @@ from raytrain_ddp.worker.context import Rank
 from raytrain_ddp.worker.optim import build_optimizer, build_schedule
 from raytrain_ddp.recovery import table as recovery_table
 from raytrain_ddp.worker.replica import LastStep
+
+if TYPE_CHECKING:
+    from raytrain_ddp.config import Config
 
 
 @dataclass
@@ -163,7 +166,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def wrap(module: torch.nn.Module, cfg: Any, rank: Rank, process_group: Any = None) -> Any:
+def wrap(module: torch.nn.Module, cfg: "Config", rank: Rank, process_group: Any = None) -> Any:
     """`module` wrapped for `cfg.parallel`. `process_group`: run.recovery=live's reconfigurable
     group (worker/live.py), which also re-wraps with this after each reconfiguration (shared
     memory works there too: its barrier is the group's all-reduce, so a dead peer fails it

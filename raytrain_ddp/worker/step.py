@@ -21,7 +21,7 @@ import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -30,6 +30,11 @@ from raytrain_ddp.parallel.base import broadcast_coalesced
 from raytrain_ddp.parallel.collectives import all_sum_, sum_over_ranks, union_over_ranks
 from raytrain_ddp.worker.context import Rank
 from raytrain_ddp.worker.state import TrainState
+
+if TYPE_CHECKING:
+    from raytrain_ddp.job import DataSpec
+    from raytrain_ddp.config.schema import TrainConfig
+    from raytrain_ddp.data.worker_data import WorkerData
 
 
 class NonFiniteAbort(Exception):
@@ -51,7 +56,7 @@ class StepResult:
         return self.loss_sum.item() / self.world_size
 
 
-def train_step(state: TrainState, window: list, accumulation_steps: int, train: Any, rank: Rank,
+def train_step(state: TrainState, window: list, accumulation_steps: int, train: "TrainConfig", rank: Rank,
                commit: Optional[Callable[[], None]] = None) -> StepResult:
     """One optimizer step over a window of micro-batches.
 
@@ -109,7 +114,7 @@ def _skip_step(state: TrainState, policy: Any) -> None:
 
 
 @torch.no_grad()
-def validate(state: TrainState, data: Any, rank: Rank, spec: Any) -> dict[str, float]:
+def validate(state: TrainState, data: "WorkerData", rank: Rank, spec: "DataSpec") -> dict[str, float]:
     """Loss, accuracy (`accuracy_counts`), perplexity (lm) and the user's `train.metrics` over
     the whole validation set, summed over ranks: exact, whatever the split of rows.
 

@@ -76,5 +76,5 @@ def test_config_and_recovery_read_the_registry():
     for spec in registry.STRATEGIES.values():  # every option that is a config key is named as one
         assert {o for o in spec.options if o in parallel_keys} <= parallel_keys
         load_config(None, [f"parallel.strategy={spec.name}"])
-    source = (PACKAGE / "worker" / "replica.py").read_text()
-    assert "REPLICATED = registry.REPLICATED" in source
+    source = (PACKAGE / "recovery" / "table.py").read_text()  # the recovery table reads the capability flag
+    assert "registry.get(cfg.parallel.strategy).replicated" in source
