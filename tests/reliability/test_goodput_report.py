@@ -46,14 +46,19 @@ def _train(tmp: Path, env: dict, *overrides: str) -> tuple[subprocess.Popen, obj
     return proc, log
 
 
-def _wait(proc: subprocess.Popen, timeout_s: float) -> float:
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
+def _wait(proc: subprocess.Popen, hold: Path, timeout_s: float) -> float:
+    """Wait for the process to end; returns when the fit let go of the run (hold.json deleted:
+    from then on no fit holds it -- what the process does after that, exiting, is idle time)."""
+    deadline, released = time.monotonic() + timeout_s, None
+    while proc.poll() is None and time.monotonic() < deadline:
+        if released is None and not hold.exists():
+            released = time.time()
+        time.sleep(0.02)
+    if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)  # the group this test started
         proc.wait(timeout=30)
         raise AssertionError(f"raytrain-ddp train still running after {timeout_s}s")
-    return time.time()
+    return released if released is not None else time.time()
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +79,7 @@ def faulted(tmp_path_factory):
             time.sleep(0.3)
         assert proc.poll() is None, (tmp / "train-0.log").read_text()[-4000:]
         os.kill(proc.pid, signal.SIGINT)
-        ended = _wait(proc, 180)
+        ended = _wait(proc, run_dir / "hold.json", 180)
         assert proc.returncode == 130, (tmp / "train-0.log").read_text()[-4000:]
     finally:
         if proc.poll() is None:
@@ -88,7 +93,7 @@ def faulted(tmp_path_factory):
     proc, log = _train(tmp, base, f"train.max_steps={stopped + MORE_STEPS}", "run.checkpoint_every_steps=auto",
                        "run.expected_mtbf_s=5")
     try:
-        finished = _wait(proc, 300)
+        finished = _wait(proc, run_dir / "hold.json", 400)
     finally:
         log.close()
     out = (tmp / "train-1.log").read_text()
@@ -105,7 +110,7 @@ def _rank0_steps(samples: Path) -> list[dict]:
 
 def test_buckets_add_up_to_the_wall_time_and_productive_is_the_kept_steps(faulted):
     rep = report(faulted["run_dir"])
-    wall = faulted["finished"] - faulted["started"]  # the first process's start -> the last one's exit
+    wall = faulted["finished"] - faulted["started"]  # the first process's start -> the last one's release
     assert sum(rep["buckets"].values()) == pytest.approx(rep["wall_s"], rel=1e-6)
     assert rep["wall_s"] == pytest.approx(wall, rel=0.01), (rep["wall_s"], wall)
     assert rep["buckets"]["other"] <= 0.01 * rep["wall_s"], rep["buckets"]
@@ -140,6 +145,7 @@ def test_redone_and_idle_are_the_injected_ones(faulted):
     redone = first_attempt[KILL_AT] - first_attempt[SAVE_EVERY]  # steps 6-8, thrown away by the resume at 5
     assert rep["buckets"]["redone"] == pytest.approx(redone, abs=0.5)
     assert rep["buckets"]["redone"] >= (KILL_AT - SAVE_EVERY) * DELAY_S
+    # the pause the test made: from fit 1 letting go of the run to fit 2's start
     assert rep["buckets"]["idle"] == pytest.approx(faulted["resumed"] - faulted["ended"], abs=0.5)
     assert rep["buckets"]["idle"] >= PAUSE_S - 0.5
 
@@ -165,7 +171,7 @@ def test_auto_cadence_is_youngs_interval_of_what_the_run_measured(faulted):
     assert match, faulted["out"][-3000:]
     chosen, mtbf = int(match.group(1)), float(match.group(2))
     # fit 1's observed MTBI (not run.expected_mtbf_s), with fit 2's start-up so far held too
-    assert before["mtbi_s"] <= mtbf <= before["mtbi_s"] + (faulted["finished"] - faulted["resumed"]) / 2
+    assert before["mtbi_s"] - 0.1 <= mtbf <= before["mtbi_s"] + (faulted["finished"] - faulted["resumed"]) / 2
     young = math.sqrt(2 * mtbf * before["save_stall_s"]) / before["step_s"]  # stall and step time: fit 1's
     assert abs(chosen - young) <= 1, (chosen, young, before["save_stall_s"], before["step_s"])
 
