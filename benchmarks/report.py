@@ -300,10 +300,17 @@ def _gpt_tables(gpt: dict[str, Any]) -> list[str]:
             _table(["variant", "tokens/s", "step ms", "MFU"], rows)]
 
 
+def _startup_tables(sec: dict[str, Any]) -> list[str]:
+    """The startup section's Targets table (issue #39), when it ran (the smoke preset skips it)."""
+    from benchmarks.startup import table_lines
+
+    return ["\n".join(table_lines(sec["figures"]))] if sec.get("figures") else []
+
+
 # The report's sections, in order: the results' key and its tables.
 _SECTIONS = (("strategies", _strategy_tables), ("accumulation", _accumulation_tables), ("memory", _memory_tables),
              ("ray_overhead", _ray_tables), ("checkpoint", _checkpoint_tables), ("ingest", _ingest_tables),
-             ("recovery", _recovery_tables), ("gpt", _gpt_tables))
+             ("recovery", _recovery_tables), ("startup", _startup_tables), ("gpt", _gpt_tables))
 
 
 def markdown(results: dict[str, Any]) -> str:

@@ -10,7 +10,8 @@ Sections (top-level JSON keys): `strategies`, `accumulation`, `memory` (bytes pe
 wire bytes and step time of bucketed / zero1 / fsdp), `ray_overhead`,
 `checkpoint` (how long a checkpoint holds the step loop, sync vs async upload), `ingest`,
 `recovery` (a SIGKILLed worker: steps redone and seconds back to training; the replica's
-per-step cost) on CPU; on CUDA `strategies` (world size 1: wrapper overhead, plus DataParallel), `gpt`
+per-step cost), `startup` (the first step, wall time and last step -> exit of the quickstart
+beside torchrun + torch DDP and a bare TorchTrainer, issue #39) on CPU; on CUDA `strategies` (world size 1: wrapper overhead, plus DataParallel), `gpt`
 (bf16 tokens/s, MFU) and `ingest` (Ray Data wait in a GPU training run). A failing
 section is recorded as `{"error": ...}`, the others still run, and the exit status is 1.
 """
@@ -46,7 +47,7 @@ def _section(results: dict, name: str, fn: Callable[[], dict]) -> None:
 
 
 def run_cpu(sizes: Sizes) -> dict[str, Any]:
-    from benchmarks import accumulation, checkpoint, ingest, memory, ray_overhead, recovery, strategies
+    from benchmarks import accumulation, checkpoint, ingest, memory, ray_overhead, recovery, startup, strategies
 
     results: dict[str, Any] = {}
     _section(results, "strategies", lambda: strategies.run(sizes, log=log))
@@ -68,6 +69,8 @@ def run_cpu(sizes: Sizes) -> dict[str, Any]:
     # health-check settings are part of what is measured). The smoke preset keeps only the
     # in-process overhead: two runs with a restart each cost ~2 min here.
     _section(results, "recovery", lambda: recovery.run(sizes, log=log, with_kill=sizes.name != "smoke"))
+    # Each system starts its own Ray (or none): after the shared instance, like recovery.
+    _section(results, "startup", lambda: startup.run(sizes, log=log))
     return results
 
 

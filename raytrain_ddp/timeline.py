@@ -145,7 +145,7 @@ class Timeline:
             self.flush()
         return max(0.0, now - last)
 
-    def finish(self, run_dir: Any, summary: Optional[dict[str, Any]]) -> None:
+    def finish(self, run_dir: Any, summary: Optional[dict[str, Any]], verbose: bool = False) -> None:
         """The fit is over (its Ray stopped): `end`, and summary.json's `startup` completed
         with the last step -> end time; printed under `--verbose`. Nothing if the run
         directory was never written (a refusal before the fit)."""
@@ -164,9 +164,7 @@ class Timeline:
                 (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
             except OSError:
                 pass
-        from raytrain_ddp.driver.ray_console import verbose
-
-        if verbose():
+        if verbose:
             for line in format_timeline(startup):
                 print(f"raytrain-ddp: {line}", flush=True)
 

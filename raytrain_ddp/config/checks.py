@@ -31,12 +31,25 @@ def cross_field(cfg: Any) -> None:
             "(each rank reads whole chunks)"
         )
     _check_parallel(cfg)
+    _check_launcher(cfg)
     # fp16 with zero1 / fsdp: the scaler's overflow verdict is the same on every rank
     # (zero1 agrees on non-finite shards, FSDP2's DTensor unscale all-reduces found_inf).
     if cfg.train.precision == "fp16" and not cfg.scaling.use_gpu:
         raise ValueError(
             "train.precision='fp16' needs scaling.use_gpu=true (CPU autocast supports bf16 only)"
         )
+
+
+def _check_launcher(cfg: Any) -> None:
+    """scaling.launcher=torchrun: a fixed worker count of this machine, in-memory data."""
+    if cfg.scaling.launcher != "torchrun":
+        return
+    if cfg.scaling.elastic or cfg.scaling.local:
+        raise ValueError("scaling.launcher=torchrun starts a fixed number of processes: set "
+                         f"scaling.num_workers to a count >= 1, not {cfg.scaling.num_workers}")
+    if cfg.data.sharding != "exact":
+        raise ValueError(f"scaling.launcher=torchrun reads the data in memory: data.sharding={cfg.data.sharding!r} "
+                         "reads through Ray Data; use data.sharding=exact")
 
 
 def _check_parallel(cfg: Any) -> None:

@@ -344,6 +344,13 @@ class ScalingConfig(_Section):
         "fit. Each resize restarts from the latest checkpoint, so keep it well above the "
         "checkpoint interval.",
     )
+    launcher: Literal["ray", "torchrun"] = Field(
+        "ray", description="How the workers start: 'ray' (Ray Train's TorchTrainer places them, on "
+        "one machine or a cluster) or 'torchrun' (this machine only: torch.distributed.run starts "
+        "scaling.num_workers processes and no Ray at all, as Ray Train's local mode runs; the same "
+        "loop, data and checkpoints, the same weights bit for bit; no fault tolerance, "
+        "data.sharding=exact only; docs/usage.md#torchrun).",
+    )
     placement_timeout_s: float = Field(
         600.0, ge=0.0,
         description="Seconds to wait for the cluster to place the worker group (a status line "

@@ -162,6 +162,12 @@ def run_training(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, 
             summary = run_local(cfg, start.run_dir, start.fit_id, start.resume_from, start.checked, start.code,
                                 timeline=start.timeline)
             return summary
+        if cfg.scaling.launcher == "torchrun":  # this machine's processes, no Ray (driver/torchrun.py)
+            from raytrain_ddp.driver.torchrun import run_torchrun
+
+            summary = run_torchrun(cfg, start.run_dir, start.fit_id, start.resume_from, start.checked, start.code,
+                                   timeline=start.timeline)
+            return summary
         started_here = connect_user_code(cfg, start.code)
         warn_local_storage(cfg)
         start.timeline.mark("ray")
@@ -172,7 +178,8 @@ def run_training(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, 
             import ray
 
             ray.shutdown()
-        start.timeline.finish(start.run_dir, summary)  # last step -> here: fit_end, summary.json's shutdown_s
+        # last step -> here: fit_end, summary.json's shutdown_s; printed under --verbose
+        start.timeline.finish(start.run_dir, summary, verbose=ray_console.verbose())
         start.held.release()  # after Ray: no worker of this fit writes any more
 
 

@@ -35,6 +35,7 @@ from raytrain_ddp.worker.profiler import StepProfiler
 from raytrain_ddp.worker.state import build_state
 from raytrain_ddp.worker.step import NonFiniteAbort, validate
 from raytrain_ddp.timeline import WorkerStamps
+from raytrain_ddp.worker.optim import preload_optimizer_imports
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
@@ -43,7 +44,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     cfg, rank, hooks = job.cfg, runtime.rank(), load_hooks()
     hooks.on_start(rank)
     live = session_for(job, runtime)  # run.recovery=live: survivors stay, a newcomer heals (live.py)
-    stamps = WorkerStamps(rank.is_main)  # the start-up timeline (timeline.py)
+    stamps = WorkerStamps(rank.is_main, loop_config.get("startup_stamps"))  # the start-up timeline (timeline.py)
+    preload_optimizer_imports()  # while the data loads (worker/optim.py)
     try:
         _train(job, cfg, rank, hooks, live, live.runtime, stamps)
     finally:

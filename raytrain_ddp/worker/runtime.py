@@ -7,7 +7,8 @@ data shards (`shards`), handing a checkpoint over (`report`), the checkpoint it 
 
 `RayTrainRuntime` is the product's normal host: `ray.train`'s context, dataset shards,
 report (Ray uploads the staging copy, in the background when asked) and checkpoints.
-`LocalRuntime` is `scaling.num_workers: 0` (issue #30): one process and no Ray at all --
+`LocalRuntime` is `scaling.num_workers: 0` (issue #30), and each rank of
+`scaling.launcher: torchrun` (`driver/torchrun.py`: rank 0 alone writes, as on Ray): no Ray at all --
 the driver's main thread runs the loop, shards are in-memory tables, a checkpoint is
 copied into the run directory right away, and nobody is ever preempted. So a
 `breakpoint()` in a model's forward stops in the user's terminal.
@@ -81,11 +82,13 @@ class LocalShard:
 class LocalRuntime:
     """`scaling.num_workers: 0`: the driver's process is the only rank (see the module docstring)."""
 
-    def __init__(self, shards: dict[str, LocalShard], run_dir: Location, device: torch.device) -> None:
+    def __init__(self, shards: dict[str, LocalShard], run_dir: Location, device: torch.device,
+                 rank: Optional[Rank] = None) -> None:
         self._shards, self._run_dir, self.device = shards, run_dir, device
+        self._rank = rank or Rank(0, 1, 0, device)  # a rank of `scaling.launcher=torchrun`'s group
 
     def rank(self) -> Rank:
-        return Rank(0, 1, 0, self.device)
+        return self._rank
 
     def shards(self) -> dict[str, Any]:
         return dict(self._shards)

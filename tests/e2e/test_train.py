@@ -14,6 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import load_config
@@ -94,6 +95,20 @@ def test_the_start_up_timeline_is_measured_phase_by_phase(finished_run):
     assert timeline_problems(Path(summary["run_dir"]), summary) == []
     phases = summary["startup"]["attempts"][0]["phases"]
     assert phases["ray"] > 0 and phases["workers_up"] > 0 and phases["first_step"] > 0, phases
+
+
+def test_torchrun_launcher_ends_on_the_ray_paths_weights_bit_for_bit(finished_run, tmp_path):
+    """scaling.launcher=torchrun (no Ray actors, driver/torchrun.py): the same loop, data and
+    checkpoints as the Ray fit above, so the same final state_dict, tensor for tensor."""
+    cfg, ray_summary = finished_run
+    summary = run_training(tiny(tmp_path, "torchrun", "scaling.launcher=torchrun"))
+    assert summary["status"] == "ok" and summary["steps"] == 44 and summary["workers"] == 2, summary
+    ours, theirs = (ckpt.load_checkpoint(s["checkpoint"])["model"] for s in (summary, ray_summary))
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours), [k for k in ours if not torch.equal(ours[k], theirs[k])]
+    for key in ("loss", "val_loss", "val_accuracy"):  # the timings differ, the numbers do not
+        assert summary["final_metrics"][key] == ray_summary["final_metrics"][key], key
+    assert timeline_problems(Path(summary["run_dir"]), summary) == []
 
 
 def test_resume_latest_continues_from_the_checkpoint_step(finished_run):

@@ -21,6 +21,7 @@ from _harness import BackgroundRun, tiny, train_lines, wait_for
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.rundir import read_metrics
 from raytrain_ddp.rundir import read_jsonl
+from raytrain_ddp.testing.timeline_checks import timeline_problems
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -57,6 +58,7 @@ def test_worker_sigkilled_mid_epoch_resumes_from_the_survivors_copy_and_loses_no
     assert json.loads((run_dir / "summary.json").read_text())["attempts"] == 2
     attempts = [r for r in read_jsonl(run_dir / "attempts.jsonl") if r["fit_id"] == summary["fit_id"]]
     assert [r["attempt"] for r in attempts] == [1, 2]
+    assert timeline_problems(run_dir, summary, attempts=2) == []  # the restart's start-up too (issue #39)
 
     lines = train_lines(run_dir)
     steps = [r["step"] for r in lines]

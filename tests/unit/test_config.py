@@ -61,6 +61,15 @@ def test_fp16_is_allowed_with_sharded_optimizer_state_on_gpu():
             load_config(None, [f"parallel.strategy={strategy}", "train.precision=fp16"])
 
 
+def test_torchrun_launcher_needs_a_fixed_count_and_exact_data():
+    for overrides, needle in ((["scaling.num_workers=[1,2]"], "scaling.num_workers"),
+                              (["scaling.num_workers=0"], "scaling.num_workers"),
+                              (["data.sharding=streaming"], "data.sharding=exact")):
+        with pytest.raises(ConfigError, match=needle):
+            load_config(None, ["scaling.launcher=torchrun", "train.global_batch_size=64", *overrides])
+    assert load_config(None, ["scaling.launcher=torchrun"]).scaling.launcher == "torchrun"
+
+
 def test_batch_error_suggests_valid_values():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["scaling.num_workers=3"])
@@ -93,6 +102,8 @@ def test_public_key_set_is_frozen():
         "run.max_failures", "run.resume",
         # issue #30: your optimizer, schedule and metrics
         "train.optimizer_kwargs", "train.no_decay", "train.schedule", "train.schedule_kwargs", "train.metrics",
+        # issue #39: the workers of one machine started by torchrun, no Ray
+        "scaling.launcher",
     }
     keys = set(config_keys())
     assert contract <= keys

@@ -1,0 +1,290 @@
+"""The `startup` section (issue #39): how soon the quickstart's first step comes, ours beside
+two references of the section's own on the same job, and the issue's Targets table.
+
+Owns: the runs (each a command of its own, timed from its start by this process), their
+order (rotated each round, so drift on a shared machine spreads over every system), the
+medians, the ratios (paired: taken within a round, then the median) and the table.
+Must not touch: the product (it runs `raytrain-ddp train` as a user does), any run
+directory but its temporary ones, any Ray instance but the head it starts.
+
+Systems, each on the quickstart (benchmarks/startup_refs.py holds the references):
+    ours_embedded   `raytrain-ddp train examples/configs/quickstart.yaml` (embedded Ray)
+    ours_joined     the same with RAY_ADDRESS set to a `ray start` head this section started
+                    (its own RAY_TMPDIR, stopped by process group at the end; not timed)
+    ours_torchrun   the same with scaling.launcher=torchrun (no Ray); its final weights are
+                    compared with ours_embedded's, tensor for tensor
+    torchrun_ref    `torchrun --nproc_per_node=2` + a plain torch DDP script
+    bare_trainer    a bare two-worker `TorchTrainer`: one DDP step of a linear layer
+Kill -> next step (replica, live) are the `recovery` section's figures; the table points there.
+
+`python -m benchmarks.startup [--quick]` runs this section alone (1 round with --quick, else 3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = REPO / "examples" / "configs" / "quickstart.yaml"
+SYSTEMS = ("ours_embedded", "ours_joined", "ours_torchrun", "torchrun_ref", "bare_trainer")
+RUN_TIMEOUT_S = 900
+# (figure, how it is computed, required, aim): "<system>.<metric>" or "<a>/<b>" (a paired ratio)
+TARGETS: tuple[tuple[str, str, Any, Any], ...] = (
+    ("first step, embedded Ray (s)", "ours_embedded.first_step_s", 14.0, 10.0),
+    ("first step / bare TorchTrainer's, same run", "ours_embedded.first_step_s/bare_trainer.first_step_s", 0.7, None),
+    ("first step, running Ray head (s after the driver starts)", "ours_joined.first_step_s", 10.0, 6.0),
+    ("first step, scaling.launcher=torchrun, no Ray (s)", "ours_torchrun.first_step_s", 6.0, None),
+    ("torchrun launcher's weights == the Ray path's", "ours_torchrun.same_weights", True, None),
+    ("wall time, embedded Ray (s)", "ours_embedded.wall_s", 20.0, 18.0),
+    ("last step -> exit (s)", "ours_embedded.last_to_exit_s", 2.0, None),
+    ("steady step / torchrun + torch DDP's", "ours_embedded.step_ms/torchrun_ref.step_ms", 1.10, None),
+    ("kill -> next trained step, replica (s)", "recovery", 6.0, None),
+    ("kill -> next trained step, live (s)", "recovery", 3.0, None),
+)
+
+
+def run(sizes: Any, log: Callable[[str], None] = print, rounds: Optional[int] = None) -> dict[str, Any]:
+    """Every system, `rounds` times (1 in --quick, 3 in full); the smoke preset skips it."""
+    if sizes.name == "smoke":
+        return {"skipped": "the smoke preset runs no fit (python -m benchmarks.startup --quick does)"}
+    rounds = rounds or (1 if sizes.name == "quick" else 3)
+    results: list[dict[str, dict[str, Any]]] = []
+    # short: Ray's socket paths under it must stay within AF_UNIX's 107 bytes
+    with tempfile.TemporaryDirectory(prefix="rtds_") as tmp, _ray_head(Path(tmp)) as address:
+        if address is None:
+            log(f"  startup: {type(_ray_head).__name__}: no head, ours_joined is skipped")
+        for number in range(rounds):
+            order = SYSTEMS[number % len(SYSTEMS):] + SYSTEMS[:number % len(SYSTEMS)]
+            one: dict[str, dict[str, Any]] = {}
+            for system in order:
+                where = Path(tmp) / f"r{number}_{system}"
+                where.mkdir()
+                try:
+                    one[system] = RUNNERS[system](where, address)
+                except Exception as exc:  # noqa: BLE001 - recorded; the other systems still run
+                    one[system] = {"error": f"{type(exc).__name__}: {str(exc)[-1500:]}"}
+                log(f"  startup round {number + 1}/{rounds}: {system} {_brief(one[system])}")
+            if "checkpoint" in one.get("ours_torchrun", {}) and "checkpoint" in one.get("ours_embedded", {}):
+                one["ours_torchrun"]["same_weights"] = same_weights(one["ours_torchrun"]["checkpoint"],
+                                                                    one["ours_embedded"]["checkpoint"])
+            results.append(one)
+    table = figures(results)
+    for line in table_lines(table):
+        log(line)
+    return {"rounds": results, "figures": table}
+
+
+def figures(rounds: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Each target's figure: the median over rounds (a ratio: of the per-round ratios)."""
+    out = []
+    for name, how, required, aim in TARGETS:
+        if how == "recovery":
+            out.append({"figure": name, "value": None, "required": required, "aim": aim,
+                        "note": "the recovery section's kill_to_next_step_s"})
+            continue
+        values = [v for v in (_value(r, how) for r in rounds) if v is not None]
+        if values and all(isinstance(v, bool) for v in values):
+            value: Any = all(values)
+        else:
+            value = statistics.median(values) if values else None
+        out.append({"figure": name, "value": value, "required": required, "aim": aim,
+                    "met": _met(value, required)})
+    return out
+
+
+def table_lines(table: list[dict[str, Any]]) -> list[str]:
+    lines = ["", "**Targets** (startup, issue #39)", "", "| figure | measured | required | aim | met |",
+             "|---|---|---|---|---|"]
+    for row in table:
+        value = row["value"]
+        shown = row.get("note", "-") if value is None else ("yes" if value is True else "no" if value is False
+                                                            else f"{value:.2f}")
+        met = {True: "yes", False: "NO", None: "-"}[row.get("met")]
+        lines.append(f"| {row['figure']} | {shown} | {_fmt(row['required'])} | {_fmt(row['aim'])} | {met} |")
+    return lines
+
+
+def _value(one: dict[str, dict[str, Any]], how: str) -> Any:
+    def get(ref: str) -> Any:
+        system, metric = ref.split(".")
+        return one.get(system, {}).get(metric)
+
+    if "/" in how:
+        a, b = (get(part) for part in how.split("/"))
+        return a / b if a is not None and b else None
+    return get(how)
+
+
+def _met(value: Any, required: Any) -> Optional[bool]:
+    if value is None:
+        return None
+    if isinstance(required, bool):
+        return value is required
+    return value <= required
+
+
+def _fmt(value: Any) -> str:
+    return "-" if value is None else ("yes" if value is True else f"{value:g}")
+
+
+def _brief(record: dict[str, Any]) -> str:
+    return " ".join(f"{k} {v:.2f}" for k, v in record.items() if isinstance(v, float))
+
+
+# ---------------------------------------------------------------- the runs
+
+
+def _timed(command: list[str], env: dict[str, str], cwd: Path) -> tuple[float, float, subprocess.CompletedProcess]:
+    started = time.time()
+    proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    ended = time.time()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[:6])} ... exited {proc.returncode}:\n{proc.stdout[-2000:]}\n"
+                           f"{proc.stderr[-3000:]}")
+    return started, ended, proc
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAYTRAIN_DDP_"))}
+    env.update(PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]), **extra)
+    return env
+
+
+def ours(where: Path, *overrides: str, env: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    """`raytrain-ddp train` on the quickstart, read back from its run directory."""
+    command = [sys.executable, "-m", "raytrain_ddp", "train", str(QUICKSTART), f"run.storage_path={where}",
+               "name=q", *overrides]
+    started, ended, _ = _timed(command, env or _env(), where)
+    return read_ours(where / "q", started, ended)
+
+
+def read_ours(run_dir: Path, started: float, ended: float) -> dict[str, Any]:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines() if line.strip()]
+    first = next(r["t"] for r in rows if r["phase"] == "first_step" and r["attempt"] == 1)
+    last = next(r["t"] for r in rows if r["phase"] == "last_step")
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    batch = 64  # the quickstart's global batch
+    step_ms = [1e3 * batch / r["samples_per_s"] for r in lines[1:] if r.get("samples_per_s")]
+    return {"first_step_s": first - started, "wall_s": ended - started, "last_to_exit_s": ended - last,
+            "step_ms": statistics.median(step_ms) if step_ms else None, "checkpoint": summary["checkpoint"],
+            "phases": summary["startup"]["attempts"][0]["phases"], "status": summary["status"]}
+
+
+def torchrun_ref(where: Path, address: Optional[str] = None) -> dict[str, Any]:
+    out = where / "ref.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
+               "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "benchmarks.startup_refs",
+               "torchrun", str(out)]
+    started, ended, _ = _timed(command, _env(OMP_NUM_THREADS="1"), REPO)
+    record = json.loads(out.read_text())
+    return {"first_step_s": record["first_step_t"] - started, "wall_s": ended - started,
+            "last_to_exit_s": ended - record["last_step_t"], "step_ms": statistics.median(record["step_ms"])}
+
+
+def bare_trainer(where: Path, address: Optional[str] = None) -> dict[str, Any]:
+    out = where / "bare.json"
+    started, ended, _ = _timed([sys.executable, "-m", "benchmarks.startup_refs", "bare", str(out)],
+                               _env(RAY_TMPDIR=str(where)), REPO)
+    record = json.loads(out.read_text())
+    return {"first_step_s": record["first_step_t"] - started, "wall_s": ended - started}
+
+
+RUNNERS: dict[str, Callable[[Path, Optional[str]], dict[str, Any]]] = {
+    "ours_embedded": lambda where, address: ours(where, env=_env(RAY_TMPDIR=str(where))),
+    "ours_joined": lambda where, address: ours(where, env=_env(RAY_ADDRESS=_required(address))),
+    "ours_torchrun": lambda where, address: ours(where, "scaling.launcher=torchrun"),
+    "torchrun_ref": torchrun_ref,
+    "bare_trainer": bare_trainer,
+}
+
+
+def _required(address: Optional[str]) -> str:
+    if not address:
+        raise RuntimeError("no ray start head to join (see the head's error above)")
+    return address
+
+
+def same_weights(a: str, b: str) -> bool:
+    """Two checkpoints' model state_dicts, tensor for tensor."""
+    import torch
+
+    from raytrain_ddp import checkpoint as ckpt
+
+    x, y = (ckpt.load_checkpoint(p)["model"] for p in (a, b))
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+class _ray_head:
+    """A `ray start --head` of this section's own (its own RAY_TMPDIR and free port), stopped
+    by its process group; never `ray stop`, which would stop every Ray of the machine."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp / "head"
+        self.proc: Optional[subprocess.Popen] = None
+        self.error = ""
+
+    def __enter__(self) -> Optional[str]:
+        """The head's address; None if it did not come up (`error` says why: ours_joined records it)."""
+        self.tmp.mkdir()
+        port, dash, client, nm, om, agent, agent_grpc, renv, metrics = (_free_port() for _ in range(9))
+        ray = str(Path(sys.executable).with_name("ray"))
+        env = _env(RAY_TMPDIR=str(self.tmp))
+        with open(self.tmp / "head.log", "w") as log:  # every port its own, as cluster/local-two-node.sh does
+            self.proc = subprocess.Popen(
+                [ray, "start", "--head", "--block", f"--port={port}", f"--temp-dir={self.tmp / 'ray'}",
+                 "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+                 f"--ray-client-server-port={client}", "--node-ip-address=127.0.0.1", f"--node-manager-port={nm}",
+                 f"--object-manager-port={om}", f"--dashboard-agent-listen-port={agent}",
+                 f"--dashboard-agent-grpc-port={agent_grpc}", f"--runtime-env-agent-port={renv}",
+                 f"--metrics-export-port={metrics}", "--num-cpus=4", "--num-gpus=0", "--disable-usage-stats"],
+                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        address = f"127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            probe = subprocess.run([ray, "status", f"--address={address}"], env=env, capture_output=True, timeout=120)
+            if probe.returncode == 0:
+                return address
+            time.sleep(1.0)
+        self.__exit__()
+        self.error = f"the section's ray start --head did not come up: {(self.tmp / 'head.log').read_text()[-1500:]}"
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        """The head's whole process group (raylet, GCS, workers), even if `ray start` itself ended."""
+        if self.proc is None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                continue
+            time.sleep(2.0 if sig == signal.SIGTERM else 0.0)
+        self.proc = None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+if __name__ == "__main__":
+    from benchmarks.common import FULL, QUICK
+
+    result = run(QUICK if "--quick" in sys.argv else FULL)
+    print(json.dumps(result["figures"], indent=1))

@@ -1,0 +1,217 @@
+"""`scaling.launcher: torchrun`: the workers of one machine started by `torch.distributed.run`,
+with no Ray at all (issue #39), the way Ray Train V2's local mode runs under torchrun.
+
+Owns: the driver's side (`run_torchrun`: the data read once in this process, the job and its
+rows handed to the ranks in one pickle, torchrun started in its own session, Ctrl-C, the
+summary) and each rank's (`rank_main`, run as `python -m raytrain_ddp.driver.torchrun`: the
+process group from torchrun's environment, then the same loop as every other host, through
+`worker/runtime.LocalRuntime`). Rank 0's records reach the driver's `Recorder` through a
+local socket (`MailboxServer` / `MailboxClient`, the calls of `stream.LocalMailbox`).
+Must not touch: the loop, the data's order (`ExactReader`: every rank gets the whole table,
+as on Ray under data.sharding=exact, so the weights are the Ray path's bit for bit), files.
+
+What it does not do, said in docs/usage.md#torchrun: restarts (a rank that dies ends the run:
+status failed; the same command resumes from the last checkpoint), elastic sizes, more than
+this machine, Ray Data's streaming or sharded paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from multiprocessing.connection import Client, Listener
+from typing import Any, Optional
+
+from raytrain_ddp.config import Config
+from raytrain_ddp.rundir import Location
+
+
+class MailboxServer:
+    """Serves a `LocalMailbox` to rank 0's process: one thread, one connection, calls in order."""
+
+    def __init__(self, mailbox: Any) -> None:
+        self.mailbox, self.authkey = mailbox, secrets.token_bytes(16)
+        self._listener = Listener(("127.0.0.1", 0), authkey=self.authkey)
+        self._thread = threading.Thread(target=self._serve, name="raytrain-ddp-torchrun-mailbox", daemon=True)
+        self._thread.start()
+
+    def client(self) -> "MailboxClient":
+        return MailboxClient(self._listener.address, self.authkey)
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn = self._listener.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: Any) -> None:
+        with conn:
+            while True:
+                try:
+                    method, args = conn.recv()
+                except (EOFError, OSError):
+                    return
+                conn.send(getattr(self.mailbox, method)(*args))
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+class MailboxClient:
+    """Rank 0's end: the mailbox's calls over the socket (picklable: it connects on first use)."""
+
+    def __init__(self, address: Any, authkey: bytes) -> None:
+        self.address, self.authkey = address, authkey
+        self._conn: Any = None
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"address": self.address, "authkey": self.authkey}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["address"], state["authkey"])  # type: ignore[misc]
+
+    def _call(self, method: str, *args: Any) -> Any:
+        with self._lock:
+            if self._conn is None:
+                self._conn = Client(self.address, authkey=self.authkey)
+            self._conn.send((method, args))
+            return self._conn.recv()
+
+    def attempt(self, record: dict[str, Any]) -> int:
+        return self._call("attempt", record)
+
+    def put(self, event: dict[str, Any]) -> None:
+        self._call("put", event)
+
+    def flush(self, attempt: int = 0, sent: int = 0, timeout_s: float = 10.0) -> bool:
+        return True  # every put was answered: it is queued
+
+    def stop_requested(self) -> bool:
+        return bool(self._call("stop_requested"))
+
+    def request_stop(self) -> None:
+        self._call("request_stop")
+
+
+def run_torchrun(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, checked: Any, code: Any,
+                 timeline: Any = None) -> dict[str, Any]:
+    """Train `cfg` on `scaling.num_workers` torchrun processes; returns the summary."""
+    from raytrain_ddp.data.ray_datasets import PreparedData
+    from raytrain_ddp.driver.console import ProgressPrinter
+    from raytrain_ddp.driver.fit import prepare, report
+    from raytrain_ddp.driver.local import ctrl_c_stops, local_data
+    from raytrain_ddp.driver.sinks import make_sinks
+    from raytrain_ddp.driver.stream import LocalMailbox, Recorder
+
+    shards, spec = local_data(cfg, checked, code)
+    job, _, total_steps = prepare(cfg, run_dir, fit_id, resume_from, checked, code, None,
+                                   prepared=PreparedData({}, spec, None))
+    mailbox = LocalMailbox()
+    server = MailboxServer(mailbox)
+    job = dataclasses.replace(job, mailbox=server.client())
+    recorder = Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir, job.fit_id)],
+                        mailbox, write_metrics="jsonl" in cfg.run.loggers, timeline=timeline)
+    if timeline is not None:
+        timeline.mark("ray", applies=False)
+        timeline.mark("datasets", applies=False)  # read in this process; the ranks get the rows
+        timeline.attach(run_dir)
+    started, status, error = time.time(), "ok", None
+    with tempfile.NamedTemporaryFile(prefix="raytrain_ddp_torchrun_", suffix=".pkl", delete=False) as handle:
+        pickle.dump({"job": job, "shards": shards, "run_dir": run_dir}, handle)
+    try:
+        with ctrl_c_stops(mailbox) as pressed:
+            proc = None
+            try:
+                with recorder:
+                    proc = subprocess.Popen(torchrun_command(cfg, handle.name), env=_rank_env(cfg),
+                                            start_new_session=True)  # Ctrl-C reaches this process only
+                    code_ = proc.wait()
+                if code_ != 0:
+                    status, error = "failed", f"a torchrun rank exited with code {code_} (its output is above)"
+                else:
+                    status = "interrupted" if pressed else "ok"
+            except KeyboardInterrupt:  # the second Ctrl-C: stop the ranks now
+                status = "interrupted"
+                if proc is not None and proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    proc.wait()
+    finally:
+        os.unlink(handle.name)
+        server.close()
+    return report(cfg, run_dir, job, recorder, status, error, started)
+
+
+def torchrun_command(cfg: Config, payload: str) -> list[str]:
+    """`python -m torch.distributed.run` on this machine, each rank running `rank_main`."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={cfg.scaling.num_workers}",
+            "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
+            "-m", "raytrain_ddp.driver.torchrun", payload]
+
+
+def _rank_env(cfg: Config) -> dict[str, str]:
+    """The ranks' environment: OMP_NUM_THREADS as Ray gives a worker of cpus_per_worker CPUs
+    (torchrun would set 1, and say so); a user's own value wins."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, int(cfg.scaling.cpus_per_worker))))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def rank_main(payload: str, stamps: Optional[dict[str, float]] = None) -> None:
+    """One rank: the process group from torchrun's environment, then the loop."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from raytrain_ddp.driver.launcher import process_group_timeout_s
+    from raytrain_ddp.worker.context import Rank, quiet_worker_console
+    from raytrain_ddp.worker.loop import train_loop_per_worker
+    from raytrain_ddp.worker.optim import preload_optimizer_imports
+    from raytrain_ddp.worker.runtime import LocalRuntime
+
+    preload_optimizer_imports()  # while the process group forms (issue #39)
+
+    stamps = dict(stamps or {}, workers_up=time.time())  # this process up, torch imported
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver asks for a stop through the mailbox
+    with open(payload, "rb") as handle:
+        given = pickle.load(handle)
+    job = given["job"]
+    cfg = job.cfg
+    world_rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", world_rank))
+    device = torch.device("cuda", local_rank) if cfg.scaling.use_gpu else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = process_group_timeout_s(cfg.parallel.collective_timeout_s, cfg.scaling.use_gpu)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout))
+    stamps["process_group"] = time.time()
+    quiet_worker_console()
+    rank = Rank(world_rank, world_size, local_rank, device)
+    try:
+        train_loop_per_worker({"job": job, "startup_stamps": stamps,
+                               "runtime": LocalRuntime(given["shards"], given["run_dir"], device, rank=rank)})
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    rank_main(sys.argv[1])

@@ -1,0 +1,63 @@
+"""The `startup` bench section's arithmetic and table (benchmarks/startup.py), on made-up
+rounds: no fit runs here (`python -m benchmarks.startup --quick` runs the real thing)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from benchmarks import startup
+from benchmarks.common import QUICK
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _round(ours_first: float, bare_first: float, ours_ms: float, ref_ms: float, same: bool = True) -> dict:
+    return {"ours_embedded": {"first_step_s": ours_first, "wall_s": ours_first + 6, "last_to_exit_s": 1.5,
+                              "step_ms": ours_ms},
+            "ours_joined": {"first_step_s": ours_first - 4},
+            "ours_torchrun": {"first_step_s": 5.0, "same_weights": same},
+            "torchrun_ref": {"first_step_s": 3.8, "step_ms": ref_ms},
+            "bare_trainer": {"first_step_s": bare_first}}
+
+
+def test_medians_paired_ratios_and_the_table_beside_each_target():
+    rounds = [_round(12.0, 20.0, 11.0, 10.0), _round(9.0, 10.0, 10.0, 10.0), _round(15.0, 30.0, 30.0, 10.0)]
+    table = {row["figure"]: row for row in startup.figures(rounds)}
+    assert table["first step, embedded Ray (s)"]["value"] == 12.0 and table["first step, embedded Ray (s)"]["met"]
+    # paired: the median of 0.6, 0.9, 0.5 -- not 12 / 20
+    assert table["first step / bare TorchTrainer's, same run"]["value"] == pytest.approx(0.6)
+    assert table["steady step / torchrun + torch DDP's"]["value"] == pytest.approx(1.1)
+    assert table["torchrun launcher's weights == the Ray path's"]["value"] is True
+    assert table["wall time, embedded Ray (s)"]["met"] is True and table["last step -> exit (s)"]["value"] == 1.5
+    assert table["kill -> next trained step, live (s)"]["value"] is None  # the recovery section's
+    assert len(table) == len(startup.TARGETS)
+    lines = startup.table_lines(list(table.values()))
+    assert "| first step, embedded Ray (s) | 12.00 | 14 | 10 | yes |" in lines
+    assert any(line.startswith("| kill -> next trained step, replica (s) | the recovery section") for line in lines)
+    rounds[1]["ours_torchrun"]["same_weights"] = False
+    assert {r["figure"]: r for r in startup.figures(rounds)}["torchrun launcher's weights == the Ray path's"]["met"] is False
+
+
+def test_a_run_directory_is_read_into_the_figures(tmp_path):
+    rows = [{"phase": "fit_start", "attempt": None, "t": 100.0}, {"phase": "first_step", "attempt": 1, "t": 108.0},
+            {"phase": "last_step", "attempt": None, "t": 113.0}]
+    (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0, "samples_per_s": sps}) + "\n"
+                                                    for s, sps in ((22, 10.0), (44, 6400.0), (66, 3200.0))))
+    (tmp_path / "summary.json").write_text(json.dumps({"checkpoint": "c", "status": "ok",
+                                                       "startup": {"attempts": [{"phases": {"cli": 1.0}}]}}))
+    got = startup.read_ours(tmp_path, started=99.0, ended=114.0)
+    assert got["first_step_s"] == 9.0 and got["wall_s"] == 15.0 and got["last_to_exit_s"] == 1.0
+    assert got["step_ms"] == pytest.approx(15.0)  # the median of 10 ms and 20 ms; the first line is left out
+    assert startup.run(dataclasses.replace(QUICK, name="smoke"))["skipped"]  # the suite's smoke preset runs no fit
+
+
+def test_the_suite_report_prints_the_table_when_the_section_ran():
+    from benchmarks import report
+
+    ran = report.markdown({"meta": {}, "startup": {"figures": startup.figures([_round(12.0, 20.0, 11.0, 10.0)])}})
+    assert "**Targets** (startup, issue #39)" in ran and "| wall time, embedded Ray (s) | 18.00 | 20 | 18 | yes |" in ran
+    assert "issue #39" not in report.markdown({"meta": {}, "startup": {"skipped": "smoke"}})
