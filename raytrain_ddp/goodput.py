@@ -176,13 +176,14 @@ def _status_from_summary(where: Location, fits: dict[str, Fit]) -> None:
 
 
 def _assign_lines(fits: list[Fit], lines: list[dict[str, Any]]) -> None:
-    """Each kept line to the attempt that made it: its number, registered last before the line."""
+    """Each kept line to the attempt that made it: its number (validation lines of older runs have
+    none: any number), registered last before the line."""
     attempts = sorted((a for f in fits for a in f.attempts), key=lambda a: a.time)
     for line in sorted(lines, key=lambda r: float(r.get("time", 0.0))):
-        t, number = float(line.get("time", 0.0)), int(line.get("attempt", 1) or 1)
+        t, number = float(line.get("time", 0.0)), line.get("attempt")
         owner = None
         for attempt in attempts:
-            if attempt.time <= t and attempt.number == number:
+            if attempt.time <= t and number in (None, attempt.number):
                 owner = attempt
         if owner is None:
             continue

@@ -22,7 +22,7 @@ step), `exposed_comm_ms` (the part of it the step waited for after backward) and
 line), `steps_s` and `window_steps` (the wall seconds and the number of the optimizer steps
 since the previous line: what `raytrain-ddp goodput` adds up), `nonfinite_steps`
 (cumulative) and `attempt`. Validation lines carry `step`,
-`epoch`, `time`, `validation_s` (how long validation held the step loop), `val_loss`, `val_accuracy` (classifiers, and token accuracy for lm:
+`epoch`, `time`, `validation_s` (how long validation held the step loop), `attempt`, `val_loss`, `val_accuracy` (classifiers, and token accuracy for lm:
 `worker/step.accuracy_counts`), `val_perplexity` (lm) and `val_<name>` for each of the
 user's `train.metrics` (`worker/user_metrics.py`).
 """
@@ -253,7 +253,7 @@ class RunLog:
     def validation(self, val: dict[str, float]) -> dict[str, float]:
         if val:  # called inside `paused()`, right after validating: the pause so far is validation's
             self._line({"step": self.state.progress.step, "epoch": self._epochs(), "time": time.time(),
-                        "validation_s": time.perf_counter() - self._paused_at, **val})
+                        "validation_s": time.perf_counter() - self._paused_at, "attempt": self.attempt, **val})
         self.outbox.flush()  # the epoch's lines are with the driver before its checkpoint
         return val
 

@@ -29,7 +29,7 @@ from raytrain_ddp.goodput import report
 from raytrain_ddp.rundir import Location, read_jsonl, read_metrics
 from raytrain_ddp.testing.hooks import ENABLE, FAULT_ENV, SAMPLE_LOG_ENV, STEP_DELAY_ENV
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(1500)]
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "configs" / "tiny.yaml"
@@ -46,14 +46,21 @@ def _train(tmp: Path, env: dict, *overrides: str) -> tuple[subprocess.Popen, obj
     return proc, log
 
 
-def _wait(proc: subprocess.Popen, timeout_s: float) -> float:
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
+def _wait(proc: subprocess.Popen, hold: Path, timeout_s: float) -> float:
+    """Wait for the process to end; returns when the fit let go of the run (hold.json deleted:
+    from then on no fit holds it -- what the process does after that, exiting, is idle time)."""
+    deadline, released, held = time.monotonic() + timeout_s, None, False
+    while proc.poll() is None and time.monotonic() < deadline:
+        there = hold.exists()
+        held = held or there
+        if released is None and held and not there:
+            released = time.time()
+        time.sleep(0.02)
+    if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)  # the group this test started
         proc.wait(timeout=30)
         raise AssertionError(f"raytrain-ddp train still running after {timeout_s}s")
-    return time.time()
+    return released if released is not None else time.time()
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +73,7 @@ def faulted(tmp_path_factory):
     started = time.time()
     proc, log = _train(tmp, first, "train.epochs=100", f"run.checkpoint_every_steps={SAVE_EVERY}")
     try:
-        deadline = time.monotonic() + 400
+        deadline = time.monotonic() + 600  # past it (a very busy machine): Ctrl-C where it is
         while proc.poll() is None and time.monotonic() < deadline:
             lines = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r and r.get("attempt") == 2]
             if lines and lines[-1]["step"] >= STOP_AFTER:
@@ -74,7 +81,7 @@ def faulted(tmp_path_factory):
             time.sleep(0.3)
         assert proc.poll() is None, (tmp / "train-0.log").read_text()[-4000:]
         os.kill(proc.pid, signal.SIGINT)
-        ended = _wait(proc, 180)
+        ended = _wait(proc, run_dir / "hold.json", 180)
         assert proc.returncode == 130, (tmp / "train-0.log").read_text()[-4000:]
     finally:
         if proc.poll() is None:
@@ -84,14 +91,17 @@ def faulted(tmp_path_factory):
     stopped = json.loads((run_dir / "summary.json").read_text())["steps"]
     before = report(run_dir)  # what fit 2's auto cadence may know
     time.sleep(PAUSE_S)
-    resumed = time.time()
-    proc, log = _train(tmp, base, f"train.max_steps={stopped + MORE_STEPS}", "run.checkpoint_every_steps=auto",
-                       "run.expected_mtbf_s=5")
-    try:
-        finished = _wait(proc, 300)
-    finally:
-        log.close()
-    out = (tmp / "train-1.log").read_text()
+    for _ in range(2):  # a machine so busy that the local Ray did not start: once more (it leaves no record)
+        resumed = time.time()
+        proc, log = _train(tmp, base, f"train.max_steps={stopped + MORE_STEPS}", "run.checkpoint_every_steps=auto",
+                           "run.expected_mtbf_s=5")
+        try:
+            finished = _wait(proc, run_dir / "hold.json", 400)
+        finally:
+            log.close()
+        out = sorted(tmp.glob("train-*.log"))[-1].read_text()
+        if not (proc.returncode == 2 and "the local Ray instance did not start" in out):
+            break
     assert proc.returncode == 0, out[-4000:]
     yield {"run_dir": run_dir, "samples": samples, "started": started, "ended": ended, "resumed": resumed,
            "finished": finished, "stopped": stopped, "before": before, "out": out, "tmp": tmp}
@@ -105,7 +115,7 @@ def _rank0_steps(samples: Path) -> list[dict]:
 
 def test_buckets_add_up_to_the_wall_time_and_productive_is_the_kept_steps(faulted):
     rep = report(faulted["run_dir"])
-    wall = faulted["finished"] - faulted["started"]  # the first process's start -> the last one's exit
+    wall = faulted["finished"] - faulted["started"]  # the first process's start -> the last one's release
     assert sum(rep["buckets"].values()) == pytest.approx(rep["wall_s"], rel=1e-6)
     assert rep["wall_s"] == pytest.approx(wall, rel=0.01), (rep["wall_s"], wall)
     assert rep["buckets"]["other"] <= 0.01 * rep["wall_s"], rep["buckets"]
@@ -136,10 +146,12 @@ def _last_run_of(steps: list[dict], row: dict) -> dict:
 def test_redone_and_idle_are_the_injected_ones(faulted):
     rep = report(faulted["run_dir"])
     steps = _rank0_steps(faulted["samples"])
-    first_attempt = {r["step"]: r["time"] for r in steps if r["attempt"] == 1 and r["step"] <= KILL_AT}
+    first_attempt = {r["step"]: r["time"] for r in steps  # fit 1's first worker group
+                     if r["attempt"] == 1 and r["step"] <= KILL_AT and r["time"] < faulted["ended"]}
     redone = first_attempt[KILL_AT] - first_attempt[SAVE_EVERY]  # steps 6-8, thrown away by the resume at 5
     assert rep["buckets"]["redone"] == pytest.approx(redone, abs=0.5)
     assert rep["buckets"]["redone"] >= (KILL_AT - SAVE_EVERY) * DELAY_S
+    # the pause the test made: from fit 1 letting go of the run to fit 2's start
     assert rep["buckets"]["idle"] == pytest.approx(faulted["resumed"] - faulted["ended"], abs=0.5)
     assert rep["buckets"]["idle"] >= PAUSE_S - 0.5
 
@@ -165,7 +177,7 @@ def test_auto_cadence_is_youngs_interval_of_what_the_run_measured(faulted):
     assert match, faulted["out"][-3000:]
     chosen, mtbf = int(match.group(1)), float(match.group(2))
     # fit 1's observed MTBI (not run.expected_mtbf_s), with fit 2's start-up so far held too
-    assert before["mtbi_s"] <= mtbf <= before["mtbi_s"] + (faulted["finished"] - faulted["resumed"]) / 2
+    assert before["mtbi_s"] - 0.1 <= mtbf <= before["mtbi_s"] + (faulted["finished"] - faulted["resumed"]) / 2
     young = math.sqrt(2 * mtbf * before["save_stall_s"]) / before["step_s"]  # stall and step time: fit 1's
     assert abs(chosen - young) <= 1, (chosen, young, before["save_stall_s"], before["step_s"])
 

@@ -107,4 +107,4 @@ def test_public_key_set_is_frozen():
     }
     keys = set(config_keys())
     assert contract <= keys
-    assert len(keys) == 77, sorted(keys - contract)
+    assert len(keys) == 78, sorted(keys - contract)
