@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, Any] = {"meta": machine(args.dry_run), "sections": {}}
     has_ray = ray_available()
+    write_all(out, results)  # the files exist from the start: a kill later leaves the last full set
     for name, cap, needs_ray in SECTIONS:
         left = deadline - time.monotonic() - RESERVE_S
         if needs_ray and not has_ray:
