@@ -76,6 +76,6 @@ fi
 
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 RAY_DEDUP_LOGS=1
-flags=(--out "$OUTDIR" --deadline-s "$(( $(left) - 5 ))")
+flags=(--out "$OUTDIR" --deadline-s "$(( $(left) - 10 ))")
 [[ $mode == dry ]] && flags+=(--dry-run)
 timeout --kill-after=5 "$(( $(left) ))" "$PY" -m benchmarks.gpu_run "${flags[@]}"
