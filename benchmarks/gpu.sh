@@ -45,16 +45,17 @@ if [[ $mode == prepare ]]; then
 fi
 
 PY=""
+need_cuda=1; [[ $mode == dry ]] && need_cuda=0
+probe="import sys, torch; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.cuda.is_available()); sys.exit(0 if torch.cuda.is_available() or not $need_cuda else 1)"
 for cand in "${PYTHON:-}" .venv/bin/python python3; do
   [[ -n "$cand" ]] && command -v "$cand" >/dev/null || continue
-  if [[ $mode == dry ]]; then check="import torch"; else check="import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; fi
-  if timeout 120 "$cand" -c "$check" 2>/dev/null; then PY="$cand"; break; fi
+  if seen=$(timeout 120 "$cand" -c "$probe" 2>/dev/null); then PY="$cand"; break; fi
 done
 if [[ -z "$PY" ]]; then
   echo "gpu.sh: no Python here has a torch that sees CUDA (tried \$PYTHON, .venv/bin/python, python3); --dry-run runs on CPU" >&2
   exit 2
 fi
-echo "gpu.sh: $PY: $("$PY" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available())')"
+echo "gpu.sh: $PY: $seen"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
 SITE="${GPU_SITE:-${TMPDIR:-/tmp}/raytrain-gpu-site}"
@@ -75,6 +76,6 @@ fi
 
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 RAY_DEDUP_LOGS=1
-flags=(--out "$OUTDIR" --deadline-s "$(( $(left) - 5 ))")
+flags=(--out "$OUTDIR" --deadline-s "$(( $(left) - 10 ))")
 [[ $mode == dry ]] && flags+=(--dry-run)
 timeout --kill-after=5 "$(( $(left) ))" "$PY" -m benchmarks.gpu_run "${flags[@]}"

@@ -133,8 +133,10 @@ def local(dry: bool) -> dict[str, Any]:
     gpu = [] if dry else ["scaling.use_gpu=true"]
     steps = 4 if dry else 60
     quick = ["examples/configs/quickstart.yaml", "scaling.num_workers=0", f"train.max_steps={steps}", *gpu]
-    gpt_model = (["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "data.seq_len=32"] if dry else
-                 ["model.d_model=512", "model.n_layers=4", "model.n_heads=8", "data.seq_len=256"])
+    gpt_model = (["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "data.synthetic.seq_len=16",
+                  "data.synthetic.num_classes=64"] if dry else
+                 ["model.d_model=512", "model.n_layers=4", "model.n_heads=8", "data.synthetic.seq_len=256",
+                  "data.synthetic.num_classes=8192"])
     gpt_run = ["model.name=gpt", "data.source=synthetic", "scaling.num_workers=0", "train.global_batch_size=16",
                "train.micro_batch_size=8", "run.checkpoint_every_steps=2", "name=gpu-gpt",
                "train.precision=" + ("bf16" if dry else "fp16"), *gpt_model, *gpu]
@@ -186,12 +188,20 @@ def _parity_rank(world_rank: int, world_size: int, dry: bool) -> dict[str, Any]:
                 opt.zero_grad(set_to_none=True)
                 nn.functional.cross_entropy(wrapped(x), y).backward()
                 opt.step()
-            state = wrapped.state_dict() if kind != "torch_ddp" else wrapped.module.state_dict()
-            params[kind] = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+            state = wrapped.module.state_dict()
+            params[kind] = {_plain(k): (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
                             for k, v in state.items()}
         except Exception as exc:  # noqa: BLE001 - one strategy's failure is its row, not the section's
             params[kind] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
     return params
+
+
+def _plain(key: str) -> str:
+    """A parameter's name without the wrappers' prefixes (`module.`, `wrapped.`, `_orig_mod.`)."""
+    parts = key.split(".")
+    while parts and parts[0] in ("module", "wrapped", "_orig_mod", "_fsdp_wrapped_module"):
+        parts = parts[1:]
+    return ".".join(parts)
 
 
 def ranks(dry: bool) -> dict[str, Any]:
@@ -207,6 +217,9 @@ def ranks(dry: bool) -> dict[str, Any]:
         for got in per_rank:
             if isinstance(got[kind], str) or isinstance(ref, str):
                 worst = got[kind] if isinstance(got[kind], str) else f"torch DDP: {ref}"
+                break
+            if set(got[kind]) != set(ref):
+                worst = f"parameter names differ: {sorted(set(got[kind]) ^ set(ref))[:4]}"
                 break
             worst = max(worst, max(float((got[kind][k].double() - ref[k].double()).abs().max()) for k in ref))
         figures[f"{kind} vs torch DDP, max |param diff|"] = worst

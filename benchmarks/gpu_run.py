@@ -31,7 +31,7 @@ NO_RAY = "not run: no Ray on this machine"
 # (name, cap in seconds on the GPU machine, needs Ray); the dry run shares the deadline.
 SECTIONS = (("ceilings", 40, False), ("strategies", 90, False), ("gpt", 90, False), ("local", 150, False),
             ("ranks", 60, False), ("ingest", 90, True))
-RESERVE_S = 8.0  # the last write and the table after the last section
+RESERVE_S = 20.0  # the last write (a PNG: matplotlib's import) and the table, on a loaded machine
 FILES = ("results-gpu.json", "results-gpu.md", "results-gpu.png", "gpu.log")
 
 
@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, Any] = {"meta": machine(args.dry_run), "sections": {}}
     has_ray = ray_available()
+    write_all(out, results)  # the files exist from the start: a kill later leaves the last full set
     for name, cap, needs_ray in SECTIONS:
         left = deadline - time.monotonic() - RESERVE_S
         if needs_ray and not has_ray:
@@ -167,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             log(f"== {name} (at most {min(cap, left):.0f}s)")
             results["sections"][name] = run_section(name, args.dry_run, min(cap, left), log)
-        write_all(out, results)
+            write_all(out, results)  # after every section that ran (a "not run" costs no rewrite)
+    write_all(out, results)
     failed = [n for n, d in results["sections"].items() if "error" in d]
     log(table(results))
     log(f"wrote {', '.join(str(out / f) for f in FILES)}" + (f"; failed: {failed}" if failed else ""))

@@ -27,13 +27,19 @@ def log(message: str) -> None:
 
 
 def meta(preset: str, device: str) -> dict[str, Any]:
-    import ray
     import torch
+
+    try:  # the torch-only sections run without Ray (the GPU machine has none)
+        import ray
+
+        ray_version = ray.__version__
+    except ImportError:
+        ray_version = "not installed"
 
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     return {
         "preset": preset, "device": device, "cpu_count": os.cpu_count(), "platform": platform.platform(),
-        "python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__,
+        "python": platform.python_version(), "torch": torch.__version__, "ray": ray_version,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "load_avg_at_start": list(load),
         "threads_note": "CPU: 2 gloo ranks x torch.set_num_threads(1) on this machine's cores",
         "ray_worker_niceness": os.environ.get(WORKER_NICENESS_ENV, "0 (set by the bench)"),
