@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
            "RAYTRAIN_DDP_SOAK_ROWS": str(rows_path), "RAYTRAIN_DDP_SOAK_TIMEOUT_S": "3600"}  # per seed
     started = time.monotonic()
     # Every seed runs (no -x); each gets an hour (the suite's 900 s was spent by a busy machine).
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", TEST], cwd=REPO, env=env)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", TEST],
+                          cwd=REPO, env=env)
     rows = [json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()]
     print(table(rows))
     passed = sum(r["result"] == "passed" for r in rows)
