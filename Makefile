@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-bench bench bench-quick compat clean
+.PHONY: demo test test-fast test-bench bench bench-quick compat clean soak
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,12 @@ demo: $(STAMP)
 TEST_JOBS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=30 -rfE -m "not bench_smoke" tests
+
+# The fault-sequence soak (not in `make test`): one row per seed, docs/reliability.md#fault-sequences.
+SEEDS ?= 0-19
+KINDS ?= s3,load,late
+soak: $(STAMP)
+	$(PY) -m benchmarks.soak --seeds $(SEEDS) --kinds $(KINDS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=15 -m "not ray and not bench" tests

@@ -22,12 +22,13 @@ from raytrain_ddp.errors import UserError
 
 EXIT_CODES = """\
 exit status:
-  0    trained (or the command succeeded)
+  0    trained (or the command succeeded); also the same command on a complete run
   1    the run ended without finishing: failed, aborted (non-finite policy) or unschedulable
        (see summary.json)
   2    bad input: config, data, checkpoint, a machine that cannot run it, or a run directory
        another live fit holds (one line names it)
-  3    nothing to train: the run's checkpoint is already at train.epochs / train.max_steps
+  3    nothing to train for this command: the run's checkpoint is already at train.epochs /
+       train.max_steps and the command asks for something else (another lr, a lower end)
   130  interrupted (Ctrl-C or SIGTERM); everything the run started is stopped
 """
 

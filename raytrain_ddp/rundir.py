@@ -46,6 +46,7 @@ TIMELINE_FILE = "timeline.jsonl"  # the start-up timeline (timeline.py)
 SUMMARY_FILE = "summary.json"
 ABORT_FILE = "abort.json"
 TENSORBOARD_DIR = "tensorboard"
+TRACKED_FILE = "trackers.json"  # {"step": T}: the trackers had every committed line up to T (driver/stream.py)
 CHECKPOINT_PREFIX = "checkpoint_"
 HOLD_FILE = "hold.json"
 OBJECT_STORE_SCHEMES = ("s3", "gs", "gcs", "abfs", "abfss", "hdfs")

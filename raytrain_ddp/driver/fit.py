@@ -19,11 +19,11 @@ from raytrain_ddp.data import steps as data_steps
 from raytrain_ddp.driver.console import final_metrics, print_plan, print_summary
 from raytrain_ddp.goodput import summary_figures
 from raytrain_ddp.driver.resume import prune_checkpoints, record_config, restore_config_if_untrained
-from raytrain_ddp.driver.stream import Recorder, recover_lines
+from raytrain_ddp.driver.stream import Recorder, line_key, tracked_step
 from raytrain_ddp.job import Job
 from raytrain_ddp.ray_compat import forget_earlier_fits
 from raytrain_ddp.rundir import (
-    ABORT_FILE, ATTEMPTS_FILE, METRICS_FILE, SUMMARY_FILE, Location, read_jsonl, read_metrics,
+    ABORT_FILE, ATTEMPTS_FILE, METRICS_FILE, SUMMARY_FILE, JsonlFile, Location, read_jsonl, read_metrics,
 )
 
 
@@ -44,7 +44,7 @@ def prepare(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, check
         forget_earlier_fits(run_dir)  # Ray's checkpoint history must never contradict ours (ray_compat.py)
     record_config(cfg, run_dir, resume_from, fit_id)  # config.yaml + config-history.jsonl (resume.py)
     if resume_from is not None:
-        recover_lines(run_dir, resume_from)  # the lines a killed driver had not written (stream.py)
+        recover_lines(run_dir, resume_from)  # the lines a killed driver had not written (below)
     for stale in (SUMMARY_FILE, ABORT_FILE):
         (run_dir / stale).delete()
 
@@ -96,16 +96,25 @@ def already_complete(cfg: Config, run_dir: Location, checkpoint: Any) -> dict[st
     manifest = ckpt.read_manifest(checkpoint)
     step = int(manifest.get("step", 0))
     recover_lines(run_dir, checkpoint)
+    trackers = [t for t in ("tensorboard", "mlflow", "wandb") if t in cfg.run.loggers]
+    if trackers and (tracked_step(run_dir) or 0) < step:  # a driver killed before its trackers had the end
+        from raytrain_ddp.driver.sinks import check_loggers, make_sinks
+
+        check_loggers(cfg)
+        fit = str(manifest.get("fit_id") or "")
+        Recorder(run_dir, fit, make_sinks(cfg, run_dir, fit), write_metrics=False).catch_up(step)
     try:
         summary = json.loads((run_dir / SUMMARY_FILE).read_text())
     except (OSError, ValueError):
         summary = {}
     if summary.get("status") != "ok" or summary.get("checkpoint_step") != step:
-        records = read_metrics(run_dir / METRICS_FILE)
+        records = read_metrics(run_dir / METRICS_FILE)  # the fit that trained the last step, as it would have said
+        attempts = [r for r in read_jsonl(run_dir / ATTEMPTS_FILE) if r.get("fit_id") == manifest.get("fit_id")]
         summary = {"status": "ok", "run_dir": str(run_dir), "steps": step,
                    "epochs": float(records[-1].get("epoch", 0)) if records else float(manifest.get("epoch", 0)),
-                   "attempts": 0, "final_metrics": final_metrics(records), "checkpoint": str(checkpoint),
-                   "checkpoint_step": step, "resumed_from": str(checkpoint), "workers": None, "elapsed_s": 0.0,
+                   "attempts": len(attempts), "final_metrics": final_metrics(records), "checkpoint": str(checkpoint),
+                   "checkpoint_step": step, "resumed_from": None,
+                   "workers": attempts[-1].get("world_size") if attempts else None, "elapsed_s": 0.0,
                    "fit_id": manifest.get("fit_id")}
         (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     end = f"train.max_steps={cfg.train.max_steps}" if cfg.train.max_steps is not None else f"train.epochs={cfg.train.epochs}"
@@ -165,3 +174,25 @@ def root_message(exc: BaseException) -> str:
     text = str(seen[-1]).strip()
     where = next((w for e in reversed(seen) if (w := in_user_code(e))), "")  # the user's file:line, if theirs
     return (text.splitlines()[-1] if text else type(seen[-1]).__name__) + where
+
+
+def recover_lines(run_dir: Location, checkpoint: Any) -> int:
+    """Before a fit (or the same command on a complete run): `metrics.jsonl` gets back the lines
+    up to the checkpoint's step that it lacks, from the checkpoint's manifest, which carries
+    every line the driver had not said it wrote (`RunLog.lines_to_save`); in step order.
+    Returns how many. So a driver SIGKILLed between a checkpoint and its next write of the file
+    (object stores: about once a second) loses no committed line, even after the last step."""
+    manifest = ckpt.read_manifest(checkpoint)
+    step = int(manifest.get("step", 0))
+    metrics = JsonlFile(run_dir / METRICS_FILE)
+    have = {line_key(r) for r in metrics.records}
+    missing = {line_key(r): r for r in manifest.get("lines", [])
+               if int(r.get("step", 0)) <= step and line_key(r) not in have}
+    if not missing:
+        return 0
+    metrics.append(missing.values())
+    metrics.sort(key=lambda r: (line_key(r)[0], line_key(r)[1] != "train"))
+    metrics.flush()
+    print(f"raytrain-ddp: metrics.jsonl: {len(missing)} line(s) up to step {step} taken back from {checkpoint} "
+          "(the driver that trained them ended before writing them)", flush=True)
+    return len(missing)

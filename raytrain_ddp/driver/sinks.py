@@ -99,10 +99,16 @@ def config_tree(cfg: "Config") -> dict[str, Any]:
 
 
 class TensorBoardSink:
+    """TensorBoard event files, written synchronously: tensorboardX's `EventsWriter` (what its
+    `SummaryWriter` writes through from a background queue, whose `flush` does not wait for the
+    queue). So after `flush()` the file holds every point handed over, which `trackers.json`
+    then says (driver/stream.py): a driver killed later loses none of them."""
+
     committed_only = True
 
     def __init__(self, run_dir: Location) -> None:
-        from tensorboardX import SummaryWriter
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.record_writer import directory_check
 
         self.target = run_dir / TENSORBOARD_DIR
         self._staging: Optional[Path] = None
@@ -111,22 +117,27 @@ class TensorBoardSink:
         else:
             self._staging = Path(tempfile.mkdtemp(prefix="raytrain_ddp_tb_"))
             logdir = self._staging
+        directory_check(str(logdir))
         # A suffix that sorts by time: two fits within one second must neither share a file
         # name (the second would overwrite the first) nor be read out of order.
-        self.writer = SummaryWriter(logdir=str(logdir), flush_secs=5, filename_suffix=f".{time.time_ns() // 1000}")
+        self.writer = EventsWriter(os.path.join(str(logdir), "events"), f".{time.time_ns() // 1000}")
 
     def fit_starts_at(self, step: int) -> None:
         """This fit redoes the steps after `step`: TensorBoard drops earlier fits' points from step + 1."""
         from tensorboardX.proto.event_pb2 import Event, SessionLog
 
-        self.writer._get_file_writer().add_event(
-            Event(step=step + 1, wall_time=time.time(), session_log=SessionLog(status=SessionLog.START)))
+        self.writer.write_event(Event(step=step + 1, wall_time=time.time(),
+                                      session_log=SessionLog(status=SessionLog.START)))
 
     def record(self, line: dict[str, Any]) -> None:
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.summary import scalar
+
         step, when = int(line.get("step", 0)), line.get("time")
+        when = float(when) if isinstance(when, (int, float)) else time.time()
         for tag, value in scalars(line).items():
             if math.isfinite(value):
-                self.writer.add_scalar(tag, value, global_step=step, walltime=when)
+                self.writer.write_event(Event(wall_time=when, step=step, summary=scalar(tag, value)))
 
     def flush(self) -> None:
         self.writer.flush()

@@ -41,7 +41,10 @@ holds an event back until every earlier one of its attempt was applied -- see `R
     {"kind": "error",     "record": {...}}   any rank's error, whole (`worker/failure.py`); not
                                              numbered: applied as it arrives
 The other way, the driver -> the workers: `request_stop` (Ctrl-C), which rank 0 reads at
-its step-boundary polls (`stop_requested`) and all ranks agree on.
+its step-boundary polls (`stop_requested`) and all ranks agree on; and `set_durable`
+(attempt, step) after each write of metrics.jsonl, which rank 0 asks for (`durable_for`)
+before a checkpoint: the lines past it travel in the checkpoint, so a killed driver loses
+none (`driver/fit.py: recover_lines` takes them back at the next start; docs/reliability.md#metrics-that-survive-a-killed-driver).
 """
 
 from __future__ import annotations
@@ -53,14 +56,14 @@ import threading
 import time
 from typing import Any, Optional
 
+from raytrain_ddp.driver.reorder import GAP_TIMEOUT_S, Reorder  # noqa: F401 - tests import them from here
 from raytrain_ddp.ray_compat import HEAD_NODE_RESOURCE
-from raytrain_ddp.rundir import ABORT_FILE, ATTEMPTS_FILE, METRICS_FILE, JsonlFile, Location
+from raytrain_ddp.rundir import ABORT_FILE, ATTEMPTS_FILE, METRICS_FILE, TRACKED_FILE, JsonlFile, Location
 
 logger = logging.getLogger(__name__)
 
 REMOTE_FLUSH_S = 1.0  # object stores: rewrite metrics.jsonl at most this often (one PUT each)
 FLUSH_TIMEOUT_S = 10.0  # rank 0's final flush waits at most this long for its puts to land
-GAP_TIMEOUT_S = 5.0  # an event missing this long is taken as lost: what waited behind it goes on
 
 
 class _Events:
@@ -222,62 +225,6 @@ def open_mailbox() -> Any:
     return actor.remote()
 
 
-class Reorder:
-    """Puts events back into the order rank 0 sent them, across `take`s.
-
-    An attempt's events are numbered 1, 2, ... (its `attempt` event, made by the mailbox
-    itself, is 0). `push` returns what can be applied now: the events that continue the
-    attempt's sequence, and none past a gap. A gap that stays open `gap_timeout_s` (an
-    event lost with its sender) releases what waited, in order; so does a newer attempt
-    (nothing of the old one can still be on its way) and `release_all` at the end.
-    Events of an attempt older than the newest pass straight through.
-    """
-
-    def __init__(self, gap_timeout_s: float = GAP_TIMEOUT_S, clock: Any = time.monotonic) -> None:
-        self.gap_timeout_s, self._clock = gap_timeout_s, clock
-        self.attempt = 0  # the newest attempt seen
-        self._next = 1  # the seq of its next event
-        self._held: dict[int, dict[str, Any]] = {}
-        self._gap_since: Optional[float] = None
-
-    def push(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        ready: list[dict[str, Any]] = []
-        for event in sorted(events, key=lambda e: (e.get("attempt", 0), e.get("seq", 0))):
-            attempt, seq = int(event.get("attempt", 0)), int(event.get("seq", 0))
-            if attempt > self.attempt:  # a new worker group: the old one sends nothing more
-                ready += self.release_all()
-                self.attempt, self._next = attempt, 1
-            if attempt < self.attempt or seq < self._next:
-                ready.append(event)
-            else:
-                self._held[seq] = event
-        before = self._next
-        while self._next in self._held:
-            ready.append(self._held.pop(self._next))
-            self._next += 1
-        if not self._held:
-            self._gap_since = None
-        elif self._gap_since is None or self._next != before:  # a gap opened, or the old one closed on a new one
-            self._gap_since = self._clock()
-        return ready + self.overdue()
-
-    def overdue(self) -> list[dict[str, Any]]:
-        """What waited behind a gap open longer than `gap_timeout_s` (else nothing)."""
-        if self._gap_since is None or self._clock() - self._gap_since < self.gap_timeout_s:
-            return []
-        logger.warning("record stream: event %d of attempt %d never arrived; going on without it",
-                       self._next, self.attempt)
-        return self.release_all()
-
-    def release_all(self) -> list[dict[str, Any]]:
-        """Everything held, in order, gaps skipped."""
-        ordered = [self._held[seq] for seq in sorted(self._held)]
-        if ordered:
-            self._next = max(self._held) + 1
-        self._held, self._gap_since = {}, None
-        return ordered
-
-
 class Recorder:
     """Driver side: takes the mailbox's events in a thread and hands them on.
 
@@ -295,7 +242,9 @@ class Recorder:
     replaces its held self), or the fit ended -- then handed over in step order, each
     (step, train|validation) at most once. The one exception, logged: a restart that falls
     back below a reported checkpoint (its asynchronous upload died with the worker) redoes
-    steps already handed over; those keep their first point.
+    steps already handed over; those keep their first point. After each flush
+    `trackers.json` says up to which step the trackers had every committed line; the next
+    fit hands them what a killed driver had not (`_catch_up_trackers`).
     """
 
     def __init__(self, run_dir: Location, fit_id: str, sinks: list[Any], mailbox: Any = None,
@@ -305,7 +254,10 @@ class Recorder:
         self._trackers = [s for s in self.sinks if getattr(s, "committed_only", False)]
         self._held: dict[tuple[int, str], dict[str, Any]] = {}  # lines the trackers have not had yet
         self._handed: set[tuple[int, str]] = set()  # (step, kind) the trackers have had in this fit
+        self._handed_up_to = 0  # the highest step of those
         self._fit_started = False  # the first `resumed` event: where this fit starts
+        self._tracked_before = tracked_step(run_dir) if self._trackers else None  # what earlier fits' trackers had
+        self._tracked_said: Optional[int] = self._tracked_before
         self.metrics = JsonlFile(run_dir / METRICS_FILE)
         self._lines = {_line_key(r) for r in self.metrics.records}  # (step, kind) of every line held
         self._fit_lines: set[tuple[int, str]] = set()  # those this fit made (earlier fits' are not its outcome)
@@ -423,9 +375,7 @@ class Recorder:
             self._held = {key: r for key, r in self._held.items() if key[0] <= step}
             if not self._fit_started:
                 self._fit_started = True
-                for sink in self._trackers:
-                    if hasattr(sink, "fit_starts_at"):
-                        self._call(sink, "fit_starts_at", step)
+                self._catch_up_trackers(step)
             elif any(key[0] > step for key in self._handed):
                 logger.warning("record stream: resumed at step %d, below a reported checkpoint; the trackers "
                                "keep their first point of the steps up to %d", step, max(k[0] for k in self._handed))
@@ -469,6 +419,29 @@ class Recorder:
                                   + float(event.get("blocked_s", 0.0)),
                                   **({"preempted": True} if event.get("preemption") else {})})
 
+    def _catch_up_trackers(self, step: int) -> None:
+        """This fit starts after `step`: the trackers drop earlier fits' points past what they
+        are known to hold (`trackers.json`, else `step`), and get the lines from there to
+        `step` that a killed driver had not handed them, from metrics.jsonl."""
+        since = step if self._tracked_before is None else min(self._tracked_before, step)
+        for sink in self._trackers:
+            if hasattr(sink, "fit_starts_at"):
+                self._call(sink, "fit_starts_at", since)
+        for record in sorted((r for r in self.metrics.records if since < int(r.get("step", 0)) <= step),
+                             key=lambda r: (_line_key(r)[0], _line_key(r)[1] != "train")):
+            self._handed.add(_line_key(record))
+            self._handed_up_to = max(self._handed_up_to, _line_key(record)[0])
+            for sink in self._trackers:
+                self._call(sink, "record", record)
+
+    def catch_up(self, step: int) -> None:
+        """The same command on a complete run (no fit): the trackers get the committed lines up
+        to `step` they lack, and their runs end ok."""
+        with self._lock:
+            self._catch_up_trackers(step)
+        self.flush(force=True)
+        self.close("ok")
+
     def _commit(self, step: Optional[int]) -> None:
         """Hand the trackers the held lines up to `step` (None: all), in step order, train first."""
         ready = sorted((key for key in self._held if step is None or key[0] <= step),
@@ -476,6 +449,7 @@ class Recorder:
         for key in ready:
             record = self._held.pop(key)
             self._handed.add(key)
+            self._handed_up_to = max(self._handed_up_to, key[0])
             for sink in self._trackers:
                 self._call(sink, "record", record)
 
@@ -497,6 +471,15 @@ class Recorder:
         self._say_durable()
         for sink in self.sinks:
             self._call(sink, "flush")
+        self._say_tracked()
+
+    def _say_tracked(self) -> None:
+        """After the trackers' flush: `trackers.json` says up to which step they had every
+        committed line, so the next fit hands them what a killed driver had not (`_catch_up_trackers`)."""
+        step = self._handed_up_to
+        if self._trackers and step and step != self._tracked_said:
+            self._tracked_said = step
+            (self.run_dir / TRACKED_FILE).write_text(json.dumps({"step": step}) + "\n")
 
     def _say_durable(self) -> None:
         """Tell rank 0 how far metrics.jsonl now durably holds the newest attempt's history, so
@@ -546,30 +529,6 @@ class Recorder:
                 "blocked_s_mean": round(sum(blocked) / len(blocked), 4), "blocked_s_max": round(max(blocked), 4)}
 
 
-def recover_lines(run_dir: Location, checkpoint: Any) -> int:
-    """Before a fit (or the same command on a complete run): `metrics.jsonl` gets back the lines
-    up to the checkpoint's step that it lacks, from the checkpoint's manifest, which carries
-    every line the driver had not said it wrote (`RunLog.lines_to_save`); in step order.
-    Returns how many. So a driver SIGKILLed between a checkpoint and its next write of the file
-    (object stores: about once a second) loses no committed line, even after the last step."""
-    from raytrain_ddp import checkpoint as ckpt
-
-    manifest = ckpt.read_manifest(checkpoint)
-    step = int(manifest.get("step", 0))
-    metrics = JsonlFile(run_dir / METRICS_FILE)
-    have = {_line_key(r) for r in metrics.records}
-    missing = {_line_key(r): r for r in manifest.get("lines", [])
-               if int(r.get("step", 0)) <= step and _line_key(r) not in have}
-    if not missing:
-        return 0
-    metrics.append(missing.values())
-    metrics.sort(key=lambda r: (_line_key(r)[0], _line_key(r)[1] != "train"))
-    metrics.flush()
-    print(f"raytrain-ddp: metrics.jsonl: {len(missing)} line(s) up to step {step} taken back from {checkpoint} "
-          "(the driver that trained them ended before writing them)", flush=True)
-    return len(missing)
-
-
 def _redone(records: list[dict[str, Any]], step: int) -> dict[str, Any]:
     """The lines past `step` that a resume drops: their steps are done again. Their step count,
     seconds (steps and validation) and the newest line's time go into the resuming attempt's line."""
@@ -584,3 +543,14 @@ def _redone(records: list[dict[str, Any]], step: int) -> dict[str, Any]:
 def _line_key(record: dict[str, Any]) -> tuple[int, str]:
     """A step has at most one train line (`loss`) and one validation line (`val_loss`)."""
     return int(record.get("step", 0)), "train" if "loss" in record else "validation"
+
+
+def tracked_step(run_dir: Location) -> Optional[int]:
+    """The step up to which the run's trackers had every committed line (`trackers.json`), if said."""
+    try:
+        return int(json.loads((run_dir / TRACKED_FILE).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+line_key = _line_key  # the same key, for the run directory's other readers (driver/fit.py)

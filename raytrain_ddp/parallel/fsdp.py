@@ -218,8 +218,9 @@ class FullyShardedDP(WrappedModel):
         moves it (no weight decay). FSDP2 reduce-scatters zeros for it instead
         (`set_reduce_scatter_unused_params`, needed while ranks differ). "Unused": none of its
         modules' forwards ran on any rank, and its gradient is zero on every rank (a parameter
-        read from another module's code got a real one). One small all-reduce (MAX) per step,
-        only with find_unused_parameters."""
+        read from another module's code got a real one). One small all-reduce (MAX) and one host
+        read of its result per step, only with find_unused_parameters (torch DDP's unused-parameter
+        map costs a copy per step too)."""
         if not self._owners:
             return
         device = self._owners[0][0].device
@@ -227,7 +228,8 @@ class FullyShardedDP(WrappedModel):
         for i, (param, names) in enumerate(self._owners):
             grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
             flags[i, 0] = float(any(n in self._ran for n in names))
-            flags[i, 1] = float(grad is not None and bool(grad.count_nonzero()))
+            if grad is not None:
+                flags[i, 1] = (grad != 0).any()  # on the device: no host sync per parameter
         self._ran.clear()
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._pg)
         for (param, _), (ran, nonzero) in zip(self._owners, flags.tolist()):

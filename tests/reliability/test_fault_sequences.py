@@ -22,11 +22,18 @@ Three properties are checked against one uninterrupted run of the same config:
 The suite runs the fixed seeds in `SEEDS` (each once failed or covers a distinct path);
 `RAYTRAIN_DDP_FAULT_SEEDS=0-19` runs others (docs/reliability.md quotes that run);
 `RAYTRAIN_DDP_FAULT_RECOVERY=live` runs every invocation with that `run.recovery`.
+`RAYTRAIN_DDP_FAULT_KINDS=s3,load,late` (the soak's, `benchmarks/soak.py`) adds fault kinds,
+drawn from a second stream so each seed's base plan stays what it is: `s3`, the run directory
+in a bucket (moto on 127.0.0.1) for the whole sequence; `load`, one CPU-bound process per core
+during an invocation; `late`, a Ctrl-C aimed at the run's last steps (a run whose last step
+trained is complete: exit 0, never `interrupted`). `RAYTRAIN_DDP_SOAK_ROWS=FILE` appends one
+JSON line per seed (faults, invocations, result, seconds).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import random
@@ -52,13 +59,14 @@ from raytrain_ddp.driver.launcher import run_training
 from raytrain_ddp.rundir import read_jsonl, read_metrics
 from raytrain_ddp.testing.hooks import ENABLE, FAULT_ENV, SAMPLE_LOG_ENV, STEP_DELAY_ENV
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(int(os.environ.get("RAYTRAIN_DDP_SOAK_TIMEOUT_S", "900")))]  # soak: more
 
 CLI = Path(sys.executable).parent / "raytrain-ddp"
 EPOCHS, STEPS_PER_EPOCH = 2, 22  # tiny.yaml: 22 steps per epoch, a checkpoint every 10
 TOTAL = EPOCHS * STEPS_PER_EPOCH
 STEP_DELAY_S = "0.12"  # ~5 s of training: room to aim a Ctrl-C or a kill at a step
 RECOVERY_ENV = "RAYTRAIN_DDP_FAULT_RECOVERY"  # e.g. live: every invocation with that run.recovery (issue #28)
+KINDS_ENV, ROWS_ENV = "RAYTRAIN_DDP_FAULT_KINDS", "RAYTRAIN_DDP_SOAK_ROWS"
 SEEDS = [15]  # rank 0 killed right after an async save, Ctrl-C, a kill + driver SIGKILL. Seed 0 once failed
 # (rank 2 of 4 killed right after an async save): test_fault_pieces.py keeps its cause as a unit test
 
@@ -79,6 +87,8 @@ class Invocation:
     #                                                      checkpoint step, mode), made a RAYTRAIN_DDP_FAULT plan
     end: str = "finish"  # finish | sigint | sigkill
     after_steps: int = 0  # `end` is sent once this invocation logged that many steps
+    load: bool = False  # one CPU-bound process per core while it runs (KINDS_ENV: load)
+    late: bool = False  # the Ctrl-C aimed at the run's last steps (KINDS_ENV: late)
     outcome: dict = field(default_factory=dict)
 
 
@@ -95,10 +105,33 @@ def draw_plan(seed: int) -> list[Invocation]:
             inv.worker_fault = (rng.randrange(inv.workers), rng.choice([0, 0, rng.randint(1, 12)]),
                                 rng.choice(["exit", "midstep"]))
         plan.append(inv)
+    kinds = {k for k in os.environ.get(KINDS_ENV, "").split(",") if k}
+    extra = random.Random(f"kinds-{seed}")  # a second stream: the base plan above is unchanged
+    for inv in plan:
+        inv.load = "load" in kinds and extra.random() < 0.4
+        inv.late = "late" in kinds and inv.end == "sigint" and extra.random() < 0.5
     return plan
 
 
-def _train_steps(run_dir: Path, since: float = 0.0) -> list[int]:
+def on_s3(seed: int) -> bool:
+    """Whether this seed's run directory is in a bucket (KINDS_ENV: s3; every other seed)."""
+    return "s3" in os.environ.get(KINDS_ENV, "").split(",") and random.Random(f"s3-{seed}").random() < 0.5
+
+
+@contextlib.contextmanager
+def cpu_load(on: bool):
+    """One busy process per core, in its own group, stopped by pid at the end."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True,
+                              stdin=subprocess.DEVNULL) for _ in range(os.cpu_count() or 1)] if on else []
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def _train_steps(run_dir, since: float = 0.0) -> list[int]:
     """The train lines' steps in metrics.jsonl, of lines made after `since` (wall clock)."""
     try:
         return [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r and r["time"] > since]
@@ -106,14 +139,17 @@ def _train_steps(run_dir: Path, since: float = 0.0) -> list[int]:
         return []
 
 
-def _overrides(tmp: Path, name: str, inv: Invocation) -> list[str]:
-    return [f"run.storage_path={tmp / 'runs'}", f"name={name}", f"train.epochs={EPOCHS}", "run.log_every_steps=1",
+def _overrides(tmp, name: str, inv: Invocation) -> list[str]:
+    trackers = [] if isinstance(tmp, Path) else ["run.loggers=[jsonl,tensorboard]"]  # a bucket: TensorBoard too
+    return [*trackers, f"run.storage_path={tmp / 'runs'}", f"name={name}", f"train.epochs={EPOCHS}", "run.log_every_steps=1",
             f"scaling.num_workers={inv.workers}", f"run.checkpoint_upload={inv.upload}", "run.max_failures=2",
             *([f"run.recovery={os.environ[RECOVERY_ENV]}"] if os.environ.get(RECOVERY_ENV) else [])]
 
 
-def run_command(tmp: Path, name: str, inv: Invocation, samples: Path, index: int) -> dict:
-    """One `raytrain-ddp train` of the run, with its fault; returns what it printed and exited with."""
+def run_command(tmp: Path, name: str, inv: Invocation, samples: Path, index: int, store=None) -> dict:
+    """One `raytrain-ddp train` of the run, with its fault; returns what it printed and exited with.
+    `store`: where `runs/` lives (a bucket's `Location`), else `tmp`."""
+    store = tmp if store is None else store
     ray_tmp = Path(tempfile.mkdtemp(prefix="rtseq-", dir="/tmp"))  # its own: no address file is shared
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RAYTRAIN_DDP_"))}
     env.update(ENABLE, RAY_TMPDIR=str(ray_tmp), PYTHONUNBUFFERED="1", **{SAMPLE_LOG_ENV: str(samples)})
@@ -121,25 +157,27 @@ def run_command(tmp: Path, name: str, inv: Invocation, samples: Path, index: int
         env[STEP_DELAY_ENV] = STEP_DELAY_S
     if inv.worker_fault:
         rank, offset, mode = inv.worker_fault
-        newest = ckpt.load_latest_valid(ckpt.find_checkpoints(tmp / "runs" / name)) if (tmp / "runs" / name).exists() \
-            else None
+        newest = ckpt.load_latest_valid(ckpt.find_checkpoints(store / "runs" / name)) \
+            if (store / "runs" / name).exists() else None
         at = newest[0]["progress"]["step"] if newest else 0
         step = at + offset if offset else (at // 10 + 1) * 10  # tiny.yaml checkpoints every 10 steps
         env[FAULT_ENV] = f"rank={rank},step={min(step, TOTAL - 1)},attempt=1,mode={mode}"
-    command = [str(CLI), "train", str(TINY), *_overrides(tmp, name, inv)]
+    command = [str(CLI), "train", str(TINY), *_overrides(store, name, inv)]
     log_path = tmp / f"invocation-{index}.log"
-    run_dir = tmp / "runs" / name
+    run_dir = store / "runs" / name
+    wanted = TOTAL - 1 if inv.late else inv.after_steps  # late: as the last steps train
     started: list[int] = []
     began = time.time()
-    with open(log_path, "wb") as log:
+    with open(log_path, "wb") as log, cpu_load(inv.load):
         proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
         try:
-            deadline = time.monotonic() + 240
+            deadline = time.monotonic() + 480  # a loaded machine: the reference alone took 231 s at load 90
             if inv.end != "finish":
                 while proc.poll() is None and time.monotonic() < deadline:
                     started = sorted(set(started) | set(_descendants(proc.pid)))
-                    if len(_train_steps(run_dir, since=began)) >= inv.after_steps:
+                    steps = _train_steps(run_dir, since=began)
+                    if (steps and steps[-1] >= wanted) if inv.late else len(steps) >= wanted:
                         break
                     time.sleep(0.1)
                 if proc.poll() is None:
@@ -181,7 +219,7 @@ def committed_rows(samples: Path) -> dict[int, list[str]]:
     return out
 
 
-def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
+def final_model(run_dir) -> dict[str, torch.Tensor]:
     state = ckpt.load_checkpoint(ckpt.find_checkpoints(run_dir)[0])
     assert state["progress"]["step"] == TOTAL, state["progress"]
     return state["model"]
@@ -215,18 +253,43 @@ def reference(ray_cluster, tmp_path_factory):
 
 @pytest.mark.parametrize("seed", _seeds())
 def test_any_fault_sequence_then_the_same_command_continues_exactly(reference, tmp_path, seed):
+    story: list[str] = [f"seed {seed}"]
+    began, result = time.monotonic(), "failed"
+    try:
+        with contextlib.ExitStack() as stack:
+            store = tmp_path
+            if on_s3(seed):  # the whole sequence's run directory in a bucket (moto on 127.0.0.1)
+                from _moto import s3_bucket
+                from raytrain_ddp.rundir import Location
+
+                stack.enter_context(s3_bucket(tmp_path, "soak"))
+                store = Location.parse("s3://soak")
+                story[0] += " s3"
+            _sequence(reference, tmp_path, store, seed, story)
+        result = "passed"
+    finally:
+        if os.environ.get(ROWS_ENV):
+            with open(os.environ[ROWS_ENV], "a") as rows:
+                rows.write(json.dumps({"seed": seed, "story": story, "result": result,
+                                       "seconds": round(time.monotonic() - began, 1)}) + "\n")
+
+
+def _sequence(reference, tmp_path: Path, store, seed: int, story: list[str]) -> None:
     ref_rows, ref_model = reference
     plan = draw_plan(seed)
-    samples, run_dir = tmp_path / "samples", tmp_path / "runs" / "seq"
-    story, continues_at = [f"seed {seed}"], None
-    for index in range(len(plan) + 3):  # the faulted invocations, then plain reruns until done
+    samples, run_dir = tmp_path / "samples", store / "runs" / "seq"
+    continues_at = None
+    for index in range(len(plan) + 5):  # the faulted invocations, then plain reruns until done
         inv = plan[index] if index < len(plan) else Invocation()
-        inv.outcome = run_command(tmp_path, "seq", inv, samples, index + 1)
+        inv.outcome = run_command(tmp_path, "seq", inv, samples, index + 1, store)
         code, out = inv.outcome["code"], inv.outcome["out"]
         story.append(f"#{index + 1} {inv.workers}w {inv.upload} fault={inv.worker_fault} "
-                     f"end={inv.end}+{inv.after_steps} -> {code}")
+                     f"end={inv.end}{'@end' if inv.late else f'+{inv.after_steps}'}{' load' if inv.load else ''}"
+                     f" -> {code}")
         tail = "\n".join(story) + "\n--- last output:\n" + out[-2500:]
         assert "Traceback" not in out and "corrupted run directory" not in out, tail
+        if code == 2 and "the local Ray instance did not start, twice" in out:
+            continue  # the machine too busy for Ray's 30 s start (exit 2, one line): the same command again
         assert code in (0, 130, -signal.SIGKILL), tail
         if continues_at is not None:  # the previous Ctrl-C named where this one starts
             begun = re.search(r"resume +(?:from \S+ \(step (\d+)\)|fresh start)", out)
@@ -242,12 +305,23 @@ def test_any_fault_sequence_then_the_same_command_continues_exactly(reference, t
     else:
         pytest.fail("the run never completed:\n" + "\n".join(story))
     tail = "\n".join(story)
-    again = run_command(tmp_path, "seq", Invocation(), samples, len(story))  # before Ray: about a second
+    again = run_command(tmp_path, "seq", Invocation(), samples, len(story), store)  # before Ray: seconds
     assert again["code"] == 0 and "is complete" in again["out"], tail + "\n" + again["out"][-2000:]
+    _check_the_three_properties(run_dir, samples, plan, ref_rows, ref_model, tail)
 
+
+def _check_the_three_properties(run_dir, samples: Path, plan: list[Invocation], ref_rows, ref_model, tail: str) -> None:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["steps"] == TOTAL, (tail, summary)
     assert _train_steps(run_dir) == list(range(1, TOTAL + 1)), tail  # each step once, none missing
+    if not isinstance(run_dir, Path):  # in a bucket: TensorBoard's own reader agrees (issue #44)
+        import pyarrow.fs as pafs
+        from _trackers import tensorboard_scalars
+
+        local = samples.parent / "tensorboard"
+        pafs.copy_files((run_dir / "tensorboard").path, str(local), source_filesystem=run_dir.fs,
+                        destination_filesystem=pafs.LocalFileSystem())
+        assert [s for s, _ in tensorboard_scalars(local)["train/loss"]] == list(range(1, TOTAL + 1)), tail
 
     got = committed_rows(samples)
     wrong = [s for s in range(1, TOTAL + 1) if got.get(s) != ref_rows[s]]

@@ -154,6 +154,29 @@ def test_the_same_command_on_a_complete_run_exits_0_and_says_it_is_complete(tmp_
     assert (run_dir / CONFIG_FILE).read_text() == trained.to_yaml()
 
 
+def test_a_fit_interrupted_as_it_trained_its_last_step_is_complete(tmp_path, capsys):
+    """Issue #44: a Ctrl-C at step 70 of 120, the workers at step 120 by the next poll: before,
+    `status interrupted` and "the same command continues from step 120", which then exited 3."""
+    from raytrain_ddp.driver.fit import report
+    from raytrain_ddp.driver.stream import Recorder
+    from raytrain_ddp.job import DataSpec, Job
+    from raytrain_ddp.rundir import Location
+
+    cfg = _cfg(tmp_path)  # tiny: 1,438 rows, global batch 64 -> 22 steps per epoch, 2 epochs
+    run_dir = tmp_path / "tiny"
+    spec = DataSpec("classification", (64,), 10, 1438, 359, "digits")
+    for step, epoch, ended in ((30, 1, "interrupted"), (44, 2, "ok")):
+        _save(run_dir, cfg, step=step, epoch=epoch, fit_id="b" * 32)
+        job = Job(cfg=cfg, spec=spec, run_dir=str(run_dir), fit_id="b" * 32)
+        recorder = Recorder(Location.parse(run_dir), job.fit_id, [])
+        summary = report(cfg, Location.parse(run_dir), job, recorder, "interrupted", None, time.time())
+        assert summary["status"] == ended and summary["checkpoint_step"] == step, summary
+        assert json.loads((run_dir / "summary.json").read_text())["status"] == ended
+    out = capsys.readouterr()
+    assert "continues from step 30" in out.err and "continues from step 44" not in out.err + out.out, out
+    assert "the interrupt came as the run trained its last step: the run is complete" in out.err
+
+
 def test_model_change_hint_names_a_command_that_works(tmp_path):
     trained = _cfg(tmp_path)
     run_dir = tmp_path / "tiny"

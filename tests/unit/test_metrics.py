@@ -317,7 +317,7 @@ def test_recover_lines_puts_a_killed_drivers_unwritten_lines_back_in_step_order(
     import json
 
     from raytrain_ddp import checkpoint as ckpt
-    from raytrain_ddp.driver.stream import recover_lines
+    from raytrain_ddp.driver.fit import recover_lines
     from raytrain_ddp.rundir import read_metrics
 
     run = tmp_path / "run"

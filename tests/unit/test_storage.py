@@ -269,6 +269,26 @@ def test_tensorboard_shows_one_point_per_step_across_fits(tmp_path):
     assert shown["train/loss"] == [(1, 4.0), (2, 3.0), (3, pytest.approx(2.1)), (4, pytest.approx(1.8)), (5, 1.5)]
 
 
+def test_tensorboard_after_a_killed_driver_shows_every_step_once(tmp_path):
+    """Issue #44: the first fit's driver dies (never stopped) with its trackers at the step-3
+    checkpoint, metrics.jsonl at 6, and a checkpoint at 5 reported after its last event. The next
+    fit resumes at 5: TensorBoard gets 4 and 5 from metrics.jsonl (`trackers.json` said 3), 6 redone."""
+    from _trackers import tensorboard_scalars
+
+    run_dir = Location.parse(tmp_path / "run")
+    first = Recorder(run_dir, FIT, [TensorBoardSink(run_dir)])
+    first.handle(_start(1, 0) + [_m(1, 2 + i, step, 5.0 - step) for i, step in enumerate((1, 2, 3))]
+                 + [{"kind": "checkpoint", "attempt": 1, "seq": 5, "step": 3, "name": "c3"}]
+                 + [_m(1, 6 + i, step, 5.0 - step) for i, step in enumerate((4, 5, 6))])
+    assert json.loads((tmp_path / "run" / "trackers.json").read_text()) == {"step": 3}
+    second = Recorder(run_dir, "f2", [TensorBoardSink(run_dir)])
+    second.handle(_start(1, 5) + [_m(1, 2, 6, 0.25), _m(1, 3, 7, 0.125)])
+    second.stop()
+    second.close("ok")
+    shown = tensorboard_scalars(run_dir.local_path / "tensorboard")
+    assert shown["train/loss"] == [(1, 4.0), (2, 3.0), (3, 2.0), (4, 1.0), (5, 0.0), (6, 0.25), (7, 0.125)]
+
+
 def test_mlflow_sink_one_run_by_id_from_another_thread(tmp_path, monkeypatch):
     """The recorder logs from its own thread: everything lands in the one run created by id,
     and MLflow's thread-local active run is never used. FINISHED / KILLED / FAILED as the fit ended."""
