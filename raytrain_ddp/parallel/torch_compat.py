@@ -123,3 +123,18 @@ def fsdp_comm_classes() -> tuple[type, type]:
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
     return AllGather, ReduceScatter
+
+
+def device_constructors() -> set[Any]:
+    """The tensor factories that take `device=` (`torch.utils._device._device_constructors`):
+    the test-only shadow device (`testing/shadow_device.py`) flags those called without one."""
+    from torch.utils._device import _device_constructors
+
+    return _device_constructors()
+
+
+def tree_leaves(tree: Any) -> list[Any]:
+    """Every leaf of a nested structure of lists, tuples and dicts (`torch.utils._pytree.tree_flatten`)."""
+    from torch.utils._pytree import tree_flatten
+
+    return tree_flatten(tree)[0]

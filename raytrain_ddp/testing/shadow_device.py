@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._device import _device_constructors
-from torch.utils._pytree import tree_flatten
+
+from raytrain_ddp.parallel import torch_compat
 
 READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
          torch.Tensor.__int__, torch.Tensor.__index__}
@@ -44,7 +44,7 @@ class ShadowDevice(TorchFunctionMode):
         self.reads: list[str] = []
 
     def host(self, *tensors: Any) -> None:
-        for t in tree_flatten(tensors)[0]:
+        for t in torch_compat.tree_leaves(tensors):
             if isinstance(t, torch.Tensor):
                 self._host[id(t)] = weakref.ref(t)
 
@@ -57,7 +57,7 @@ class ShadowDevice(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        tensors = [t for t in torch_compat.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if func in READS:
             if tensors and not self.is_host(tensors[0]):
                 self.reads.append(getattr(func, "__name__", str(func)))
@@ -71,7 +71,7 @@ class ShadowDevice(TorchFunctionMode):
             if moved:
                 self._forget(out)
                 return out
-        if func in _device_constructors() and kwargs.get("device") is None and not tensors:
+        if func in torch_compat.device_constructors() and kwargs.get("device") is None and not tensors:
             self.host(out)
             return out
         host = [t for t in tensors if self.is_host(t)]

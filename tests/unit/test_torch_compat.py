@@ -134,6 +134,14 @@ def test_fsdp_comm_classes():
     assert isinstance(gather, type) and isinstance(scatter, type)
 
 
+def test_device_constructors_and_tree_leaves():
+    _attr("device_constructors", "torch.utils._device:_device_constructors")
+    _attr("tree_leaves", "torch.utils._pytree:tree_flatten")
+    assert torch.zeros in torch_compat.device_constructors()
+    t = torch.zeros(1)
+    assert torch_compat.tree_leaves({"a": [t, (1, t)]}) == [t, 1, t]
+
+
 # ------------------------------------------------------------------ nobody else spells a private name
 
 _OWNERS = re.compile(r"^(torch|torchft|c10d|dist)\b")
