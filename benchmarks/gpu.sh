@@ -52,7 +52,7 @@ for cand in "${PYTHON:-}" .venv/bin/python python3; do
   if seen=$(timeout 120 "$cand" -c "$probe" 2>/dev/null); then PY="$cand"; break; fi
 done
 if [[ -z "$PY" ]]; then
-  echo "gpu.sh: no Python here has a torch that sees CUDA (tried \$PYTHON, .venv/bin/python, python3); --dry-run runs on CPU" >&2
+  echo "gpu.sh: no usable CUDA torch: no Python here has a torch that sees CUDA (tried \$PYTHON, .venv/bin/python, python3); --dry-run runs on CPU" >&2
   exit 2
 fi
 echo "gpu.sh: $PY: $seen"
