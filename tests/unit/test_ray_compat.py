@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _compat import attr_or_fail
 import ray
 
 from _source import docstring_ids
@@ -35,16 +36,7 @@ def _gone(function: str, what: str) -> str:
 
 def _attr(function: str, dotted: str) -> Any:
     """Import `module.path:attr.attr`, failing by the name of the ray_compat function that uses it."""
-    module_name, _, attrs = dotted.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError:
-        pytest.fail(_gone(function, module_name))
-    for part in attrs.split(".") if attrs else []:
-        if not hasattr(obj, part):
-            pytest.fail(_gone(function, f"{module_name}:{attrs}"))
-        obj = getattr(obj, part)
-    return obj
+    return attr_or_fail(_gone, function, dotted)
 
 
 def _params(obj: Any) -> list[str]:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _compat import attr_or_fail
 import torch
 import torch.distributed as dist
 
@@ -32,16 +33,7 @@ def _gone(function: str, what: str) -> str:
 
 def _attr(function: str, dotted: str) -> Any:
     """Import `module.path:attr.attr`, failing by the name of the torch_compat function that uses it."""
-    module_name, _, attrs = dotted.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError:
-        pytest.fail(_gone(function, module_name))
-    for part in attrs.split(".") if attrs else []:
-        if not hasattr(obj, part):
-            pytest.fail(_gone(function, f"{module_name}:{attrs}"))
-        obj = getattr(obj, part)
-    return obj
+    return attr_or_fail(_gone, function, dotted)
 
 
 def test_flatten_and_unflatten_dense_tensors():
