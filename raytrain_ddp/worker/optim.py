@@ -36,9 +36,9 @@ OPTIMIZER_IMPORTS = ("torch._dynamo",)  # what torch's first Optimizer imports (
 
 def preload_optimizer_imports() -> None:
     """Import what the first optimizer imports on a background thread, so that it loads while
-    this rank waits for its data instead of after (issue #39: `torch._dynamo`, 1.6 s idle and
-    several seconds on a loaded machine). Python's import lock makes the optimizer's own
-    import wait for this one, never load it twice."""
+    this rank waits for its data instead of after (`torch._dynamo`; its cost: docs/design.md,
+    "Measurements behind the code"). Python's import lock makes the optimizer's own import
+    wait for this one, never load it twice."""
     missing = [name for name in OPTIMIZER_IMPORTS if name not in sys.modules]
     if missing:
         threading.Thread(target=lambda: [importlib.import_module(name) for name in missing],
