@@ -69,7 +69,6 @@ def test_run_recovery_is_compared_only_in_the_tables_module():
 
 def test_live_uses_torchfts_nccl_group_on_cuda_and_gloo_on_the_cpu():
     """#41 bug 3: torchft's gloo group also takes CUDA tensors, through host memory."""
-    pytest.importorskip("torchft")
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
     from raytrain_ddp.worker.live_group import live_group_base, live_group_class

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-torchft = pytest.importorskip("torchft")
+import torchft  # in the dev extra: a missing one fails, it does not skip
 
-from raytrain_ddp import torchft_compat  # noqa: E402
+from raytrain_ddp import torchft_compat
 
 pytestmark = pytest.mark.timeout(60)
 
