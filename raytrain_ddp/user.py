@@ -290,7 +290,8 @@ def run_preprocess(cfg: Config, fn: Callable[[dict], dict], batch: dict[str, np.
     return out
 
 
-def check_pipeline(cfg: Config, code: UserCode, sample: dict[str, np.ndarray], spec: DataSpec) -> Checked:
+def check_pipeline(cfg: Config, code: UserCode, sample: dict[str, np.ndarray], spec: DataSpec, *,
+                   require_all_used: bool = True) -> Checked:
     """Push one small batch through preprocess, the factory, the forward, the loss and the
     user's metrics (and build the user's optimizer and schedule once).
 
@@ -298,6 +299,8 @@ def check_pipeline(cfg: Config, code: UserCode, sample: dict[str, np.ndarray], s
     arrays); `spec` is what is known of the data so far. For a user pipeline
     (`uses_own_data`) the processed columns decide the spec's `columns`, task and feature
     shape. Every problem raises a `UserError` naming the key that would fix it.
+    `require_all_used=False` skips only the unused-parameter refusal, for a caller that
+    reports unused parameters itself (`raytrain-ddp verify`, whose purpose is to name them).
     """
     import dataclasses
 
@@ -335,7 +338,7 @@ def check_pipeline(cfg: Config, code: UserCode, sample: dict[str, np.ndarray], s
     except Exception as exc:  # noqa: BLE001 - the user's loss (or a model without its own loss)
         raise UserError(f"train.loss={cfg.train.loss!r} raised {_one_line(exc)}") from None
     _check_scalar(cfg, loss)
-    _check_backward(cfg, model, loss)
+    _check_backward(cfg, model, loss, require_all_used)
     if code.metrics is not None:
         _check_metrics(cfg, code.metrics, output, tensors, fmt.rows(tensors))
     if code.optimizer is not None:
@@ -424,16 +427,18 @@ def _check_scalar(cfg: Config, loss: Any) -> None:
                         "(requires_grad is False: was it computed with .detach(), .item() or numpy?)")
 
 
-def _check_backward(cfg: Config, model: Any, loss: Any) -> None:
+def _check_backward(cfg: Config, model: Any, loss: Any, require_all_used: bool = True) -> None:
     """The backward of the sample batch, and what the wrappers check after one on the workers:
-    every trainable parameter got a gradient (unless parallel.find_unused_parameters)."""
+    every trainable parameter got a gradient (unless parallel.find_unused_parameters, or a
+    caller that reports unused parameters itself says `require_all_used=False`)."""
     from raytrain_ddp.parallel.base import check_every_parameter_used
 
     try:
         loss.backward()
     except Exception as exc:  # noqa: BLE001 - the user's model or loss
         raise UserError(f"train.loss={cfg.train.loss!r}: the backward pass raised {_one_line(exc)}") from None
-    check_every_parameter_used(cfg.parallel.strategy, model, cfg.parallel.find_unused_parameters)
+    if require_all_used:
+        check_every_parameter_used(cfg.parallel.strategy, model, cfg.parallel.find_unused_parameters)
 
 
 def _describe(batch: Any) -> str:

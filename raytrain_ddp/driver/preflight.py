@@ -87,13 +87,15 @@ def preflight(cfg: Config) -> None:
         check_machine(cfg)
 
 
-def precheck(cfg: Config, code: Any = None, given: Optional[dict[str, Any]] = None) -> "Prechecked":
+def precheck(cfg: Config, code: Any = None, given: Optional[dict[str, Any]] = None, *,
+             require_all_used: bool = True) -> "Prechecked":
     """The data checks that need no Ray, run before Ray starts: bad parquet costs nothing.
 
     With user code (`code.custom`) or a user pipeline, a few raw rows also go through
     preprocess, the model factory, the forward and the loss (`user.check_pipeline`).
     `given`: the Ray Datasets of `raytrain_ddp.train(datasets=...)`, sampled through Ray.
     What it found (`Prechecked`) goes to `prepare_datasets`, which then scans nothing twice.
+    `require_all_used=False`: unused parameters are not refused (`verify` reports them).
     """
     from raytrain_ddp.data.columns import uses_own_data
     from raytrain_ddp.data.sources import Prechecked, check_source, sample_and_spec
@@ -103,7 +105,7 @@ def precheck(cfg: Config, code: Any = None, given: Optional[dict[str, Any]] = No
     if code is None or not (code.custom or uses_own_data(cfg)):
         return Prechecked(info)
     sample, spec = sample_and_spec(cfg, info, given, SAMPLE_ROWS)
-    return Prechecked(info, check_pipeline(cfg, code, sample, spec))
+    return Prechecked(info, check_pipeline(cfg, code, sample, spec, require_all_used=require_all_used))
 
 
 def _joins_a_cluster(cfg: Config) -> bool:

@@ -174,7 +174,9 @@ def _rows(cfg: Any, config_path: Optional[str] = None) -> tuple[dict[str, np.nda
     need = WORLD * MICRO_STEPS * ROWS_PER_MICRO * STEPS
     own = uses_own_data(cfg)
     cfg_code = resolve(cfg, config_path=config_path)[1]
-    checked = precheck(cfg, cfg_code)  # the driver's own checks, each error naming its key
+    # the driver's own checks, each error naming its key; unused parameters are not refused
+    # here: finding them (and naming the option to set) is part of verify's report
+    checked = precheck(cfg, cfg_code, require_all_used=False)
     if checked.pipeline is not None:
         spec = checked.pipeline.spec
     elif cfg.data.source == "parquet":

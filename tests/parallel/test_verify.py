@@ -86,7 +86,6 @@ def factory(spec):
 '''
 
 
-@pytest.mark.xfail(strict=False, reason="#45's precheck now refuses unused parameters before verify reaches its report; verify must skip that refusal (not yet done)")
 def test_verify_finds_unused_tied_and_buffers_on_a_users_model(tmp_path):
     """A model factory with BatchNorm, tied and unused parameters: every strategy still matches
     torch DDP (buffers included); verify names the unused layer and says which option to set."""
