@@ -14,8 +14,10 @@ first writing its pid to `pidfile` if given, so a test can SIGKILL it from outsi
 `nan` instead makes that rank's forward output NaN during step `step` (a forward hook on
 the model, as Lightning's tests inject faults from the model), which exercises the
 non-finite path; `midstep` SIGKILLs the rank from inside the first forward pass of step
-`step + 1` (also a forward hook), so its peers lose it in the middle of a step. `exit`
-and `midstep` first write the time of death (`time.time()`) to `mark=PATH` if given,
+`step + 1` (also a forward hook), so its peers lose it in the middle of a step;
+`validation` SIGKILLs it from inside the first validation forward pass (eval mode) after
+step `step` (the epoch's last), so its peers lose it while validating. `exit`, `midstep`
+and `validation` first write the time of death (`time.time()`) to `mark=PATH` if given,
 which the recovery tests and `raytrain-ddp bench`'s recovery section measure from.
 
     RAYTRAIN_DDP_FAULT_AT_START="rank=1,after=PATH,when=start+joined,mark=PATH"
@@ -91,8 +93,8 @@ class FaultPlan:
         plan = cls(rank=int(fields.get("rank", 0)), step=int(fields["step"]),
                    attempt=0 if attempt == "any" else int(attempt), mode=fields.get("mode", "exit"),
                    pidfile=fields.get("pidfile"), mark=fields.get("mark"))
-        if plan.mode not in ("exit", "raise", "nan", "hang", "midstep"):
-            raise ValueError(f"{FAULT_ENV}: mode must be exit|raise|nan|hang|midstep, got {plan.mode!r}")
+        if plan.mode not in ("exit", "raise", "nan", "hang", "midstep", "validation"):
+            raise ValueError(f"{FAULT_ENV}: mode must be exit|raise|nan|hang|midstep|validation, got {plan.mode!r}")
         return plan
 
     def hits(self, world_rank: int, step: int, attempt: int) -> bool:
@@ -103,7 +105,7 @@ class FaultPlan:
         print(f"[fault injection] rank {world_rank} {self.mode} after step {step}", flush=True)
         if self.mark:
             _write_atomically(self.mark, repr(time.time()))
-        if self.mode == "midstep":
+        if self.mode in ("midstep", "validation"):
             os.kill(os.getpid(), signal.SIGKILL)
         if self.mode == "exit":
             os._exit(1)
@@ -208,7 +210,7 @@ class TestHooks(Hooks):
         self.world_size, self.rows = rank.world_size, []
         if self.fault is not None and self.fault.mode == "nan":
             module.register_forward_hook(self._poison)
-        if self.fault is not None and self.fault.mode == "midstep":
+        if self.fault is not None and self.fault.mode in ("midstep", "validation"):
             module.register_forward_hook(self._die_midstep)
         if os.environ.get(SAMPLE_LOG_ENV):
             module.register_forward_pre_hook(self._record, with_kwargs=True)
@@ -239,7 +241,8 @@ class TestHooks(Hooks):
         return output
 
     def _die_midstep(self, module: Any, inputs: Any, output: Any) -> Any:
-        if module.training and self.fault.hits(self.world_rank, self.next_step - 1, self.attempt):
+        in_mode = module.training == (self.fault.mode == "midstep")  # validation: an eval-mode forward
+        if in_mode and self.fault.hits(self.world_rank, self.next_step - 1, self.attempt):
             self.fault.strike(self.world_rank, self.next_step - 1)
         return output
 
@@ -249,7 +252,7 @@ class TestHooks(Hooks):
             time.sleep(float(os.environ[STEP_DELAY_ENV]))
         if os.environ.get(SAMPLE_LOG_ENV):
             self._write_samples(step)
-        if (self.fault is not None and self.fault.mode not in ("nan", "midstep")
+        if (self.fault is not None and self.fault.mode not in ("nan", "midstep", "validation")
                 and self.fault.hits(self.world_rank, step, self.attempt)):
             self.fault.strike(self.world_rank, step)
 

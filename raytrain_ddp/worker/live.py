@@ -58,7 +58,7 @@ from raytrain_ddp.worker.context import Rank
 from raytrain_ddp.worker.recovery import Steady
 from raytrain_ddp.worker.replica import is_peer_loss
 from raytrain_ddp.worker.runtime import Runtime
-from raytrain_ddp.worker.step import train_step
+from raytrain_ddp.worker.step import train_step, validate
 
 if TYPE_CHECKING:
     from raytrain_ddp.config.schema import TrainConfig
@@ -296,7 +296,23 @@ class LiveSession:
         if self.checkpointer is not None:  # the preemption poll's schedule starts afresh on every member
             self.checkpointer.restart_preemption_poll()
 
-    # -- between steps: Ray's barriers and our agreements never wait for a dead worker ----------
+    # -- between steps: Ray's barriers, our agreements and validation never wait for a dead worker --
+    def validate(self, state: "TrainState", data: Any, rank: Rank, spec: Any) -> dict[str, float]:
+        """The epoch's validation (`step.validate`: collectives on our group). A member lost
+        during it skips it, said in one line: the replacement joins at the next step, which
+        trains the next epoch, so the survivors cannot validate this epoch again with it. The
+        checkpoint that follows is skipped too (`_before_report`); training goes on."""
+        try:
+            return validate(state, data, rank, spec)
+        except RuntimeError as exc:
+            if not self._lost(exc):
+                raise
+            state.module.train()
+            self._quorum_due = True  # the group is left as it is: the checkpoint's collective fails on it too
+            _say(rank, f"live: the validation after step {state.progress.step} is skipped: a worker was lost "
+                       "during it; training goes on once its replacement has joined")
+            return {}
+
     def _lost(self, exc: BaseException) -> bool:
         return isinstance(exc, RuntimeError) and (is_peer_loss(exc) or _from_torchft(exc))
 

@@ -35,7 +35,7 @@ from raytrain_ddp.worker.failure import tell_driver
 from raytrain_ddp.worker.meter import RunLog
 from raytrain_ddp.worker.profiler import StepProfiler
 from raytrain_ddp.worker.state import build_state
-from raytrain_ddp.worker.step import NonFiniteAbort, validate
+from raytrain_ddp.worker.step import NonFiniteAbort
 from raytrain_ddp.timeline import WorkerStamps
 from raytrain_ddp.worker.optim import preload_optimizer_imports
 
@@ -95,7 +95,7 @@ def _train(job: Job, cfg: "Config", rank: "Rank", hooks: Hooks, recovery: Union[
                 if progress.step < total_steps or progress.epoch_ended(data.steps_per_epoch):
                     progress.next_epoch(epoch)  # exhausted (see the invariants above)
                 with log.paused():
-                    val = log.validation(validate(state, data, rank, job.spec))
+                    val = log.validation(recovery.validate(state, data, rank, job.spec))  # live: a loss skips it
                 checkpointer.save({"loss": log.last_loss, **val})
         except NonFiniteAbort as exc:
             log.abort(str(exc))

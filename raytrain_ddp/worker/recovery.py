@@ -2,7 +2,7 @@
 
 Owns: what these modes do on a worker: resume like any attempt (`Checkpointer.resume`:
 the newest valid checkpoint of the fit, a survivor's copy included), run each step as it
-is (`step.train_step`), wrap over torch's default group. Must not touch: the survivors'
+is (`step.train_step`), validate as it is (`step.validate`), wrap over torch's default group. Must not touch: the survivors'
 copy itself (`replica.py`, chosen by `recovery.survivors_copy` in `state.py`).
 `live.py`'s `LiveSession` is live's half, with the same members.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
-from raytrain_ddp.worker.step import train_step
+from raytrain_ddp.worker.step import train_step, validate
 
 if TYPE_CHECKING:
     from raytrain_ddp.job import Job
@@ -27,6 +27,7 @@ class Steady:
     """The loop's calls as they always were: no session between the loop and its step."""
 
     train_step = staticmethod(train_step)
+    validate = staticmethod(validate)  # the epoch's validation, as it is
 
     def __init__(self, runtime: "Runtime") -> None:
         self.runtime = runtime

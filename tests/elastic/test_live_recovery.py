@@ -129,3 +129,26 @@ def test_survivor_keeps_its_process_through_a_replacement_that_dies_and_torch_dd
     beyond = sorted((port, sorted(addrs), watch.owners[port][:40]) for port, addrs in watch.seen.items()
                     if not all(loopback(a) for a in addrs))
     print(f"listening beyond loopback during the run (Ray's own services, torch's rendezvous stores): {beyond}")
+
+
+def test_a_worker_lost_during_validation_skips_it_and_the_survivor_trains_on(tmp_path, monkeypatch, capfd):
+    """Rank 1 is SIGKILLed in the epoch's first validation forward (after step 22, the epoch's
+    last): rank 0's validation collective fails. It skips that validation and the checkpoint
+    after it, each said, keeps its process, and trains the next epoch's steps with the
+    replacement, every step once (the two-node test's CI failure: a node lost at an epoch end)."""
+    died, samples = tmp_path / "died_at", tmp_path / "samples"
+    monkeypatch.setenv("RAYTRAIN_DDP_FAULT", f"rank=1,step=22,attempt=1,mode=validation,mark={died}")
+    monkeypatch.setenv("RAYTRAIN_DDP_SAMPLE_LOG", str(samples))
+    summary = run_training(elastic_cfg(tmp_path, "live-val", "scaling.num_workers=2", "run.recovery=live",
+                                       "train.max_steps=26", "run.checkpoint_every_steps=0", "run.max_failures=1"))
+    out = capfd.readouterr().out
+    assert summary["status"] == "ok", summary.get("error")
+    assert summary["steps"] == 26 and summary["attempts"] == 1, out[-5000:]  # rank 0 never restarted
+    assert died.exists() and "live: the validation after step 22 is skipped: a worker was lost" in out, out[-3000:]
+    assert "live: the checkpoint of step 22 is skipped: a worker was lost" in out, out[-3000:]
+    assert "live: replacement rank 1 continues at step 22" in out, out[-3000:]
+    survivor = [key for key in _samples(samples) if key[0] == 0]
+    assert len(survivor) == 1 and [r["step"] for r in _samples(samples)[survivor[0]]] == list(range(1, 27))
+    lines = read_metrics(Path(summary["run_dir"]) / "metrics.jsonl")
+    assert [r["step"] for r in lines if "loss" in r] == list(range(1, 27))  # every step once
+    assert not [r for r in lines if "val_loss" in r and r["step"] == 22]  # skipped, and said above
