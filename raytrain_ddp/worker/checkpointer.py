@@ -249,7 +249,6 @@ class Checkpointer:
         # window and the epoch-end save can share a step, and must not share a directory.
         name = (f"{ckpt.CHECKPOINT_PREFIX}{progress.step:08d}_e{progress.epoch}"
                 f"s{progress.steps_into_epoch}_{self.job.fit_id[:8]}")
-        started = time.perf_counter()
         with self.log.paused():
             state = self.state.state_dict()  # on every rank: zero1 / fsdp gather it here (a collective)
             if self.rank.is_main:
@@ -259,7 +258,7 @@ class Checkpointer:
                                        asynchronous=self.upload == "async" and not durable, runtime=self.runtime,
                                        lines=self.log.lines_to_save())
             self._staged += [staged] if staged else []
-        blocked = self._last_blocked = time.perf_counter() - started
+        blocked = self._last_blocked = self.log.last_pause_s  # exactly what the step time leaves out
         if self.upload != "async" or durable:  # in storage now (see `saved_step`)
             self.saved_step = progress.step
         self.last_saved = name

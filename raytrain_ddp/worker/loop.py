@@ -86,8 +86,8 @@ def _train(job: Job, cfg: "Config", rank: "Rank", hooks: Hooks, recovery: Union[
                 for window in profiler.steps(data.train_windows(epoch, skip_steps=progress.steps_into_epoch)):
                     result = recovery.train_step(state, window, data.accumulation_steps, cfg.train, rank)  # counts it
                     hooks.after_step(progress.step)
-                    stamps.first_step_done(log.outbox)
-                    log.step(result, progress.epoch_ended(data.steps_per_epoch))
+                    log.step(result, progress.epoch_ended(data.steps_per_epoch))  # the step's end (its time)
+                    stamps.first_step_done(log.outbox)  # after it: the send is the next step's time
                     if progress.step >= total_steps:
                         break
                     if checkpointer.after_step(progress.epoch_ended(data.steps_per_epoch)):

@@ -49,7 +49,11 @@ class StepMeter:
 
     A step's wall time runs from the end of the previous step to the end of this one,
     so it includes the time spent waiting for the next window of batches. Time between
-    `pause()` and `resume()` (validation, checkpointing) counts towards nothing.
+    `pause()` and `resume()` (validation, checkpointing) counts towards nothing, and only
+    that time: what ran before the pause is the next step's, and `resume` returns the
+    seconds it left out, the figure the lines report (`validation_s`,
+    `checkpoint_blocked_s`), so a window's step time, saves and validations add up to its
+    wall time (`goodput.py` relies on it).
     `wait_seconds` and `comm` are the cumulative counters of the data iterator and the
     wrapper; the meter works with their differences.
     """
@@ -59,6 +63,7 @@ class StepMeter:
         self._last_end = time.perf_counter()
         self._excluded_wait = 0.0
         self._paused_wait: Optional[float] = None
+        self._paused_from = self._last_end
         self._start_window(wait_seconds, comm)
 
     def _start_window(self, wait_seconds: float, comm: Optional[dict]) -> None:
@@ -79,13 +84,21 @@ class StepMeter:
         self._steps += 1
 
     def pause(self, wait_seconds: float) -> None:
+        now = time.perf_counter()
+        self._seconds += now - self._last_end  # since the last step's end: the next step's time
+        self._last_end = self._paused_from = now
         self._paused_wait = wait_seconds
 
-    def resume(self, wait_seconds: float) -> None:
-        if self._paused_wait is not None:
-            self._excluded_wait += wait_seconds - self._paused_wait
-            self._paused_wait = None
-        self._last_end = time.perf_counter()
+    def resume(self, wait_seconds: float) -> Optional[float]:
+        """Step time runs again; returns the seconds the pause left out (None when not paused:
+        a pause ends once)."""
+        if self._paused_wait is None:
+            return None
+        now = time.perf_counter()
+        self._excluded_wait += wait_seconds - self._paused_wait
+        self._paused_wait = None
+        self._last_end = now
+        return now - self._paused_from
 
     @property
     def steps(self) -> int:
@@ -201,7 +214,7 @@ class RunLog:
         self._blocked_s = 0.0  # checkpoint time the step loop waited for, since the previous line
         self._tuning_said = False
         self._transport_said = False
-        self._paused_at = time.perf_counter()  # when the current pause (validation, a save) began
+        self.last_pause_s = 0.0  # the seconds the newest pause (validation, a save) held the step loop
         # The lines made at the last completed step (train, validation), on every rank: a
         # survivor's copy of that step carries them, since rank 0's sends die with rank 0.
         self.step_lines: list[dict[str, Any]] = []
@@ -251,9 +264,13 @@ class RunLog:
         return math.nan if self._last_result is None else self._last_result.loss
 
     def validation(self, val: dict[str, float]) -> dict[str, float]:
-        if val:  # called inside `paused()`, right after validating: the pause so far is validation's
+        """Called inside `paused()`, right after validating: the pause so far is validation's and
+        ends here, so `validation_s` is exactly what the step time leaves out; sending the line
+        and the flush after it are step time, as every train line's sending is."""
+        validation_s = self._end_pause()
+        if val:
             self._line({"step": self.state.progress.step, "epoch": self._epochs(), "time": time.time(),
-                        "validation_s": time.perf_counter() - self._paused_at, "attempt": self.attempt, **val})
+                        "validation_s": validation_s, "attempt": self.attempt, **val})
         self.outbox.flush()  # the epoch's lines are with the driver before its checkpoint
         return val
 
@@ -280,13 +297,20 @@ class RunLog:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """Validation and checkpoints count towards neither step time nor data wait."""
+        """Validation and checkpoints count towards neither step time nor data wait; on leaving,
+        `last_pause_s` holds the seconds left out (a save reports them as its stall)."""
         self.meter.pause(self.data.wait_seconds)
-        self._paused_at = time.perf_counter()
         try:
             yield
         finally:
-            self.meter.resume(self.data.wait_seconds)
+            self._end_pause()
+
+    def _end_pause(self) -> float:
+        """Ends the current pause, once: the seconds it left out of the step time."""
+        left_out = self.meter.resume(self.data.wait_seconds)
+        if left_out is not None:
+            self.last_pause_s = left_out
+        return self.last_pause_s
 
     def _announce_decisions(self) -> None:
         """Rank 0 prints, once each, what the wrapper decided while training: the layout
