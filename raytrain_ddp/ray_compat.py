@@ -275,15 +275,3 @@ def serve_partial_groups_whole_datasets() -> bool:
     before_init_train_context._raytrain_live = True  # type: ignore[attr-defined]
     DatasetsCallback.before_init_train_context = before_init_train_context
     return True
-
-
-def tune_trial_stopping() -> bool:
-    """Inside a Ray Tune function trainable: whether Tune has asked this trial to stop
-    (its session's `stop_event`, set by the trainable's `cleanup` when the scheduler stops
-    it or the experiment ends); False outside a trial. A sweep's trial stops its fit
-    through our own Ctrl-C path then (raytrain_ddp/sweep/trial.py)."""
-    from ray.train._internal.session import get_session
-
-    session = get_session()
-    event = getattr(session, "stop_event", None)
-    return bool(event is not None and event.is_set())

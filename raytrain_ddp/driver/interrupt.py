@@ -83,8 +83,12 @@ class Interrupt:
 
     def press(self) -> None:
         """A Ctrl-C from elsewhere, once: a sweep's trial that Tune stops (sweep/trial.py)
-        saves its step and stops as on the first Ctrl-C, giving back its workers."""
+        saves its step and stops as on the first Ctrl-C, giving back its workers. Ray hands
+        no controller to a fit outside the main thread (a trial's), so the stop request then
+        goes to the mailbox here: it holds it for workers not started yet."""
         if not self.presses:
+            if self.controller is None and self.mailbox is not None:
+                self.mailbox.request_stop.remote()
             self._handle(signal.SIGINT, None)
 
     def abort(self) -> None:

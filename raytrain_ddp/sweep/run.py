@@ -9,7 +9,7 @@ the launcher), what the report shows (`sweep/report.py`).
 
 Decisions, and why:
 
-* A trial's own process (Tune's function trainable) reserves `TRIAL_CPUS` of a CPU: it
+* A trial's own process (its Tune trainable, `sweep/trial.py`) reserves `TRIAL_CPUS` of a CPU: it
   only waits on its fit, whose workers Ray Train places in their own placement group.
   Tune cannot see those, so `max_concurrent_trials` keeps trials from oversubscribing
   the cluster (Ray's #47440): as many as fit, from the cluster's CPUs (GPUs for GPU
@@ -37,17 +37,17 @@ from raytrain_ddp.config import Config
 from raytrain_ddp.config.sweep import SweepConfig, planned_trials
 from raytrain_ddp.rundir import Location
 from raytrain_ddp.sweep.report import SWEEP_FILE
-from raytrain_ddp.sweep.trial import TRIALS_DIR, run_trial
+from raytrain_ddp.sweep.trial import TRIALS_DIR, trainable
 
 TRIAL_CPUS = 0.01  # the trial process itself (see the module docstring)
 TRIALS_CPU = 1  # kept for all trial processes together when counting what fits
 TUNE_DIR = "tune"
 STOPPING_S = 60.0  # how long the driver waits for stopped trials' fits to save and return
-PG_GONE_S = 60.0
+PG_GONE_S = 60.0  # how long the end of a sweep waits for stopped trials' placement groups to go
 # Ctrl-C is ours, not Tune's: Tune's handler ends the experiment marking the running trials
 # TERMINATED, so a restore would never continue them. A KeyboardInterrupt leaves them
 # running in Tune's saved state (as a killed driver does), saved every 2 s.
-TUNE_ENV = {"TUNE_DISABLE_SIGINT_HANDLER": "1", "TUNE_GLOBAL_CHECKPOINT_S": "2"}  # how long the end of a sweep waits for stopped trials' placement groups to go
+TUNE_ENV = {"TUNE_DISABLE_SIGINT_HANDLER": "1", "TUNE_GLOBAL_CHECKPOINT_S": "2"}
 
 
 def sweep_dir_of(base: Config, sweep: SweepConfig) -> Location:
@@ -118,24 +118,26 @@ def tuner(base_data: dict[str, Any], base: Config, sweep: SweepConfig, where: Lo
     """A new Tuner, or the sweep's own restored (the same command continues it)."""
     from ray import tune
 
-    trainable = tune.with_resources(tune.with_parameters(run_trial, base=base_data, sweep_dir=str(where)),
-                                    {"cpu": TRIAL_CPUS})
+    trial = tune.with_resources(tune.with_parameters(trainable(), base=base_data, sweep_dir=str(where)),
+                                {"cpu": TRIAL_CPUS})
     storage = where / TUNE_DIR
     path = storage.path if storage.is_local else storage.uri
     if tune.Tuner.can_restore(path):
         print(f"raytrain-ddp: continuing the sweep in {where}: finished trials are kept, unfinished ones "
               "go on from their checkpoints", flush=True)
-        return tune.Tuner.restore(path, trainable=trainable, param_space=param_space(sweep),
+        return tune.Tuner.restore(path, trainable=trial, param_space=param_space(sweep),
                                   resume_unfinished=True, resume_errored=True)
     parent = where
     return tune.Tuner(
-        trainable, param_space=param_space(sweep),
+        trial, param_space=param_space(sweep),
         tune_config=tune.TuneConfig(
             metric=sweep.metric, mode=sweep.mode, scheduler=scheduler(base, sweep),
             num_samples=1 if sweep.search == "grid" else (sweep.num_trials or 10),
             max_concurrent_trials=at_once, time_budget_s=sweep.time_budget_s),
         run_config=tune.RunConfig(name=TUNE_DIR, storage_path=parent.path if parent.is_local else parent.uri,
-                                  **({} if parent.is_local else {"storage_filesystem": parent.fs}), verbose=0),
+                                  **({} if parent.is_local else {"storage_filesystem": parent.fs}), verbose=0,
+                                  # a trial's state is its run directory's checkpoints (sweep/trial.py)
+                                  checkpoint_config=tune.CheckpointConfig(checkpoint_at_end=False)),
     )
 
 

@@ -357,11 +357,3 @@ def test_startup_timed_out():
         _gone("startup_timed_out", f"the message {ray_compat.STARTUP_TIMEOUT_TEXT!r} of ray/_private/node.py")
     assert ray_compat.startup_timed_out(Exception("The current node timed out during startup. This could ..."))
     assert not ray_compat.startup_timed_out(ValueError("anything else"))
-
-
-def test_tune_trial_stopping():
-    get_session = _attr("tune_trial_stopping", "ray.train._internal.session:get_session")
-    session_cls = _attr("tune_trial_stopping", "ray.train._internal.session:_TrainSession")
-    assert "self.stop_event.set()" in inspect.getsource(session_cls.finish), \
-        _gone("tune_trial_stopping", "_TrainSession.finish's stop_event.set()")
-    assert get_session() is None and ray_compat.tune_trial_stopping() is False  # outside a trial

@@ -117,3 +117,38 @@ def test_report_ranks_names_stopped_and_writes_a_best_config_train_takes(tmp_pat
     assert "stopped early (t1)" in out and (root / "curves.png").stat().st_size > 0
     best = load_config(root / "best.yaml")  # `train` takes it as it is
     assert best.name == "sw-best" and best.run.storage_path == str(tmp_path / "runs")
+
+
+class _Remote:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def remote(self) -> None:
+        self.calls += 1
+
+
+class _Mailbox:
+    def __init__(self) -> None:
+        self.request_stop = _Remote()
+
+
+def test_a_stopped_trial_asks_its_workers_to_stop_without_a_controller(capsys):
+    """A trial's fit runs on a thread, where Ray registers no controller: Tune's stop still
+    reaches the workers, through the mailbox, once (sweep/trial.py's `cleanup`)."""
+    from raytrain_ddp.driver.interrupt import Interrupt
+
+    mailbox = _Mailbox()
+    interrupt = Interrupt(mailbox)
+    interrupt.press()
+    interrupt.press()
+    assert mailbox.request_stop.calls == 1 and interrupt.fired
+
+
+def test_a_trial_hands_tune_its_validation_lines_only():
+    from raytrain_ddp.sweep.trial import ValidationSink
+
+    seen: list = []
+    sink = ValidationSink(seen.append)
+    sink.record({"step": 5, "loss": 1.0})
+    sink.record({"step": 22, "epoch": 1, "val_loss": 0.5, "phase": "val", "ok": True})
+    assert seen == [{"step": 22, "epoch": 1, "val_loss": 0.5}] and sink.reported == 1
