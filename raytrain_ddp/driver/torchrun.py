@@ -22,12 +22,12 @@ import os
 import pickle
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import uuid
 from multiprocessing.connection import Client, Listener
 from typing import Any, Optional
 
@@ -69,7 +69,9 @@ class MailboxServer:
 
 
 class MailboxClient:
-    """Rank 0's end: the mailbox's calls over the socket (picklable: it connects on first use)."""
+    """Rank 0's end: the mailbox's calls over the socket (picklable: it connects on first use).
+    Every call `LocalMailbox` answers for the loop's side is here (a missing one ends rank 0 at
+    its first use: tests/unit/test_torchrun_mailbox.py holds the two lists together)."""
 
     def __init__(self, address: Any, authkey: bytes) -> None:
         self.address, self.authkey = address, authkey
@@ -100,6 +102,10 @@ class MailboxClient:
 
     def stop_requested(self) -> bool:
         return bool(self._call("stop_requested"))
+
+    def durable_for(self, attempt: int) -> int:
+        """The newest step of `attempt` that metrics.jsonl durably holds (`Outbox.durable_step`)."""
+        return int(self._call("durable_for", attempt))
 
     def request_stop(self) -> None:
         self._call("request_stop")
@@ -154,10 +160,16 @@ def run_torchrun(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, 
 
 
 def torchrun_command(cfg: Config, payload: str) -> list[str]:
-    """`python -m torch.distributed.run` on this machine, each rank running `rank_main`."""
+    """`python -m torch.distributed.run` on this machine, each rank running `rank_main`.
+
+    The rendezvous store listens on a port the OS gives it when it binds (endpoint port 0,
+    as `torchrun --standalone`), and the ranks' process group forms through that same
+    store: a port picked here and bound later by torchrun could be taken in between by
+    another process of a busy machine (a Ray instance starting, another run).
+    """
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={cfg.scaling.num_workers}",
-            "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
-            "-m", "raytrain_ddp.driver.torchrun", payload]
+            "--nnodes=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", f"--rdzv-id={uuid.uuid4().hex}",
+            "--local-addr=127.0.0.1", "-m", "raytrain_ddp.driver.torchrun", payload]
 
 
 def _rank_env(cfg: Config) -> dict[str, str]:
@@ -167,12 +179,6 @@ def _rank_env(cfg: Config) -> dict[str, str]:
     env.setdefault("OMP_NUM_THREADS", str(max(1, int(cfg.scaling.cpus_per_worker))))
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def rank_main(payload: str, stamps: Optional[dict[str, float]] = None) -> None:
