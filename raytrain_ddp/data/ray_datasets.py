@@ -11,7 +11,8 @@ batches (`worker_data.py`); the checks that need no Ray (`sources.py`).
 Three sharding modes (`data.sharding`):
 
 * ``exact`` (default): the datasets are *not* split; every worker reads the full set once
-  through Ray Data into memory, draws the same seeded permutation each epoch and takes
+  into memory (the built-in data from Ray's object store, `_in_object_store`; a user's
+  pipeline through Ray Data), draws the same seeded permutation each epoch and takes
   its own disjoint slice of every global batch. The set of samples in optimizer step *s*
   is therefore the same for 1, 2 or 8 workers, which is what makes elastic resizing keep
   the optimisation identical, and mid-epoch resume exact (skip *s* global batches).
@@ -65,11 +66,14 @@ FitsCheck = Callable[[Config, int], None]
 
 @dataclass
 class PreparedData:
-    """What the workers are handed: the datasets, the data's spec, Ray Train's `DataConfig`."""
+    """What the workers are handed: the datasets, the data's spec, Ray Train's `DataConfig`,
+    and for the in-memory route the shards in Ray's object store (name -> ObjectRef of a
+    `LocalShard`; the loop's config carries them: `launcher.build_trainer`)."""
 
     datasets: dict[str, Any]  # name -> ray.data.Dataset
     spec: DataSpec
     data_config: Any  # ray.train.DataConfig
+    shards: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def prepare_datasets(cfg: Config, checked: Prechecked, code: Any = None, given: Optional[dict[str, Any]] = None,
@@ -85,6 +89,8 @@ def prepare_datasets(cfg: Config, checked: Prechecked, code: Any = None, given: 
     fits = fits or (lambda cfg, data_bytes: None)
     if uses_own_data(cfg):
         return _prepare_user_data(cfg, checked, code, given, fits)
+    if cfg.data.sharding == "exact":
+        return _in_object_store(cfg, checked, fits)
     bundled = bundled_tables(cfg)
     table = bundled.table if bundled else None
     source = bundled.source if bundled else str(cfg.data.path)
@@ -126,6 +132,23 @@ def prepare_datasets(cfg: Config, checked: Prechecked, code: Any = None, given: 
     split = [TRAIN] if cfg.data.sharding == "streaming" else []
     spec = DataSpec(task, tuple(spec_shape), int(num_classes), int(train_rows), int(val_rows), source)
     return PreparedData(datasets, spec, ray.train.DataConfig(datasets_to_split=split))
+
+
+def _in_object_store(cfg: Config, checked: Prechecked, fits: FitsCheck) -> PreparedData:
+    """`exact` sharding of the built-in data: the rows every worker reads whole, read once here
+    (`in_memory.in_memory_shards`: local mode's rows and split) and put in Ray's object store,
+    which each worker maps without a copy per read: no Ray Data pipeline, dataset manager or
+    stats actor to start, and a replacement worker reads what its predecessor read."""
+    import ray
+    import ray.train
+
+    from raytrain_ddp.data.in_memory import in_memory_shards
+
+    bundled = bundled_tables(cfg)
+    fits(cfg, bundled.table.nbytes if bundled is not None else parquet_bytes(checked.parquet.files))  # before reading
+    shards, spec = in_memory_shards(cfg, checked, None)
+    return PreparedData({}, spec, ray.train.DataConfig(datasets_to_split=[]),
+                        shards={name: ray.put(shard) for name, shard in shards.items()})
 
 
 def held_out(cfg: Config, ds: Any, files: Optional[list[str]], columns: Optional[list[str]]) -> dict[str, Any]:

@@ -318,7 +318,8 @@ def prepare_job(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, A
     job = _with_mailbox(job)
     recorder = _recorder(cfg, run_dir, job, total_steps).__enter__()
     atexit.register(_finish_outside_fit, recorder, total_steps)  # before Ray's own exit handler (registered earlier)
-    return {"train_loop_config": {"job": job}, "datasets": prepared.datasets, "dataset_config": prepared.data_config}
+    return {"train_loop_config": loop_config(job, prepared), "datasets": prepared.datasets,
+            "dataset_config": prepared.data_config}
 
 
 def _finish_outside_fit(recorder: Recorder, total_steps: int) -> None:
@@ -400,6 +401,11 @@ def _recorder(cfg: Config, run_dir: Location, job: Job, total_steps: int, timeli
                     job.mailbox, write_metrics="jsonl" in cfg.run.loggers, timeline=timeline)
 
 
+def loop_config(job: Job, prepared: Any) -> dict[str, Any]:
+    """The per-worker loop's config: the job, and the in-memory route's shards (object refs)."""
+    return {"job": job, **({"shards": prepared.shards} if prepared.shards else {})}
+
+
 def build_trainer(cfg: Config, run_dir: Location, job: Job, prepared: Any) -> Any:
     """Ray Train's `TorchTrainer` for `job`: our per-worker loop, sizes, storage, failures, callbacks."""
     import ray.data
@@ -419,7 +425,7 @@ def build_trainer(cfg: Config, run_dir: Location, job: Job, prepared: Any) -> An
     env_vars.update(recovery.env())
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"job": job},
+        train_loop_config=loop_config(job, prepared),
         torch_config=recovery.torch_config(pg_timeout_s),
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,

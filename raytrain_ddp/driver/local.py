@@ -22,11 +22,9 @@ import sys
 import time
 from typing import Any, Iterator
 
-import numpy as np
 
 from raytrain_ddp.config import Config
 from raytrain_ddp.errors import UserError
-from raytrain_ddp.job import DataSpec
 from raytrain_ddp.rundir import Location
 
 
@@ -108,15 +106,11 @@ def _one_process_group(device: Any) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def local_data(cfg: Config, checked: Any, code: Any) -> tuple[dict[str, Any], DataSpec]:
-    """The train (and val) rows as in-memory shards, and the data's spec: what the exact
-    path's workers would read through Ray Data, read here with pyarrow."""
-    import pyarrow.parquet as pq
-
-    from raytrain_ddp.data.columns import TRAIN, VAL, arrow_numpy, uses_own_data
-    from raytrain_ddp.data.sources import bundled_tables, check_row_counts, model_shape, split_table
+def local_data(cfg: Config, checked: Any, code: Any) -> tuple[dict[str, Any], Any]:
+    """The rows local mode (and torchrun's ranks) read in their processes (`in_memory_shards`),
+    after the one line for what needs Ray."""
+    from raytrain_ddp.data.in_memory import in_memory_shards
     from raytrain_ddp.user import run_preprocess
-    from raytrain_ddp.worker.runtime import LocalShard
 
     if cfg.data.source == "datasets":
         raise UserError("scaling.num_workers=0 (local mode) runs without Ray: Ray Datasets given from Python need "
@@ -124,42 +118,5 @@ def local_data(cfg: Config, checked: Any, code: Any) -> tuple[dict[str, Any], Da
     if cfg.data.sharding != "exact":
         raise UserError(f"scaling.num_workers=0 (local mode) reads the data in this process: "
                         f"data.sharding={cfg.data.sharding!r} reads through Ray Data; use data.sharding=exact")
-    own = uses_own_data(cfg)
-    bundled = bundled_tables(cfg)  # digits, synthetic: the same tables and split as a Ray run's
-    if bundled is not None:
-        train, val = bundled.train, bundled.val
-        shape, classes, task, source = bundled.shape, bundled.classes, bundled.task, bundled.source
-    else:
-        info = checked.parquet
-        columns = None if own else [cfg.data.features, cfg.data.label]
-        table = pq.read_table(info.files, columns=columns)
-        if info.val is not None:
-            train, val = table, pq.read_table(info.val.files, columns=columns)
-        else:  # the seeded hold-out of the built-in data (Ray Data's train_test_split is Ray's)
-            train, val = split_table(table, cfg)
-        shape, classes, task = model_shape(cfg, info.feature_shape), info.num_classes, info.task
-        source = str(cfg.data.path)
-    # A preprocess gets the columns exactly as Ray Data's map_batches would hand them over
-    # (Ray's converter); the loop's own columns need only the numbers (no Ray imported).
-    to_numpy = _numpy if own else arrow_numpy
-    splits = {TRAIN: to_numpy(train), **({VAL: to_numpy(val)} if val is not None and val.num_rows else {})}
-    if own:
-        for name, batch in splits.items():
-            if code is not None and code.preprocess is not None:
-                batch = run_preprocess(cfg, code.preprocess, batch)
-            keep = list(batch) if cfg.data.inputs else [cfg.data.features, cfg.data.label]
-            splits[name] = {column: np.asarray(batch[column]) for column in keep}
-    rows = {name: len(next(iter(batch.values()))) for name, batch in splits.items()}
-    check_row_counts(cfg, rows[TRAIN], rows.get(VAL, 0), source)
-    if own:
-        spec = dataclasses.replace(checked.pipeline.spec, train_rows=rows[TRAIN], val_rows=rows.get(VAL, 0))
-    else:
-        spec = DataSpec(task, tuple(shape), int(classes), rows[TRAIN], rows.get(VAL, 0), source)
-    return {name: LocalShard(batch) for name, batch in splits.items()}, spec
-
-
-def _numpy(table: Any) -> dict[str, np.ndarray]:
-    """A table as Ray Data's `batch_format="numpy"` hands it over (the same converter; no Ray is contacted)."""
-    from ray.data.block import BlockAccessor
-
-    return BlockAccessor.for_block(table).to_batch_format("numpy")
+    preprocess = code.preprocess if code is not None else None
+    return in_memory_shards(cfg, checked, (lambda batch: run_preprocess(cfg, preprocess, batch)) if preprocess else None)

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     job: Job = loop_config["job"]
-    runtime = loop_config.get("runtime") or RayTrainRuntime()  # a Ray Train worker, or local mode
+    runtime = loop_config.get("runtime") or RayTrainRuntime(loop_config.get("shards"))  # a Ray Train worker, or local mode
     cfg, rank, hooks = job.cfg, runtime.rank(), load_hooks()
     hooks.on_start(rank)
     entered = time.time()  # the training function's start (a live newcomer says its timeline from here)

@@ -17,12 +17,15 @@ copied into the run directory right away, and nobody is ever preempted. So a
 from __future__ import annotations
 
 import shutil
-from typing import Any, Callable, Iterator, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import torch
 
 from raytrain_ddp.rundir import Location
 from raytrain_ddp.worker.context import Rank
+
+if TYPE_CHECKING:
+    from raytrain_ddp.data.in_memory import LocalShard
 
 
 class Runtime(Protocol):
@@ -37,13 +40,21 @@ class Runtime(Protocol):
 
 
 class RayTrainRuntime:
-    """A Ray Train worker (the default)."""
+    """A Ray Train worker (the default). `shards`: the in-memory route's object refs
+    (`ray_datasets.PreparedData.shards`), else None and the rows come from Ray Data."""
+
+    def __init__(self, shards: Optional[dict[str, Any]] = None) -> None:
+        self._shard_refs = dict(shards or {})
 
     def rank(self) -> Rank:
         return Rank.current()
 
     def shards(self) -> Optional[dict[str, Any]]:
-        return None  # WorkerData asks ray.train for its dataset shards
+        if not self._shard_refs:
+            return None  # WorkerData asks ray.train for its dataset shards
+        import ray
+
+        return dict(zip(self._shard_refs, ray.get(list(self._shard_refs.values()))))
 
     def report(self, metrics: dict[str, Any], staging: Optional[str], name: str, asynchronous: bool) -> None:
         import ray.train
@@ -78,22 +89,10 @@ class RayTrainRuntime:
         return ray_source
 
 
-class LocalShard:
-    """An in-memory table that reads like Ray Data's iterator (`iter_batches(..., batch_format="numpy")`)."""
-
-    def __init__(self, columns: dict[str, Any]) -> None:
-        self.columns = columns
-        self.rows = len(next(iter(columns.values()))) if columns else 0
-
-    def iter_batches(self, batch_size: int, batch_format: str = "numpy") -> Iterator[dict[str, Any]]:
-        for start in range(0, self.rows, batch_size):
-            yield {name: column[start:start + batch_size] for name, column in self.columns.items()}
-
-
 class LocalRuntime:
     """`scaling.num_workers: 0`: the driver's process is the only rank (see the module docstring)."""
 
-    def __init__(self, shards: dict[str, LocalShard], run_dir: Location, device: torch.device,
+    def __init__(self, shards: dict[str, "LocalShard"], run_dir: Location, device: torch.device,
                  rank: Optional[Rank] = None) -> None:
         self._shards, self._run_dir, self.device = shards, run_dir, device
         self._rank = rank or Rank(0, 1, 0, device)  # a rank of `scaling.launcher=torchrun`'s group

@@ -33,6 +33,16 @@ def _ids(ds) -> list[int]:
     return sorted(int(row["y"]) for row in ds.take_all())
 
 
+def _held_out(prepared) -> list[int]:
+    """The validation rows a Ray fit's workers read: from the object store (the built-in
+    data's exact route) or through Ray Data (a dataset given from Python)."""
+    import ray
+
+    if prepared.shards:
+        return sorted(int(v) for v in ray.get(prepared.shards[VAL]).columns["y"])
+    return _ids(prepared.datasets[VAL])
+
+
 def test_parquet_a_ray_dataset_and_local_mode_hold_out_the_same_rows(ray_cluster, tmp_path):
     x = np.stack([np.arange(ROWS, dtype=np.float32), np.ones(ROWS, np.float32)], axis=1)
     path = tmp_path / "rows.parquet"
@@ -42,14 +52,14 @@ def test_parquet_a_ray_dataset_and_local_mode_hold_out_the_same_rows(ray_cluster
 
     on_ray = _cfg("data.source=parquet", f"data.path={path}")
     cfg, code = resolve(on_ray)
-    via_parquet = _ids(prepare_datasets(cfg, precheck(cfg, code), code).datasets[VAL])
+    via_parquet = _held_out(prepare_datasets(cfg, precheck(cfg, code), code))
 
     shards, spec = local_data(cfg, precheck(cfg, code), code)
     in_local_mode = sorted(int(v) for v in shards[VAL].columns["y"])
 
     given = {"train": ray_cluster.data.from_items([{"x": row, "y": i} for i, row in enumerate(x)])}
     cfg, code = resolve(_cfg("data.source=datasets"))
-    via_dataset = _ids(prepare_datasets(cfg, precheck(cfg, code, given), code, given).datasets[VAL])
+    via_dataset = _held_out(prepare_datasets(cfg, precheck(cfg, code, given), code, given))
 
     assert via_parquet == in_local_mode == via_dataset == expected
     assert spec.val_rows == len(expected) and spec.train_rows == ROWS - len(expected)
