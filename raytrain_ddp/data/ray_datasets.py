@@ -224,8 +224,24 @@ def _prepare_user_data(cfg: Config, checked: Prechecked, code: Any, given: Optio
     if cfg.data.sharding == "streaming" and cfg.data.shuffle:
         datasets[TRAIN] = datasets[TRAIN].randomize_block_order(seed=cfg.train.seed)
     spec = dataclasses.replace(checked.pipeline.spec, train_rows=int(train_rows), val_rows=int(val_rows))
+    if cfg.data.sharding == "exact":  # materialized above: its blocks go to the workers as one object each
+        return PreparedData({}, spec, ray.train.DataConfig(datasets_to_split=[]),
+                            shards={name: ray.put(_whole(ds)) for name, ds in datasets.items()})
     split = [TRAIN] if cfg.data.sharding == "streaming" else []
     return PreparedData(datasets, spec, ray.train.DataConfig(datasets_to_split=split))
+
+
+def _whole(ds: Any) -> Any:
+    """A materialized dataset's rows, in block order, as the numpy columns Ray Data's
+    `iter_batches(batch_format="numpy")` hands over (Ray's converter): a `LocalShard`."""
+    import pyarrow as pa
+    import ray
+
+    from raytrain_ddp.data.in_memory import LocalShard, _numpy
+
+    blocks = [b for b in ray.get(list(ds.to_arrow_refs())) if b.num_rows]
+    table = pa.concat_tables(blocks) if blocks else ds.schema().base_schema.empty_table()
+    return LocalShard(_numpy(table))
 
 
 def write_stores(cfg: Config, datasets: dict[str, Any], inputs: Optional[list[Any]]) -> tuple[Any, dict[str, int]]:
