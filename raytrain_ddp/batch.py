@@ -14,11 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 
 from raytrain_ddp.models import cross_entropy
+
+if TYPE_CHECKING:
+    from raytrain_ddp.config import Config
 
 Batch = Union[tuple[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]
 
@@ -33,7 +36,7 @@ class BatchFormat:
     user_metrics: Optional[Callable[[Any, Any], Any]] = None  # train.metrics: (output, batch) -> {name: value}
 
     @classmethod
-    def of(cls, cfg: Any, user_loss: Optional[Callable[[Any, Any], torch.Tensor]] = None,
+    def of(cls, cfg: "Config", user_loss: Optional[Callable[[Any, Any], torch.Tensor]] = None,
            user_metrics: Optional[Callable[[Any, Any], Any]] = None) -> "BatchFormat":
         inputs = tuple(cfg.data.inputs) if cfg.data.inputs else None
         return cls(cfg.data.features, cfg.data.label, inputs, cfg.train.loss, user_loss, user_metrics)

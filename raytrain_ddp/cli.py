@@ -175,6 +175,23 @@ def _add_sweep(sub: Any) -> None:
     sweep.set_defaults(func=_cmd_sweep)
 
 
+def _add_checks(sub: Any) -> None:
+    """The commands that check or measure an install rather than train: verify, bench."""
+    verify = sub.add_parser(
+        "verify", help="check every strategy against torch DDP and one process on this config's model "
+        "and data (2 local gloo ranks, float64, no Ray); exit 1 naming any parameter that differs")
+    verify.add_argument("config", nargs="?", default=None, help="YAML config file (omit for defaults)")
+    verify.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    verify.set_defaults(func=_cmd_verify)
+
+    bench = sub.add_parser("bench", help="benchmark strategies, accumulation, Ray overhead and ingest")
+    bench.add_argument("--quick", action="store_true", help="small sizes, ~2 minutes")
+    bench.add_argument("--out", default=None, help="JSON results file, a PNG plot beside it "
+                       "(default: benchmarks/bench-<preset>.json, git-ignored)")
+    bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    bench.set_defaults(func=_cmd_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="raytrain-ddp",
@@ -227,19 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("files", nargs="*", help="files or directories (default: cluster/)")
     validate.set_defaults(func=_cmd_cluster_validate)
 
-    verify = sub.add_parser(
-        "verify", help="check every strategy against torch DDP and one process on this config's model "
-        "and data (2 local gloo ranks, float64, no Ray); exit 1 naming any parameter that differs")
-    verify.add_argument("config", nargs="?", default=None, help="YAML config file (omit for defaults)")
-    verify.add_argument("overrides", nargs="*", help="key.sub=value overrides")
-    verify.set_defaults(func=_cmd_verify)
-
-    bench = sub.add_parser("bench", help="benchmark strategies, accumulation, Ray overhead and ingest")
-    bench.add_argument("--quick", action="store_true", help="small sizes, ~2 minutes")
-    bench.add_argument("--out", default=None, help="JSON results file, a PNG plot beside it "
-                       "(default: benchmarks/bench-<preset>.json, git-ignored)")
-    bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    bench.set_defaults(func=_cmd_bench)
+    _add_checks(sub)
     _add_sweep(sub)
     return parser
 

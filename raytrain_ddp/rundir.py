@@ -35,9 +35,12 @@ import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 
 import pyarrow.fs as pafs
+
+if TYPE_CHECKING:
+    from raytrain_ddp.config import Config
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -210,12 +213,12 @@ class Location:
 Where = Union[str, os.PathLike, Location]
 
 
-def run_dir_of(cfg: Any) -> Location:
+def run_dir_of(cfg: "Config") -> Location:
     """`<run.storage_path>/<name>` as a `Location` (local paths made absolute)."""
     return Location.parse(cfg.run.storage_path) / cfg.name
 
 
-def unused_name(cfg: Any) -> str:
+def unused_name(cfg: "Config") -> str:
     """`name=<name>-N` for the first N whose run directory does not exist yet (local storage)."""
     base = cfg.name
     storage = cfg.run.storage_path

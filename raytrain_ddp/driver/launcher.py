@@ -52,6 +52,7 @@ Decisions, and why:
   local paths only at the job level, and every process of the job inherits them.
 """
 
+# Over 500 lines: one fit's driver path (connect, start, build, run, end) beside the decisions above.
 from __future__ import annotations
 
 import atexit

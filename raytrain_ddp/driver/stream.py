@@ -47,6 +47,7 @@ before a checkpoint: the lines past it travel in the checkpoint, so a killed dri
 none (`driver/fit.py: recover_lines` takes them back at the next start; docs/reliability.md#metrics-that-survive-a-killed-driver).
 """
 
+# Over 500 lines: both ends of one event protocol (the mailboxes, the recorder), stated once above.
 from __future__ import annotations
 
 import asyncio
@@ -347,47 +348,14 @@ class Recorder:
     def _apply(self, event: dict[str, Any]) -> None:
         kind = event.get("kind")
         if kind == "metrics":
-            record = event["record"]
-            key = _line_key(record)
-            if key in self._lines:  # a redone line (validation after a restart at an epoch's end) replaces its earlier self
-                self.metrics.keep(lambda r: _line_key(r) != key)
-            self._lines.add(key)
-            self._fit_lines.add(key)
-            self.metrics.append([record])
-            self.last_step = max(self.last_step, int(record.get("step", 0)))
-            if self.timeline is not None and "loss" in record and "time" in record:
-                self.timeline.last_step(float(record["time"]))
-            for sink in self.sinks:
-                if sink not in self._trackers:
-                    self._call(sink, "record", record)
-            if self._trackers and key not in self._handed:
-                self._held[key] = record
+            self._apply_metrics(event["record"])
         elif kind == "attempt":
             cause, self._cause = self._cause, None  # a node loss the controller declared before this start
             self.attempts.append([{**event["record"], **({"cause": cause} if cause else {})}])
         elif kind == "fault":
             self._cause = event.get("cause")
         elif kind == "resumed":
-            step = int(event["step"])
-            self._resumed_attempt = max(self._resumed_attempt, int(event.get("attempt", 0)))
-            redone = _redone(self.metrics.records, step)  # what the dropped lines had cost (goodput.py)
-            self.metrics.keep(lambda r: r.get("step", 0) <= step)
-            self._held = {key: r for key, r in self._held.items() if key[0] <= step}
-            if not self._fit_started:
-                self._fit_started = True
-                self._catch_up_trackers(step)
-            elif any(key[0] > step for key in self._handed):
-                logger.warning("record stream: resumed at step %d, below a reported checkpoint; the trackers "
-                               "keep their first point of the steps up to %d", step, max(k[0] for k in self._handed))
-            self._lines = {_line_key(r) for r in self.metrics.records}
-            self.attempts.amend_last({"resumed_step": step, **event.get("origin", {}), **redone})
-            self.last_step = step
-            # The checkpoint's lines up to `step` that this file lacks: those a lost rank 0 did
-            # not deliver (a survivor's copy carries its step's), or that a killed driver had
-            # not written yet (every checkpoint carries the lines since the previous one).
-            for record in sorted(event.get("lines", []), key=lambda r: int(r.get("step", 0))):
-                if int(record.get("step", 0)) <= step and _line_key(record) not in self._lines:
-                    self._apply({"kind": "metrics", "record": record})
+            self._apply_resumed(event)
         elif kind == "abort":
             self.abort = event["record"]
             (self.run_dir / ABORT_FILE).write_text(json.dumps(self.abort))
@@ -405,6 +373,46 @@ class Recorder:
             self.checkpoints.append({k: event[k] for k in ("step", "name", "blocked_s") if k in event})
             self._amend_attempt_stall(event)
             self._commit(int(event["step"]))
+
+    def _apply_metrics(self, record: dict[str, Any]) -> None:
+        """A train or validation line: into metrics.jsonl (a redone one replaces its earlier self), the sinks."""
+        key = _line_key(record)
+        if key in self._lines:  # a redone line (validation after a restart at an epoch's end) replaces its earlier self
+            self.metrics.keep(lambda r: _line_key(r) != key)
+        self._lines.add(key)
+        self._fit_lines.add(key)
+        self.metrics.append([record])
+        self.last_step = max(self.last_step, int(record.get("step", 0)))
+        if self.timeline is not None and "loss" in record and "time" in record:
+            self.timeline.last_step(float(record["time"]))
+        for sink in self.sinks:
+            if sink not in self._trackers:
+                self._call(sink, "record", record)
+        if self._trackers and key not in self._handed:
+            self._held[key] = record
+
+    def _apply_resumed(self, event: dict[str, Any]) -> None:
+        """Lines past the resumed step are dropped; the checkpoint's own lines fill in what is missing."""
+        step = int(event["step"])
+        self._resumed_attempt = max(self._resumed_attempt, int(event.get("attempt", 0)))
+        redone = _redone(self.metrics.records, step)  # what the dropped lines had cost (goodput.py)
+        self.metrics.keep(lambda r: r.get("step", 0) <= step)
+        self._held = {key: r for key, r in self._held.items() if key[0] <= step}
+        if not self._fit_started:
+            self._fit_started = True
+            self._catch_up_trackers(step)
+        elif any(key[0] > step for key in self._handed):
+            logger.warning("record stream: resumed at step %d, below a reported checkpoint; the trackers "
+                           "keep their first point of the steps up to %d", step, max(k[0] for k in self._handed))
+        self._lines = {_line_key(r) for r in self.metrics.records}
+        self.attempts.amend_last({"resumed_step": step, **event.get("origin", {}), **redone})
+        self.last_step = step
+        # The checkpoint's lines up to `step` that this file lacks: those a lost rank 0 did
+        # not deliver (a survivor's copy carries its step's), or that a killed driver had
+        # not written yet (every checkpoint carries the lines since the previous one).
+        for record in sorted(event.get("lines", []), key=lambda r: int(r.get("step", 0))):
+            if int(record.get("step", 0)) <= step and _line_key(record) not in self._lines:
+                self._apply_metrics(record)
 
     def _amend_attempt_stall(self, event: dict[str, Any]) -> None:
         """The attempt's line in attempts.jsonl keeps its checkpoints' count and stall (the

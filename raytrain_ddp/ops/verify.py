@@ -39,13 +39,16 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 
 from raytrain_ddp.errors import UserError
 from raytrain_ddp.ops.verify_rank import MICRO_STEPS, REFERENCE, ROWS_PER_MICRO, STEPS, WORLD, rank_main
 from raytrain_ddp.parallel import registry
+
+if TYPE_CHECKING:
+    from raytrain_ddp.config import Config
 
 TOLERANCE = 1e-9
 
@@ -157,7 +160,7 @@ def main(config: Optional[str], overrides: Sequence[str]) -> int:
     return 0 if verify(config, overrides).ok else 1
 
 
-def _rows(cfg: Any, config_path: Optional[str] = None) -> tuple[dict[str, np.ndarray], Any, str]:
+def _rows(cfg: "Config", config_path: Optional[str] = None) -> tuple[dict[str, np.ndarray], Any, str]:
     """A few real rows of the configured data (seeded choice), as the model's columns, and the
     spec the model is built from: what `train` would feed it, `data.preprocess` applied and,
     for dict batches (`data.inputs`), every column the preprocess returns."""
@@ -224,7 +227,7 @@ def _parquet_tables(file: str, columns: Optional[list[str]], rows: int = 64):
         yield pa.Table.from_batches([record_batch])
 
 
-def _merge(cfg: Any, per_rank: list[dict], kinds: Sequence[str]) -> Report:
+def _merge(cfg: "Config", per_rank: list[dict], kinds: Sequence[str]) -> Report:
     findings = []
     for kind in (REFERENCE, *kinds):
         f = Finding(kind)
@@ -278,7 +281,7 @@ def _fmt_names(names: list[str], limit: int = 4) -> str:
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _render(cfg: Any, path: Optional[str], report: Report, rank0: dict, source: str) -> list[str]:
+def _render(cfg: "Config", path: Optional[str], report: Report, rank0: dict, source: str) -> list[str]:
     facts = rank0["facts"]
     p = cfg.parallel
     lines = [

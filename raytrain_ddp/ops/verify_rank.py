@@ -13,11 +13,14 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from raytrain_ddp.parallel import registry
+
+if TYPE_CHECKING:
+    from raytrain_ddp.config import Config
 
 STEPS, MICRO_STEPS, ROWS_PER_MICRO, WORLD = 3, 2, 4, 2
 REFERENCE = "torch"  # torch.nn.parallel.DistributedDataParallel, same options
@@ -116,7 +119,7 @@ def _loss(logits, y):
     return F.cross_entropy(logits, y)
 
 
-def _optimizer(cfg: Any, params):
+def _optimizer(cfg: "Config", params):
     import torch
 
     if cfg.train.optimizer == "sgd":
@@ -169,7 +172,7 @@ def _any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
-def _single(cfg: Any, build, micro, whole, loss_of, world_size: int) -> dict:
+def _single(cfg: "Config", build, micro, whole, loss_of, world_size: int) -> dict:
     """One process: every rank's micro-batches of a step in one mean-loss batch."""
     model = build()
     opt = _optimizer(cfg, model.parameters())
@@ -185,7 +188,7 @@ def _worst(steps: list[dict], ref_steps: list[dict], key: str) -> tuple[float, s
     return max((_max_diff(s[key], r[key]) for s, r in zip(steps, ref_steps)), key=lambda d: d[0])
 
 
-def _wrap(kind: str, module, pg, cfg: Any, find_unused: bool):
+def _wrap(kind: str, module, pg, cfg: "Config", find_unused: bool):
     """(model, optimizer): torch DDP for `REFERENCE`, else `wrap_model` with the config's options."""
     from raytrain_ddp.parallel import wrap_model
     from raytrain_ddp.parallel.native import make_ddp
@@ -205,7 +208,7 @@ def _wrap(kind: str, module, pg, cfg: Any, find_unused: bool):
     return model, model.make_optimizer(lambda params: _optimizer(cfg, params))
 
 
-def _run(kind: str, build, micro, loss_of, world_rank: int, cfg: Any, find_unused: bool) -> dict:
+def _run(kind: str, build, micro, loss_of, world_rank: int, cfg: "Config", find_unused: bool) -> dict:
     """Train STEPS steps with one strategy (or torch DDP) on a fresh group; its state after each."""
     import torch.distributed as dist
 

@@ -4,9 +4,9 @@ attribute of an object it did not create (issue #42; docs/design.md, "Layers").
 Read with `ast.walk` over every module of `worker/`: an assignment (or `setattr`) whose target is
 `x.attr` with `x` not `self`/`cls` fails when `attr` is private (`_name`), when it names a method
 defined by any class of the package, or when the value is a function defined in the same module
-or a lambda (a method replaced by a wrapper). Objects the function itself built on the line
-before count as its own (`obj = X(...)`; `obj.attr = ...`), so a constructor call and a public
-field filled in right after are still allowed.
+or a lambda (a method replaced by a wrapper). A public field of another object that is no
+method (`checkpointer.saved_step = step`) is allowed; a private one is flagged even on an object
+the function has just built (no exemption is made for that).
 """
 
 from __future__ import annotations
