@@ -322,7 +322,15 @@ def check_pipeline(cfg: Config, code: UserCode, sample: dict[str, np.ndarray], s
         columns = {name: (tuple(a.shape[1:]), str(a.dtype)) for name, a in arrays.items()}
         task, feature_shape = spec_columns(cfg, columns)
         spec = dataclasses.replace(spec, task=task, feature_shape=feature_shape, columns=columns)
-    model = code.build_model(cfg, spec)
+    try:
+        model = code.build_model(cfg, spec)
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's model (or ours) refuses the data's shape
+        raise UserError(f"model.name={cfg.model.name!r}: building the model for features of shape "
+                        f"{tuple(spec.feature_shape)} ({cfg.data.features!r}) raised {_one_line(exc)}"
+                        + ("; the built-in cnn takes (channels, height, width) rows: reshape them in "
+                           "data.preprocess, or use model.name=mlp" if cfg.model.name == "cnn" else "")) from None
     model.train()
     fmt = code.batch_format(cfg)
     tensors = fmt.assemble({name: torch.from_numpy(np.array(a)) for name, a in arrays.items()})

@@ -178,6 +178,7 @@ BAD_INPUTS = [
     (["train.metrics=usermods:metrics_vector"], "metric 'per_class' is a Tensor of shape (10,); it must be one number"),
     (["train.metrics=usermods:metrics_boom"], "train.metrics='usermods:metrics_boom' raised ZeroDivisionError"),
     (["train.metrics=usermods:metrics_clash"], "metric 'accuracy' would replace the built-in val_accuracy"),
+    (["model.name=cnn", "data.preprocess=usermods:scale"], "the built-in cnn takes (channels, height, width) rows: reshape them in data.preprocess"),
     (["model.name=usermods:two_by_five"], "the model's output has shape [8, 2, 5] but label column 'y' (data.label) has shape [8]"),
 ]
 
