@@ -56,7 +56,8 @@ from typing import Any, Callable, Iterator, Optional
 
 from raytrain_ddp.config import Config
 from raytrain_ddp.data.columns import TRAIN, VAL, uses_own_data
-from raytrain_ddp.data.sources import (Prechecked, arrays_table, bundled_tables, check_row_counts, load_digits_arrays,
+from raytrain_ddp.data.sources import (Prechecked, arrays_table, bundled_tables, check_row_counts, dataset_table,
+                                       load_digits_arrays,
                                        model_shape, parquet_bytes, split_table, synthetic_arrays)
 from raytrain_ddp.job import DataSpec
 
@@ -158,19 +159,13 @@ def held_out(cfg: Config, ds: Any, files: Optional[list[str]], columns: Optional
     is read here -- parquet `files` with pyarrow, as local mode reads them; a Ray Dataset
     through Ray -- and split in milliseconds. Streaming and sharded data, which need not fit,
     are split by Ray Data's seeded `train_test_split` (other rows: docs/usage.md#data)."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
-    import ray
     import ray.data
 
     if cfg.data.sharding != "exact":
         train, val = ds.train_test_split(test_size=cfg.data.val_fraction, shuffle=True, seed=cfg.train.seed)
         return {TRAIN: train, VAL: val}
-    if files is not None:
-        table = pq.read_table(files, columns=columns)
-    else:
-        blocks = [b for b in ray.get(list(ds.to_arrow_refs())) if b.num_rows]
-        table = pa.concat_tables(blocks) if blocks else ds.schema().base_schema.empty_table()
+    table = pq.read_table(files, columns=columns) if files is not None else dataset_table(ds)
     train, val = split_table(table, cfg)
     return {TRAIN: ray.data.from_arrow(train), **({VAL: ray.data.from_arrow(val)} if val is not None else {})}
 
@@ -183,6 +178,8 @@ def _prepare_user_data(cfg: Config, checked: Prechecked, code: Any, given: Optio
 
     info = checked.parquet
     split = cfg.data.val_fraction > 0
+    if cfg.data.sharding == "exact" and (code is None or code.preprocess is None):
+        return _user_rows_in_memory(cfg, checked, given, fits)
     if given is not None:
         train, val = given[TRAIN], given.get(VAL)
     elif info is not None:
@@ -234,14 +231,44 @@ def _prepare_user_data(cfg: Config, checked: Prechecked, code: Any, given: Optio
 def _whole(ds: Any) -> Any:
     """A materialized dataset's rows, in block order, as the numpy columns Ray Data's
     `iter_batches(batch_format="numpy")` hands over (Ray's converter): a `LocalShard`."""
-    import pyarrow as pa
+    from raytrain_ddp.data.in_memory import LocalShard, _numpy
+
+    return LocalShard(_numpy(dataset_table(ds)))
+
+
+
+
+def _user_rows_in_memory(cfg: Config, checked: Prechecked, given: Optional[dict[str, Any]],
+                         fits: FitsCheck) -> PreparedData:
+    """A user pipeline without a preprocess, under `exact`: its rows (a given dataset's blocks,
+    parquet, the bundled arrays) read once here as Arrow tables, held out by `split_table`,
+    and put in the object store as one `LocalShard` per split, with no Ray Data execution
+    beyond reading a given dataset's blocks once (the workers read the same rows as before)."""
+    import pyarrow.parquet as pq
     import ray
+    import ray.train
 
     from raytrain_ddp.data.in_memory import LocalShard, _numpy
 
-    blocks = [b for b in ray.get(list(ds.to_arrow_refs())) if b.num_rows]
-    table = pa.concat_tables(blocks) if blocks else ds.schema().base_schema.empty_table()
-    return LocalShard(_numpy(table))
+    info = checked.parquet
+    if given is not None:
+        tables = {name: dataset_table(given[name]) for name in (TRAIN, VAL) if name in given}
+    elif info is not None:
+        tables = {TRAIN: pq.read_table(info.files), **({VAL: pq.read_table(info.val.files)} if info.val else {})}
+    else:  # bundled arrays: the built-in data's split
+        features, labels = load_digits_arrays() if cfg.data.source == "digits" else synthetic_arrays(cfg)
+        tables = dict(zip((TRAIN, VAL), split_table(arrays_table(features, labels, cfg.data), cfg)))
+    if VAL not in tables and cfg.data.val_fraction > 0:
+        tables[TRAIN], tables[VAL] = split_table(tables[TRAIN], cfg)
+    if not cfg.data.inputs:
+        tables = {name: t.select([cfg.data.features, cfg.data.label]) for name, t in tables.items() if t is not None}
+    tables = {name: t for name, t in tables.items() if t is not None and (name == TRAIN or t.num_rows)}
+    fits(cfg, tables[TRAIN].nbytes)  # driver/memory.py
+    train_rows, val_rows = tables[TRAIN].num_rows, tables[VAL].num_rows if VAL in tables else 0
+    check_row_counts(cfg, train_rows, val_rows, checked.pipeline.spec.source)
+    spec = dataclasses.replace(checked.pipeline.spec, train_rows=int(train_rows), val_rows=int(val_rows))
+    return PreparedData({}, spec, ray.train.DataConfig(datasets_to_split=[]),
+                        shards={name: ray.put(LocalShard(_numpy(t))) for name, t in tables.items()})
 
 
 def write_stores(cfg: Config, datasets: dict[str, Any], inputs: Optional[list[Any]]) -> tuple[Any, dict[str, int]]:

@@ -71,10 +71,18 @@ def sample_and_spec(cfg: Config, info: Optional["ParquetInfo"], given: Optional[
     own = uses_own_data(cfg)
     if given is not None:
         check_given(given)
-        sample = given[TRAIN].take_batch(rows, batch_format="numpy")
+        whole = dataset_table(given[TRAIN]) if cfg.data.sharding == "exact" else None  # read in memory anyway
+        if whole is not None:  # the sample and the classes from the rows: no Ray Data execution
+            sample = BlockAccessor.for_block(whole.slice(0, rows)).to_batch_format("numpy")
+        else:
+            sample = given[TRAIN].take_batch(rows, batch_format="numpy")
         label = sample.get(cfg.data.label)
-        classes = (int(given[TRAIN].max(cfg.data.label)) + 1
-                   if label is not None and label.ndim == 1 and label.dtype.kind in "iu" else 0)
+        classes = 0
+        if label is not None and label.ndim == 1 and label.dtype.kind in "iu":
+            import pyarrow.compute as pc
+
+            top = pc.max(whole.column(cfg.data.label)).as_py() if whole is not None else given[TRAIN].max(cfg.data.label)
+            classes = int(top) + 1
         return sample, DataSpec("other", (), classes, 0, 0, "Ray Datasets given from Python")
     if info is not None:
         first = next(f for f in info.files if _rows_in(f))
@@ -87,6 +95,14 @@ def sample_and_spec(cfg: Config, info: Optional["ParquetInfo"], given: Optional[
         shape, classes, task = spec_from_arrays(cfg, features, labels)
         spec = DataSpec(task, () if own else tuple(shape), classes, 0, 0, cfg.data.source)
     return BlockAccessor.for_block(table).to_batch_format("numpy"), spec
+
+
+def dataset_table(ds: Any) -> pa.Table:
+    """A Ray Dataset's rows as one Arrow table, in block order (its blocks read through Ray)."""
+    import ray
+
+    blocks = [b for b in ray.get(list(ds.to_arrow_refs())) if b.num_rows]
+    return pa.concat_tables(blocks) if blocks else ds.schema().base_schema.empty_table()
 
 
 def check_given(given: dict[str, Any]) -> None:
