@@ -366,20 +366,22 @@ def _errors(world_rank, world_size):
 
 def test_unused_or_changed_parameters_raise_by_name_without_hanging():
     """Items 3 and 4: without find_unused_parameters, an unused parameter (on every rank or on
-    one) fails the first backward on every rank, naming it, in seconds (native: one left
-    unused at a later step fails the next forward, named); native names a requires_grad
+    one) fails the first backward on every rank, naming it (native: one left
+    unused at a later step fails the next forward, named), before the group's timeout; native names a requires_grad
     change it cannot follow."""
-    per_rank = run_ranks(_errors, 2, timeout_s=120, pg_timeout_s=40)
+    pg_timeout_s = 40
+    per_rank = run_ranks(_errors, 2, timeout_s=120, pg_timeout_s=pg_timeout_s)
+    before_timeout = 0.9 * pg_timeout_s  # raised by the check itself, not by the group's timeout (any load)
     for rank, out in enumerate(per_rank):
         for kind in OURS:
             for case, name in (("dead", "dead.weight"), ("solo", "solo.weight")):
                 msg, elapsed = out[(kind, case)]
                 assert name in msg and "find_unused_parameters" in msg, f"{kind}/{case} rank {rank}: {msg}"
-                assert elapsed < 15, f"{kind}/{case} rank {rank}: took {elapsed:.1f}s ({msg})"
+                assert elapsed < before_timeout, f"{kind}/{case} rank {rank}: took {elapsed:.1f}s ({msg})"
             assert "on rank(s) [1]" in out[(kind, "solo")][0], out[(kind, "solo")][0]
         msg, elapsed = out[("native", "later")]
         assert msg.startswith("UnusedParameterError") and "'solo.weight'" in msg, f"later rank {rank}: {msg}"
-        assert "find_unused_parameters" in msg and elapsed < 15, (rank, elapsed, msg)
+        assert "find_unused_parameters" in msg and elapsed < before_timeout, (rank, elapsed, msg)
         for key in (("native", "freeze"), ("native", "unfreeze", False), ("native", "unfreeze", True)):
             msg, _ = out[key]
             assert "lin1.weight" in msg and "requires_grad" in msg, f"{key} rank {rank}: {msg}"
