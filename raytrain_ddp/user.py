@@ -322,15 +322,7 @@ def check_pipeline(cfg: Config, code: UserCode, sample: dict[str, np.ndarray], s
         columns = {name: (tuple(a.shape[1:]), str(a.dtype)) for name, a in arrays.items()}
         task, feature_shape = spec_columns(cfg, columns)
         spec = dataclasses.replace(spec, task=task, feature_shape=feature_shape, columns=columns)
-    try:
-        model = code.build_model(cfg, spec)
-    except UserError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the user's model (or ours) refuses the data's shape
-        raise UserError(f"model.name={cfg.model.name!r}: building the model for features of shape "
-                        f"{tuple(spec.feature_shape)} ({cfg.data.features!r}) raised {_one_line(exc)}"
-                        + ("; the built-in cnn takes (channels, height, width) rows: reshape them in "
-                           "data.preprocess, or use model.name=mlp" if cfg.model.name == "cnn" else "")) from None
+    model = _build_model(cfg, code, spec)
     model.train()
     fmt = code.batch_format(cfg)
     tensors = fmt.assemble({name: torch.from_numpy(np.array(a)) for name, a in arrays.items()})
@@ -356,6 +348,19 @@ def check_pipeline(cfg: Config, code: UserCode, sample: dict[str, np.ndarray], s
     elif code.schedule is not None:
         code.build_schedule(cfg, torch.optim.SGD(model.parameters(), lr=cfg.train.lr), 100)
     return Checked(spec, sum(p.numel() for p in model.parameters()))
+
+
+def _build_model(cfg: Config, code: UserCode, spec: DataSpec) -> Any:
+    """The factory on the data's spec; a model that refuses the data's shape is one line naming the key."""
+    try:
+        return code.build_model(cfg, spec)
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's model (or ours) refuses the data's shape
+        raise UserError(f"model.name={cfg.model.name!r}: building the model for features of shape "
+                        f"{tuple(spec.feature_shape)} ({cfg.data.features!r}) raised {_one_line(exc)}"
+                        + ("; the built-in cnn takes (channels, height, width) rows: reshape them in "
+                           "data.preprocess, or use model.name=mlp" if cfg.model.name == "cnn" else "")) from None
 
 
 def _check_metrics(cfg: Config, fn: Callable[[Any, Any], Any], output: Any, batch: Any, rows: int) -> None:
