@@ -26,7 +26,7 @@ SHIM = REPO / "raytrain_ddp" / "testing" / "device_like"
 HIDE = "ray,pydantic,pydantic_core,annotated_types,typing_inspection"
 WHEELS = ("pydantic", "pydantic_core", "annotated_types", "typing_inspection", "typing_extensions")
 
-pytestmark = pytest.mark.timeout(480)
+pytestmark = [pytest.mark.bench, pytest.mark.timeout(480)]  # gpu.sh's whole dry run: make test, not test-fast
 
 
 def test_gpu_sh_dry_run_without_ray_and_pydantic(tmp_path):
