@@ -40,7 +40,8 @@ REPO = Path(__file__).resolve().parents[2]
 SWEEP = REPO / "examples" / "configs" / "sweep.yaml"
 CLI = Path(sys.executable).parent / "raytrain-ddp"
 HEAD = REPO / "cluster" / "local-head.sh"
-SMALL = ["train.epochs=2", "run.log_every_steps=5", "sweep.max_concurrent_trials=2"]
+# A checkpoint every 2 steps: a trial is past its first one moments after its workers start.
+SMALL = ["train.epochs=2", "run.log_every_steps=5", "run.checkpoint_every_steps=2", "sweep.max_concurrent_trials=2"]
 HEAD_CPUS = "5"  # what the embedded instance of this sweep would hold: 2 trials, the trial processes, the data
 # Every worker the head starts sleeps this long after each step (testing/hooks.py), so an
 # epoch outlasts the way of ASHA's stop to the workers: a stopped trial stops mid-fit.
@@ -59,12 +60,23 @@ def head():
     up = subprocess.run([str(HEAD), "start"], env={**two_node_env(), **ENABLE, STEP_DELAY_ENV: STEP_DELAY_S,
                                                     "RT2N_HEAD_CPUS": HEAD_CPUS, "RT2N_UP_TIMEOUT_S": "240"},
                         capture_output=True, text=True, timeout=300)
-    assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
-    state = Path(up.stdout.strip().splitlines()[-1])
+    said = [ln.split("state dir ", 1)[1].strip() for ln in up.stderr.splitlines() if "state dir " in ln]
+    state = Path(up.stdout.strip().splitlines()[-1]) if up.returncode == 0 else Path(said[0]) if said else None
     try:
+        assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
         yield {**two_node_env(state), "PYTHONUNBUFFERED": "1"}
     finally:
-        subprocess.run([str(HEAD), "stop", str(state)], env=two_node_env(), capture_output=True, timeout=120)
+        if state is not None:  # what `start` started, even when it gave up
+            subprocess.run([str(HEAD), "stop", str(state)], env=two_node_env(), capture_output=True, timeout=120)
+
+
+def _newest_epoch(run_dir: Path):
+    """The epochs completed at the run's newest checkpoint (None: no checkpoint yet)."""
+    found = ckpt.find_checkpoints(Location.parse(str(run_dir)))
+    try:
+        return int(ckpt.read_manifest(found[0]).get("epoch", 0)) if found else None
+    except ckpt.CheckpointError:  # being written: looked at again at the next poll
+        return None
 
 
 def _released(trials: Path, timeout_s: float) -> None:
@@ -92,9 +104,10 @@ def swept(tmp_path_factory, head):
             # still training (a live fit holds it, its workers started: not one ASHA stopped) ...
             training = [d for d in dirs if not _summary(d) and held_live(Location.parse(str(d)))
                         and (d / "attempts.jsonl").exists()]
-            # ... and past a checkpoint; none interrupted before its first (it could only start over)
-            midway = [d for d in training if ckpt.find_checkpoints(Location.parse(str(d)))]
-            if done and midway and len(midway) == len(training):
+            # ... past a checkpoint, none interrupted before its first (it could only start over),
+            # one still in its first epoch (ASHA has not judged it: Tune still runs it, not a stop)
+            newest = {d: _newest_epoch(d) for d in training}
+            if done and newest and None not in newest.values() and 0 in newest.values():
                 break
             time.sleep(0.5)
         assert proc.poll() is None, (tmp / "first.log").read_text()[-4000:]
