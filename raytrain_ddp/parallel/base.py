@@ -13,6 +13,7 @@ files, anything of ours outside `parallel/`. Only torch and torch.distributed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
@@ -196,11 +197,19 @@ class ScratchBase(WrappedModel):
       without it, `UnusedParameterError` names them (every rank agrees on the first synced
       backward; later, the rank that saw it raises after finishing its all-reduces, so no
       peer is left waiting).
+    - World size 1 (local mode, no process group): nothing is sent, but the checks that need
+      no peer are made as at world size 2, with the same message, so a bug found in one
+      process is the bug the workers report: a trainable parameter no gradient reached in a
+      synced backward (`SoloUnusedCheck`, at the end of that backward, every step) and a
+      `requires_grad` change (followed, or refused where the strategy refuses it, e.g. zero1
+      after its optimizer exists). The checks across ranks (the same structure, the same
+      initial weights with verify_init, the same requires_grad change on every rank) cannot
+      fail with one rank and are not made.
     - Pickling (as torch DDP: only on the default process group): hooks and buckets are
       dropped and rebuilt on load, without communication.
     """
 
-    _transient: tuple[str, ...] = ("_handles",)  # rebuilt by `_attach`, never pickled
+    _transient: tuple[str, ...] = ("_handles", "_alone")  # rebuilt by `_attach`, never pickled
     # Set on every forward and backward, always plain Python values: assigned directly, as
     # nn.Module.__setattr__ (isinstance checks against Parameter, Module and buffers) costs
     # microseconds per assignment, many times per step. Subclasses extend the set.
@@ -244,6 +253,9 @@ class ScratchBase(WrappedModel):
         self._used = bytearray(len(self._tracked))
         self._queued = False  # a sync callback is queued for the running backward
         self._build()
+        # world size 1: no hooks of `_build`; the unused-parameter rule still holds
+        self._alone = (SoloUnusedCheck(self.strategy, self._tracked)
+                       if self.world_size == 1 and not self.find_unused_parameters and self._tracked else None)
 
     def _order(self, named: list[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
         """The order parameters are synced in (naive: registration order)."""
@@ -263,18 +275,23 @@ class ScratchBase(WrappedModel):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        alone = self.__dict__.get("_alone")
+        if alone is not None:
+            alone.close()
+            self._alone = None
 
     # -- forward: torch DDP's pre/post-forward rules -----------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.world_size > 1:
-            if self._queued:
-                self._abandon_backward()
-            if torch.is_grad_enabled() and [p.requires_grad for p in self._all_params] != self._trainable:
-                self._follow_requires_grad()
-            if self.broadcast_buffers and self._buffers_due:
-                self._broadcast_buffers()
+        if self._queued:
+            self._abandon_backward()
+        if torch.is_grad_enabled() and [p.requires_grad for p in self._all_params] != self._trainable:
+            self._follow_requires_grad()
+        if self.world_size > 1 and self.broadcast_buffers and self._buffers_due:
+            self._broadcast_buffers()
         out = self.wrapped(*args, **kwargs)
         synced = torch.is_grad_enabled() and self._sync_enabled
+        if self._alone is not None:
+            self._alone.forwarded(synced)
         self._sync_armed = self._sync_armed or synced  # disarmed only when the sync has run
         self._buffers_due = synced
         return out
@@ -286,6 +303,13 @@ class ScratchBase(WrappedModel):
             self._stats["broadcast_bytes"] += nbytes
 
     def _follow_requires_grad(self) -> None:
+        """Rebuild for the new trainable set; first, at world size > 1, every rank must have
+        made the same change (one small all-reduce; with one rank there is nobody to differ)."""
+        if self.world_size > 1:
+            self._agree_requires_grad()
+        self._attach()
+
+    def _agree_requires_grad(self) -> None:
         flags = [p.requires_grad for p in self._all_params]
         counts = torch.tensor(flags, dtype=torch.int32, device=self._all_params[0].device)
         dist.all_reduce(counts, group=self._pg)
@@ -298,7 +322,6 @@ class ScratchBase(WrappedModel):
                 f"{self.world_rank} has requires_grad={[flags[names.index(n)] for n in split]}); "
                 "freeze or unfreeze the same parameters on every rank"
             )
-        self._attach()
 
     # -- backward: the end of a synced backward ----------------------------------------
     def _end_sync(self) -> None:
@@ -364,6 +387,64 @@ class ScratchBase(WrappedModel):
         self._handles = []
         self._set_world()  # the default group of the process that loads it (world 1 without one)
         self._attach()
+
+
+class SoloUnusedCheck:
+    """World size 1: torch DDP's unused-parameter rule with nobody to agree with.
+
+    Without find_unused_parameters a trainable parameter that no gradient reached in the
+    window of a synced backward is an error at world size 2 (`ScratchBase._settle_unused`,
+    native's first-step check); with one rank the wrappers send nothing, so this makes the
+    same check alone, with the same message (`unused_message`, rank 0), and no collective. A
+    post-accumulate-grad hook per parameter marks it used in every backward of the window
+    (no_sync micro-steps too, as the synchronising hooks do); the forward says whether its
+    backward is synced (`forwarded`), and at the end of that backward an unmarked parameter
+    raises `UnusedParameterError` out of `loss.backward()`. Every synced backward is checked,
+    so a parameter left unused only from some later step on (a branch taken from then on)
+    fails at that step, where torch DDP at world size 1 fails at the next forward, and not
+    at all after the last step.
+    """
+
+    __slots__ = ("_strategy", "_names", "_used", "_armed", "_queued", "_handles")
+
+    def __init__(self, strategy: str, tracked: list[tuple[str, nn.Parameter]]) -> None:
+        self._strategy = strategy
+        self._names = [name for name, _ in tracked]
+        self._used = bytearray(len(tracked))
+        self._armed = False  # the next backward is a synced one
+        self._queued = False  # the end-of-backward check is queued for the running backward
+        self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+                         for i, (_, p) in enumerate(tracked)]
+
+    def forwarded(self, synced: bool) -> None:
+        """After each forward: `synced` (grad enabled, outside no_sync) arms the next backward.
+        A check still queued belongs to a backward that raised: it starts afresh."""
+        if self._queued:
+            self._reset()
+        self._armed = self._armed or synced
+
+    def _on_grad(self, i: int, _param: torch.Tensor) -> None:
+        self._used[i] = 1
+        if self._armed and not self._queued:
+            self._queued = True
+            _queue_callback(self._check)
+
+    def _check(self) -> None:
+        try:
+            unused = [name for name, used in zip(self._names, self._used) if not used]
+            if unused:
+                raise UnusedParameterError(unused_message(self._strategy, unused, [[0]] * len(unused)))
+        finally:
+            self._reset()
+
+    def _reset(self) -> None:
+        self._armed = self._queued = False
+        self._used = bytearray(len(self._names))
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
 
 def check_every_parameter_used(strategy: str, module: nn.Module, find_unused_parameters: bool) -> None:

@@ -37,7 +37,8 @@ the world size, and re-points `param.grad` at its bucket view (one pass, as torc
 
 Move the module to its device before wrapping: buckets are allocated where the parameters
 are (and rebuilt when the trainable set changes). World size 1 (or no process group)
-registers no hooks and sends nothing.
+builds no buckets and sends nothing; only the unused-parameter check's hooks remain
+(`base.ScratchBase`).
 """
 
 from __future__ import annotations

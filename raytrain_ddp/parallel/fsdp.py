@@ -165,9 +165,11 @@ class FullyShardedDP(WrappedModel):
         self._buffers_due = True
         self.units: list[nn.Module] = []
         self._ran, self._owners = set(), []
+        # before any collective: every rank fails alike on an older torch (one rank too, so
+        # local mode refuses what the workers would)
+        check_fsdp2_support()
         if self.world_size == 1:  # nothing to shard: the module itself, as `LocalModel`
             return
-        check_fsdp2_support()  # before any collective: every rank fails alike on an older torch
         sync_initial_state(module, process_group, verify=verify_init, world_size=self.world_size,
                            world_rank=self.world_rank)
         from torch.distributed.device_mesh import DeviceMesh

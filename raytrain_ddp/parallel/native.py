@@ -9,9 +9,11 @@ into an error naming the parameter.
 Must not touch: Ray, optimizers, the training loop.
 
 Behaviour without a process group: torch DDP cannot be built, and a single process has
-nothing to synchronise, so `wrap_model(m, "native")` returns a pass-through wrapper
-(`LocalModel`) with the same interface: `no_sync()` is a no-op and comm_stats stay 0.
-With an initialised group of world size 1, real DDP is used.
+nothing to synchronise, so `wrap_model(m, "native")` returns `LocalModel`, the module
+behind the same interface: comm_stats stay 0, and it makes the checks that need no peer
+(below) the way `NativeDDP` makes them, so one process refuses what the workers refuse.
+With an initialised group of world size 1 (local mode), real DDP is used, with the same
+checks as at world size 2 minus the agreement across ranks.
 
 Where torch DDP alone would go wrong, and what we do instead:
 - A trainable parameter with no gradient in a synced backward, without
@@ -24,7 +26,10 @@ Where torch DDP alone would go wrong, and what we do instead:
   the hooks are removed: a Python call per parameter per backward is not worth paying for
   the rest of the run. A parameter left unused later (a data-dependent branch) gets torch's
   own check, at the next forward on the rank that left it, re-raised as
-  `UnusedParameterError` with the parameter names in place of torch's indices.
+  `UnusedParameterError` with the parameter names in place of torch's indices. torch DDP
+  makes that check at world size 1 too (its reducer runs with one rank), so a world of one
+  gets the same two checks; the first needs no all-reduce there. `LocalModel`, without
+  torch's reducer, checks every synced backward (`base.SoloUnusedCheck`).
 - `requires_grad` changed after wrapping: DDP fixes its parameter set when it is built.
   Freezing is fine with `find_unused_parameters` (DDP then leaves grad None); without it,
   or when a parameter frozen at wrap time is unfrozen (DDP would never synchronise it),
@@ -61,6 +66,7 @@ from raytrain_ddp.parallel import registry
 from raytrain_ddp.parallel.base import (
     CollectiveTimeoutError,
     RequiresGradChangeError,
+    SoloUnusedCheck,
     UnusedParameterError,
     WrappedModel,
     _queue_callback,
@@ -111,19 +117,86 @@ _HAS_CAP_LIST = "bucket_cap_mb_list" in _DDP_OPTIONS
 _REDUCTION_UNFINISHED = "Expected to have finished reduction in the prior iteration"
 
 
+def requires_grad_change(named: list[tuple[str, nn.Parameter]], at_wrap: list[bool],
+                         find_unused_parameters: bool) -> None:
+    """Raise `RequiresGradChangeError` for a change of `requires_grad` since wrapping that torch
+    DDP cannot follow: unfreezing (it would never synchronise the parameter), or freezing
+    without find_unused_parameters (it would wait for the gradient). A rank's own check: the
+    same at every world size."""
+    for (name, p), was in zip(named, at_wrap):
+        if p.requires_grad and not was:
+            raise RequiresGradChangeError(
+                f"parameter '{name}' now has requires_grad=True but was frozen when the model "
+                "was wrapped; strategy 'native' (torch DDP) fixes the synchronised parameters "
+                "when it is built and would never synchronise it. Wrap the model again after "
+                "unfreezing (wrap_model(wrapper.module, ...)), or use strategy 'bucketed' or "
+                "'naive', which follow requires_grad changes"
+            )
+        if was and not p.requires_grad and not find_unused_parameters:
+            raise RequiresGradChangeError(
+                f"parameter '{name}' now has requires_grad=False (frozen after the model was "
+                "wrapped); strategy 'native' (torch DDP) without find_unused_parameters expects "
+                "a gradient for it in every step. Pass find_unused_parameters=True (config: "
+                "parallel.find_unused_parameters: true), wrap the model again after freezing, "
+                "or use strategy 'bucketed' or 'naive', which follow requires_grad changes"
+            )
+
+
 class LocalModel(WrappedModel):
-    """One process, nothing to synchronise: the module itself behind the shared interface."""
+    """One process without a process group: the module itself behind the shared interface.
+
+    Nothing is sent, but `NativeDDP`'s checks that need no peer are made with its messages:
+    a `requires_grad` change torch DDP cannot follow (`requires_grad_change`), and, without
+    find_unused_parameters, a trainable parameter no gradient reached in a synced backward
+    (`base.SoloUnusedCheck`, every synced backward). The checks across ranks cannot fail
+    with one process and are not made.
+    """
 
     strategy = registry.name_of(__name__)  # "native": the name is the registry's
 
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__(None)
+    def __init__(self, module: nn.Module, *, find_unused_parameters: bool = False) -> None:
+        super().__init__(None, find_unused_parameters=find_unused_parameters)
         self.wrapped = module
         self._stats["buckets"] = 0
+        self._named = list(module.named_parameters())
+        self._at_wrap = [p.requires_grad for _, p in self._named]
+        self._trainable = list(self._at_wrap)
+        self._watch()
+
+    def _watch(self) -> None:
+        tracked = [(n, p) for (n, p), t in zip(self._named, self._at_wrap) if t]
+        self._alone = (SoloUnusedCheck(self.strategy, tracked)
+                       if tracked and not self.find_unused_parameters else None)
 
     @property
     def module(self) -> nn.Module:
         return self.wrapped
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            now = [p.requires_grad for _, p in self._named]
+            if now != self._trainable:
+                requires_grad_change(self._named, self._at_wrap, self.find_unused_parameters)
+                self._trainable = now  # frozen with find_unused_parameters: its grad stays None
+        out = self.wrapped(*args, **kwargs)
+        if self._alone is not None:
+            self._alone.forwarded(torch.is_grad_enabled() and self._sync_enabled)
+        return out
+
+    def close(self) -> None:
+        if self._alone is not None:
+            self._alone.close()
+            self._alone = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_alone"] = None  # hooks: rebuilt on load
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._named = list(self.wrapped.named_parameters())  # the loaded module's own tensors
+        self._watch()
 
 
 class NativeDDP(WrappedModel):
@@ -211,23 +284,7 @@ class NativeDDP(WrappedModel):
         now = [p.requires_grad for _, p in self._named]
         if now == self._trainable:
             return
-        for (name, _), at_wrap, flag in zip(self._named, self._at_wrap, now):
-            if flag and not at_wrap:
-                raise RequiresGradChangeError(
-                    f"parameter '{name}' now has requires_grad=True but was frozen when the model "
-                    "was wrapped; strategy 'native' (torch DDP) fixes the synchronised parameters "
-                    "when it is built and would never synchronise it. Wrap the model again after "
-                    "unfreezing (wrap_model(wrapper.module, ...)), or use strategy 'bucketed' or "
-                    "'naive', which follow requires_grad changes"
-                )
-            if at_wrap and not flag and not self.find_unused_parameters:
-                raise RequiresGradChangeError(
-                    f"parameter '{name}' now has requires_grad=False (frozen after the model was "
-                    "wrapped); strategy 'native' (torch DDP) without find_unused_parameters expects "
-                    "a gradient for it in every step. Pass find_unused_parameters=True (config: "
-                    "parallel.find_unused_parameters: true), wrap the model again after freezing, "
-                    "or use strategy 'bucketed' or 'naive', which follow requires_grad changes"
-                )
+        requires_grad_change(self._named, self._at_wrap, self.find_unused_parameters)
         self._trainable = now  # frozen with find_unused_parameters: DDP leaves its grad None
 
     # -- unused parameters without find_unused_parameters --------------------------------
@@ -239,11 +296,12 @@ class NativeDDP(WrappedModel):
         self._used = bytearray(len(self._tracked))
         self._agreed = False
         self._handles = []
-        if self.find_unused_parameters or self.world_size == 1 or not self._tracked:
+        if self.find_unused_parameters or not self._tracked:
             return
-        # DDP's group may hold a bucket all-reduce that one rank never launched: agree elsewhere.
-        ranks = dist.get_process_group_ranks(self._pg if self._pg is not None else dist.group.WORLD)
-        self._side_pg = dist.new_group(ranks=ranks, use_local_synchronization=True)
+        if self.world_size > 1:
+            # DDP's group may hold a bucket all-reduce that one rank never launched: agree elsewhere.
+            ranks = dist.get_process_group_ranks(self._pg if self._pg is not None else dist.group.WORLD)
+            self._side_pg = dist.new_group(ranks=ranks, use_local_synchronization=True)
         self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
                          for i, (_, p) in enumerate(self._tracked)]
 
@@ -267,7 +325,10 @@ class NativeDDP(WrappedModel):
     def _check_unused(self) -> None:
         try:
             unused = [i for i, u in enumerate(self._used) if not u]
-            if not self._agreed:
+            if not self._agreed and self.world_size == 1:  # this rank's view is the whole story
+                self._agreed = True
+                bad = {i: [self.world_rank] for i in unused}
+            elif not self._agreed:
                 counts = torch.zeros(self.world_size, len(self._used), dtype=torch.int32,
                                      device=self._tracked[0][1].device)
                 counts[self.world_rank, unused] = 1

@@ -64,7 +64,9 @@ def wrap_model(
                          bytes); bucketed and native only; refused for 16-bit parameters.
                          "auto" (bucketed): also time bf16 while tuning, keep it if it pays.
     process_group        default: the global group; without one (or world size 1) the
-                         scratch strategies send nothing, and native returns `LocalModel`.
+                         scratch strategies send nothing, and native returns `LocalModel`;
+                         every check that needs no peer (unused parameters, requires_grad
+                         changes) is still made, with the message world size 2 gives.
     device_ids           native only, as in torch DDP (e.g. [local_rank] on GPU; None on CPU).
     collective_timeout_s a gradient all-reduce that does not finish in this time raises
                          `CollectiveTimeoutError` naming the bucket/parameter. The process
@@ -104,7 +106,8 @@ def wrap_model(
     given = dict(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, compress=compress,
                  device_ids=device_ids, param_dtype=param_dtype, shm=shm)
     if spec.local and process_group is None and not dist.is_initialized():
-        wrapper = spec.load_local()(module)  # one process: nothing to synchronise
+        # one process: nothing to synchronise, the checks that need no peer still made
+        wrapper = spec.load_local()(module, find_unused_parameters=find_unused_parameters)
     else:
         options = {key: given[key] for key in spec.options}
         wrapper = spec.load()(module, process_group, verify_init=verify_init,

@@ -45,6 +45,14 @@ collective (consolidated on rank 0). Clear the gradients after every optimizer s
 step's window would mix averaged and local values, so the next forward with grad
 enabled raises instead. Changing `requires_grad` after the optimizer exists raises
 `RequiresGradChangeError` (the shards would move under the optimizer's state).
+
+World size 1: nothing is sharded or sent, and `make_optimizer` returns the factory's
+optimizer as it is. The unused-parameter rule (`base.SoloUnusedCheck`), the check that
+the optimizer holds the module's parameters, and the refusal of a `requires_grad` change
+once the optimizer exists are made as at world size 2, so local mode fails where the
+workers would; the rules of `ZeroOptimizer` itself (gradients cleared after `step()`,
+no closure, no `add_param_group`, no step after an unsynced backward) are not, as there
+is no `ZeroOptimizer` to enforce them.
 """
 
 # Over 500 lines: the wrapper and its optimizer share one shard layout (_Shard, _Slice, padding).
@@ -254,10 +262,14 @@ class Zero1DDP(BucketedDDP):
     # -- the optimizer side ---------------------------------------------------------------
     def make_optimizer(self, factory: OptimizerFactory):
         """`factory(trainable parameters)` -> a torch optimizer; returned as a `ZeroOptimizer`
-        that steps this rank's shard only (world size 1: the factory's optimizer as is)."""
+        that steps this rank's shard only (world size 1: the factory's optimizer as is, after
+        the same checks: its tensors are the module's, and from now on a `requires_grad`
+        change raises `RequiresGradChangeError` as it does at world size 2)."""
         params = [p for p in self.wrapped.parameters() if p.requires_grad]
         template = factory(params)
         if self.world_size == 1:
+            _check_own(self, template)
+            self._optimizer_ref = weakref.ref(template)
             return template
         optimizer = ZeroOptimizer(self, template)
         self._optimizer_ref = weakref.ref(optimizer)
@@ -314,6 +326,18 @@ def _elementwise(value: Any, numel: int) -> bool:
     return torch.is_tensor(value) and value.dim() > 0 and value.numel() == numel
 
 
+def _check_own(wrapper: Zero1DDP, optimizer: torch.optim.Optimizer) -> None:
+    """The factory's optimizer holds parameters of the wrapped module only (at every world
+    size: the shards are cut from the module's parameters)."""
+    own = {id(p) for p in wrapper.module.parameters()}
+    foreign = {id(p) for g in optimizer.param_groups for p in g["params"]} - own
+    if foreign:
+        raise ValueError(
+            f"the optimizer factory returned an optimizer over {len(foreign)} tensor(s) that are not "
+            "parameters of the wrapped module; build it from the parameters it is given"
+        )
+
+
 class ZeroOptimizer:
     """The optimizer of a `zero1` wrapper: steps this rank's shard, then all-gathers.
 
@@ -334,13 +358,7 @@ class ZeroOptimizer:
         self._group_indices = [[numbering[id(p)] for p in g["params"]] for g in template.param_groups]
         self._numel = {numbering[id(p)]: p.numel() for g in template.param_groups for p in g["params"]}
         group_of = {numbering[id(p)]: gi for gi, g in enumerate(template.param_groups) for p in g["params"]}
-        own = {id(p) for p in wrapper.module.parameters()}  # frozen ones have no slices: never stepped
-        foreign = [pid for pid in numbering if pid not in own]
-        if foreign:
-            raise ValueError(
-                f"the optimizer factory returned an optimizer over {len(foreign)} tensor(s) that are not "
-                "parameters of the wrapped module; build it from the parameters it is given"
-            )
+        _check_own(wrapper, template)  # frozen ones have no slices: never stepped
         self._slices = [s for s in wrapper._slices if id(s.param) in numbering]
         for s in self._slices:
             s.index = numbering[id(s.param)]
