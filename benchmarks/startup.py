@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import statistics
@@ -60,8 +61,8 @@ def run(sizes: Any, log: Callable[[str], None] = print, rounds: Optional[int] = 
     rounds = rounds or (1 if sizes.name == "quick" else 3)
     results: list[dict[str, dict[str, Any]]] = []
     # short: Ray's socket paths under it must stay within AF_UNIX's 107 bytes
-    with tempfile.TemporaryDirectory(prefix="rtds_") as tmp, _ray_head(Path(tmp)) as address:
-        if address is None:
+    with tempfile.TemporaryDirectory(prefix="rtds_") as tmp, _ray_head(Path(tmp)) as head:
+        if head is None:
             log("  startup: the section's ray start --head did not come up; ours_joined is skipped")
         for number in range(rounds):
             order = SYSTEMS[number % len(SYSTEMS):] + SYSTEMS[:number % len(SYSTEMS)]
@@ -70,7 +71,7 @@ def run(sizes: Any, log: Callable[[str], None] = print, rounds: Optional[int] = 
                 where = Path(tmp) / f"r{number}_{system}"
                 where.mkdir()
                 try:
-                    one[system] = RUNNERS[system](where, address)
+                    one[system] = RUNNERS[system](where, head)
                 except Exception as exc:  # noqa: BLE001 - recorded; the other systems still run
                     one[system] = {"error": f"{type(exc).__name__}: {str(exc)[-1500:]}"}
                 log(f"  startup round {number + 1}/{rounds}: {system} {_brief(one[system])}")
@@ -181,7 +182,7 @@ def read_ours(run_dir: Path, started: float, ended: float) -> dict[str, Any]:
             "phases": summary["startup"]["attempts"][0]["phases"], "status": summary["status"]}
 
 
-def torchrun_ref(where: Path, address: Optional[str] = None) -> dict[str, Any]:
+def torchrun_ref(where: Path, head: Optional[dict[str, str]] = None) -> dict[str, Any]:
     out = where / "ref.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
                "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "benchmarks.startup_refs",
@@ -192,7 +193,7 @@ def torchrun_ref(where: Path, address: Optional[str] = None) -> dict[str, Any]:
             "last_to_exit_s": ended - record["last_step_t"], "step_ms": statistics.median(record["step_ms"])}
 
 
-def bare_trainer(where: Path, address: Optional[str] = None) -> dict[str, Any]:
+def bare_trainer(where: Path, head: Optional[dict[str, str]] = None) -> dict[str, Any]:
     out = where / "bare.json"
     started, ended, _ = _timed([sys.executable, "-m", "benchmarks.startup_refs", "bare", str(out)],
                                _env(RAY_TMPDIR=str(where)), REPO)
@@ -200,19 +201,19 @@ def bare_trainer(where: Path, address: Optional[str] = None) -> dict[str, Any]:
     return {"first_step_s": record["first_step_t"] - started, "wall_s": ended - started}
 
 
-RUNNERS: dict[str, Callable[[Path, Optional[str]], dict[str, Any]]] = {
+RUNNERS: dict[str, Callable[[Path, Optional[dict[str, str]]], dict[str, Any]]] = {
     "ours_embedded": lambda where, address: ours(where, env=_env(RAY_TMPDIR=str(where))),
-    "ours_joined": lambda where, address: ours(where, env=_env(RAY_ADDRESS=_required(address))),
+    "ours_joined": lambda where, head: ours(where, env=_env(**_required(head))),
     "ours_torchrun": lambda where, address: ours(where, "scaling.launcher=torchrun"),
     "torchrun_ref": torchrun_ref,
     "bare_trainer": bare_trainer,
 }
 
 
-def _required(address: Optional[str]) -> str:
-    if not address:
+def _required(head: Optional[dict[str, str]]) -> dict[str, str]:
+    if not head:
         raise RuntimeError("no ray start head to join (see the head's error above)")
-    return address
+    return head
 
 
 def same_weights(a: str, b: str) -> bool:
@@ -233,13 +234,18 @@ class _ray_head:
         self.tmp = tmp / "head"
         self.proc: Optional[subprocess.Popen] = None
         self.error = ""
+        self.auth: dict[str, str] = {}  # what a client of this head needs
 
-    def __enter__(self) -> Optional[str]:
-        """The head's address; None if it did not come up (`error` says why: ours_joined records it)."""
+    def __enter__(self) -> Optional[dict[str, str]]:
+        """What a client of the head needs (its address and token); None if it did not come up (`error` says why: ours_joined records it)."""
         self.tmp.mkdir()
         port, dash, client, nm, om, agent, agent_grpc, renv, metrics = (_free_port() for _ in range(9))
         ray = str(Path(sys.executable).with_name("ray"))
-        env = _env(RAY_TMPDIR=str(self.tmp))
+        token = self.tmp / "auth_token"  # token auth on, with a token private to this head (as cluster/local-head.sh)
+        token.write_text(secrets.token_hex(32))
+        token.chmod(0o600)
+        self.auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+        env = _env(RAY_TMPDIR=str(self.tmp), **self.auth)
         with open(self.tmp / "head.log", "w") as log:  # every port its own, as cluster/local-two-node.sh does
             self.proc = subprocess.Popen(
                 [ray, "start", "--head", "--block", f"--port={port}", f"--temp-dir={self.tmp / 'ray'}",
@@ -254,7 +260,7 @@ class _ray_head:
         while time.monotonic() < deadline and self.proc.poll() is None:
             probe = subprocess.run([ray, "status", f"--address={address}"], env=env, capture_output=True, timeout=120)
             if probe.returncode == 0:
-                return address
+                return {"RAY_ADDRESS": address, **self.auth}
             time.sleep(1.0)
         self.__exit__()
         self.error = f"the section's ray start --head did not come up: {(self.tmp / 'head.log').read_text()[-1500:]}"
