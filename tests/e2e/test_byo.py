@@ -45,7 +45,7 @@ import torch
 from raytrain_ddp.cli import main as cli
 from raytrain_ddp.rundir import read_jsonl, read_metrics
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = Path(sys.executable).parent / "raytrain-ddp"
@@ -68,7 +68,7 @@ def _train(cwd: Path, config: Path, *overrides: str, fault: str) -> subprocess.C
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
     env["RAYTRAIN_DDP_FAULT"] = fault  # the hooks themselves are enabled by tests/conftest.py
     return subprocess.run([str(CLI), "train", str(config), *overrides], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=420)
 
 
 def _story(done: subprocess.CompletedProcess, run_dir: Path) -> str:

@@ -35,7 +35,7 @@ SUMMARY = re.compile(r"^raytrain-ddp: (status ok \| |run directory |latest check
 WARNING = re.compile(r"^raytrain-ddp: warning: ")
 
 
-def _train(storage: Path, *overrides: str, timeout_s: float = 240) -> subprocess.CompletedProcess:
+def _train(storage: Path, *overrides: str, timeout_s: float = 420) -> subprocess.CompletedProcess:
     # A user's environment: no Ray address, none of the test suite's hooks.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RAYTRAIN_DDP_"))}
     return subprocess.run([sys.executable, "-m", "raytrain_ddp", "train", str(TINY), f"run.storage_path={storage}",

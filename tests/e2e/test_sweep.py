@@ -58,8 +58,8 @@ def head():
     """The module's Ray: a local head, stopped exactly (its own processes) at the end; the
     environment that joins it (RAY_ADDRESS, its token)."""
     up = subprocess.run([str(HEAD), "start"], env={**two_node_env(), **ENABLE, STEP_DELAY_ENV: STEP_DELAY_S,
-                                                    "RT2N_HEAD_CPUS": HEAD_CPUS, "RT2N_UP_TIMEOUT_S": "240"},
-                        capture_output=True, text=True, timeout=300)
+                                                    "RT2N_HEAD_CPUS": HEAD_CPUS, "RT2N_UP_TIMEOUT_S": "420"},
+                        capture_output=True, text=True, timeout=480)  # 245 s seen at CI's load
     said = [ln.split("state dir ", 1)[1].strip() for ln in up.stderr.splitlines() if "state dir " in ln]
     state = Path(up.stdout.strip().splitlines()[-1]) if up.returncode == 0 else Path(said[0]) if said else None
     try:

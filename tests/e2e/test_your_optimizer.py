@@ -23,7 +23,7 @@ import pytest
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.rundir import read_jsonl, read_metrics
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = Path(sys.executable).parent / "raytrain-ddp"
@@ -65,7 +65,7 @@ def test_your_optimizer_and_schedule_train_shard_and_resume_on_their_curve(tmp_p
          "run.log_every_steps=1", "parallel.strategy=zero1", "train.optimizer=usermod:make",
          "train.optimizer_kwargs={lr: 0.02, decay: 0.1}", "train.schedule=usermod:sched",
          "train.schedule_kwargs={floor: 0.2}", "train.metrics=usermod:f1"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=480)  # two fits (a restart); 73 s idle, 240 s was seen at CI's load
     run_dir = tmp_path / "runs" / "yours"
     story = f"rc={done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     assert done.returncode == 0, story
