@@ -17,7 +17,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from raytrain_ddp.parallel.errors import PeerLost
+from raytrain_ddp.parallel.errors import PeerLost, RanksDisagreeError
 
 
 @contextlib.contextmanager
@@ -96,4 +96,4 @@ def check_same(value: int, what: str, device: Optional[torch.device] = None) -> 
     """Raise on every rank, naming `what`, unless all ranks hold the same `value`."""
     high, neg_low = max_over_ranks([value, -value], device)
     if int(high) != -int(neg_low):
-        raise RuntimeError(f"ranks disagree on {what}: min {-int(neg_low)}, max {int(high)} (this rank: {value})")
+        raise RanksDisagreeError(f"ranks disagree on {what}: min {-int(neg_low)}, max {int(high)} (this rank: {value})")

@@ -31,6 +31,15 @@ class CollectiveTimeoutError(PeerLost):
     """
 
 
+class RanksDisagreeError(RuntimeError):
+    """Every rank reached the same collective, and their values differ (`check_same`).
+
+    The collective itself succeeded: no peer is lost. The ranks' own state is wrong (a bug,
+    or input that gives the ranks different counts), so recovery must not read it as a
+    lost peer and keep the survivors' state.
+    """
+
+
 class ModelMismatchError(UserError, RuntimeError):
     """Ranks hold different models (structure, or weights with verify_init=True)."""
 

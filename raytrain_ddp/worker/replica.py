@@ -57,7 +57,7 @@ import torch
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp import ray_compat  # a leaf: Ray Train's private hook, named in one room
 from raytrain_ddp.errors import UserError
-from raytrain_ddp.parallel.errors import CollectiveTimeoutError, PeerLost
+from raytrain_ddp.parallel.errors import CollectiveTimeoutError, PeerLost, RanksDisagreeError
 from raytrain_ddp.rundir import CHECKPOINT_PREFIX, Location
 
 REPLICA_ORIGIN = "replica"  # the manifest's "origin" of a survivor's copy: "replica:rank=<r>"
@@ -238,6 +238,8 @@ def is_peer_loss(exc: BaseException) -> bool:
     while seen is not None:
         if isinstance(seen, PeerLost):
             return True
+        if isinstance(seen, RanksDisagreeError):
+            return False  # the collective succeeded; raised from parallel/, but this rank's own fault
         seen = seen.__cause__ or seen.__context__
     if any(f"{name}: " in str(exc) for name in (PeerLost.__name__, CollectiveTimeoutError.__name__)):
         return True  # re-raised by autograd's engine

@@ -36,3 +36,21 @@ def test_recovery_recognises_the_type_raised_or_chained():
     except RuntimeError as outer:
         assert is_peer_loss(outer)
     assert not is_peer_loss(RuntimeError("a bug in the user's forward"))
+
+
+def test_ranks_that_disagree_after_a_successful_collective_are_not_a_lost_peer(monkeypatch):
+    """`check_same` raises from `raytrain_ddp/parallel/`, whose frames alone would read as a lost
+    peer; its own type says the collective succeeded and this rank's state is wrong."""
+    from raytrain_ddp.parallel.errors import RanksDisagreeError
+
+    monkeypatch.setattr(collectives, "max_over_ranks", lambda values, device=None: [7, -5])  # min 5, max 7
+    with pytest.raises(RanksDisagreeError, match="ranks disagree on micro-steps: min 5, max 7") as caught:
+        collectives.check_same(5, "micro-steps")
+    assert not is_peer_loss(caught.value)
+    try:
+        try:
+            collectives.check_same(5, "micro-steps")
+        except RanksDisagreeError as inner:
+            raise RuntimeError("the epoch failed") from inner
+    except RuntimeError as outer:
+        assert not is_peer_loss(outer)
