@@ -45,6 +45,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from raytrain_ddp.parallel.collectives import collective
+
 if TYPE_CHECKING:
     from raytrain_ddp.parallel.base import WrappedModel
 
@@ -103,7 +105,8 @@ class AccumulationWindow:
         if world_size > 1:  # the window's samples over all ranks, so every rank scales alike
             device = next(iter(self.wrapper.module.parameters())).device
             t = torch.tensor([total], dtype=torch.float64, device=device)
-            dist.all_reduce(t, group=getattr(self.wrapper, "process_group", None))
+            with collective("all-reduce of the window's sample count"):
+                dist.all_reduce(t, group=getattr(self.wrapper, "process_group", None))
             total = t.item()
         if total <= 0:
             return [0.0] * self.size

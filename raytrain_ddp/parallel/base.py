@@ -29,6 +29,7 @@ from raytrain_ddp.parallel.errors import (  # noqa: F401 - re-exported: `from ..
 )
 from raytrain_ddp.parallel import torch_compat
 from raytrain_ddp.parallel import registry
+from raytrain_ddp.parallel.collectives import collective
 from raytrain_ddp.parallel.startup import broadcast_coalesced, check_structure, sync_initial_state  # noqa: F401
 from raytrain_ddp.parallel.watch import (  # noqa: F401
     COLLECTIVES,
@@ -312,7 +313,8 @@ class ScratchBase(WrappedModel):
     def _agree_requires_grad(self) -> None:
         flags = [p.requires_grad for p in self._all_params]
         counts = torch.tensor(flags, dtype=torch.int32, device=self._all_params[0].device)
-        dist.all_reduce(counts, group=self._pg)
+        with collective("all-reduce of requires_grad"):
+            dist.all_reduce(counts, group=self._pg)
         self._stats["control_bytes"] += counts.numel() * 4
         names = [n for n, _ in self.wrapped.named_parameters()]
         split = [names[i] for i, c in enumerate(counts.tolist()) if 0 < c < self.world_size]

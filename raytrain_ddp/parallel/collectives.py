@@ -21,8 +21,9 @@ from raytrain_ddp.parallel.errors import PeerLost, RanksDisagreeError
 
 
 @contextlib.contextmanager
-def _collective(what: str) -> Iterator[None]:
-    """A collective's failure as `PeerLost`: here a `RuntimeError` can only be the group's."""
+def collective(what: str) -> Iterator[None]:
+    """A collective's failure as `PeerLost`: around one synchronous collective (and nothing
+    else) a `RuntimeError` can only be the group's. The wrappers' own collectives use it too."""
     try:
         yield
     except PeerLost:
@@ -40,7 +41,7 @@ def all_sum_(t: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torc
     """Sum `t` over the ranks of `group`, in place, and return it: nothing is read on the host
     (on CUDA the all-reduce is queued on the stream; read the result when it is needed)."""
     if _active(group):
-        with _collective("all reduce"):
+        with collective("all reduce"):
             dist.all_reduce(t, group=group)
     return t
 
@@ -50,7 +51,7 @@ def sum_over_ranks(values: Sequence[float] | torch.Tensor, device: Optional[torc
     """Element-wise sum over the ranks of `group` (default: all); float64 unless a tensor is given."""
     t = values.detach().clone() if isinstance(values, torch.Tensor) else torch.tensor(list(values), dtype=torch.float64, device=device)
     if _active(group):
-        with _collective("all reduce"):
+        with collective("all reduce"):
             dist.all_reduce(t, group=group)
     return t.flatten().tolist()  # one device->host copy, not one per element
 
@@ -60,7 +61,7 @@ def union_over_ranks(names: Sequence[str]) -> list[str]:
     if not _active():
         return sorted(set(names))
     gathered: list[Optional[list[str]]] = [None] * dist.get_world_size()
-    with _collective("all gather object"):
+    with collective("all gather object"):
         dist.all_gather_object(gathered, sorted(set(names)))
     return sorted(set().union(*(g or [] for g in gathered)))
 
@@ -69,7 +70,7 @@ def max_over_ranks(values: Sequence[float], device: Optional[torch.device] = Non
     """Element-wise maximum over ranks."""
     t = torch.tensor(list(values), dtype=torch.float64, device=device)
     if _active():
-        with _collective("all reduce"):
+        with collective("all reduce"):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 
@@ -78,7 +79,7 @@ def all_true(flag: bool, device: Optional[torch.device] = None) -> bool:
     """True only if `flag` is true on every rank."""
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     if _active():
-        with _collective("all reduce"):
+        with collective("all reduce"):
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item())
 
@@ -87,7 +88,7 @@ def from_main(value: int, device: Optional[torch.device] = None) -> int:
     """Rank 0's `value` on every rank."""
     t = torch.tensor([value], dtype=torch.int64, device=device)
     if _active():
-        with _collective("broadcast"):
+        with collective("broadcast"):
             dist.broadcast(t, src=0)
     return int(t.item())
 

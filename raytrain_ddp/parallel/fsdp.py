@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from raytrain_ddp.parallel import registry, torch_compat
+from raytrain_ddp.parallel.collectives import collective
 from raytrain_ddp.parallel.base import WrappedModel, broadcast_coalesced, sync_initial_state
 from raytrain_ddp.parallel.zero1 import SHARD_STAT_KEYS, _copy, all_gather_flat, reduce_scatter_flat
 
@@ -233,7 +234,8 @@ class FullyShardedDP(WrappedModel):
             if grad is not None:
                 flags[i, 1] = (grad != 0).any()  # on the device: no host sync per parameter
         self._ran.clear()
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._pg)
+        with collective("all-reduce of the used-parameter flags"):
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._pg)
         for (param, _), (ran, nonzero) in zip(self._owners, flags.tolist()):
             if not ran and not nonzero:
                 param.grad = None

@@ -17,6 +17,7 @@ from torch import nn
 
 from raytrain_ddp.parallel.errors import ModelMismatchError
 from raytrain_ddp.parallel import torch_compat
+from raytrain_ddp.parallel.collectives import collective
 
 
 def broadcast_coalesced(tensors: list[torch.Tensor], pg) -> int:
@@ -35,7 +36,8 @@ def broadcast_coalesced(tensors: list[torch.Tensor], pg) -> int:
     with torch.no_grad(), torch_compat.unsafe_preserve_version_counter(tuple(tensors)):
         for group in groups.values():
             flat = torch_compat.flatten_dense_tensors([t.detach() for t in group])
-            dist.broadcast(flat, src=src, group=pg)
+            with collective("broadcast of the buffers"):
+                dist.broadcast(flat, src=src, group=pg)
             nbytes += flat.numel() * flat.element_size()
             for t, synced in zip(group, torch_compat.unflatten_dense_tensors(flat, group)):
                 t.copy_(synced)
@@ -59,7 +61,8 @@ def check_structure(module: nn.Module, pg, world_size: int, world_rank: int) -> 
     signature = ";".join(f"{kind}:{name}:{tuple(t.shape)}:{t.dtype}" for kind, name, t in items)
     crc = zlib.crc32(signature.encode())
     flags = torch.tensor([crc, -crc], dtype=torch.int64, device=device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=pg)
+    with collective("all-reduce of the model's structure"):
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=pg)
     if flags[0].item() != crc or flags[1].item() != -crc:
         raise ModelMismatchError(
             f"the model's structure differs across ranks (rank {world_rank} of {world_size} has "
@@ -89,17 +92,20 @@ def sync_initial_state(module: nn.Module, pg, *, verify: bool, world_size: int, 
     with torch.no_grad():
         for i, (_, _, tensor) in enumerate(items):
             if not verify:
-                dist.broadcast(tensor.data, src=src, group=pg)
+                with collective("broadcast of rank 0's weights"):
+                    dist.broadcast(tensor.data, src=src, group=pg)
                 continue
             reference = tensor.detach().clone()
-            dist.broadcast(reference, src=src, group=pg)
+            with collective("broadcast of rank 0's weights"):
+                dist.broadcast(reference, src=src, group=pg)
             if not torch.equal(reference, tensor.detach()):
                 differs[world_rank, i] = 1
                 if tensor.is_floating_point() and tensor.numel():
                     max_diff[i] = (reference - tensor.detach()).abs().max().item()
     if not verify:
         return
-    dist.all_reduce(differs, group=pg)  # everyone learns every rank's verdict
+    with collective("all-reduce of the weight check"):
+        dist.all_reduce(differs, group=pg)  # everyone learns every rank's verdict
     bad_items = differs.any(dim=0).nonzero()
     if bad_items.numel():
         i = int(bad_items[0])

@@ -69,6 +69,7 @@ import torch.distributed as dist
 from torch import nn
 
 from raytrain_ddp.parallel import registry, torch_compat
+from raytrain_ddp.parallel.collectives import collective
 from raytrain_ddp.parallel.base import RequiresGradChangeError, describe_tensors
 from raytrain_ddp.parallel.bucketed import BucketedDDP, _Bucket, assign_buckets
 
@@ -285,11 +286,13 @@ class Zero1DDP(BucketedDDP):
         device = grads[0].device
         if math.isinf(norm_type):
             local = torch.stack([g.abs().max() for g in grads]).max()
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._pg)
+            with collective("all-reduce of the gradient norm"):
+                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._pg)
             total = local
         else:
             local = torch.stack([torch.linalg.vector_norm(g, norm_type) ** norm_type for g in grads]).sum()
-            dist.all_reduce(local, group=self._pg)
+            with collective("all-reduce of the gradient norm"):
+                dist.all_reduce(local, group=self._pg)
             total = local ** (1.0 / norm_type)
         self._stats["control_bytes"] += local.element_size()
         if not math.isinf(max_norm):
@@ -455,7 +458,8 @@ class ZeroOptimizer:
                 mine.setdefault(s.index, {}).update(
                     {k: ("<elementwise>" if _elementwise(v, s.tensor.numel()) else _copy(v)) for k, v in entry.items()})
         everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, mine, group=pg)  # small: scalars and key names only
+        with collective("all-gather of the optimizer state's layout"):
+            dist.all_gather_object(everyone, mine, group=pg)  # small: scalars and key names only
         merged: dict[int, dict[str, Any]] = {}
         for part in everyone:
             for index, entry in part.items():

@@ -223,11 +223,12 @@ def is_peer_loss(exc: BaseException) -> bool:
     """Whether a failure is a collective that lost its peer, not this rank's own fault.
 
     Our code raises `PeerLost` where it meets a failed collective (`parallel/errors.py`):
-    the wrappers' waits, torch DDP's comm hook, the agreement helpers. An error of the
-    user's code, a non-finite abort or an interrupt is not a lost peer: this rank itself
-    failed, and its state is the restarted group's concern only through the durable
-    checkpoint. Two failures reach us without our type, and are recognised by where they
-    come from (kept, with their tests, until torch passes the type through):
+    the wrappers' waits and their synchronous collectives, torch DDP's comm hook, the
+    agreement helpers. An error of the user's code, a non-finite abort, ranks that disagree
+    (`RanksDisagreeError`) or an interrupt is not a lost peer: this rank itself failed,
+    and its state is the restarted group's concern only through the durable checkpoint.
+    Two failures reach us without our type, and are recognised by where they come from
+    (kept, with their tests, until torch passes the type through):
     - torch DDP (`native`) waits for its buckets inside autograd, whose engine re-raises
       our hook's `PeerLost` as a plain `RuntimeError` carrying its text;
     - a collective torch itself calls outside our wrappers raises from `torch.distributed`.

@@ -54,3 +54,25 @@ def test_ranks_that_disagree_after_a_successful_collective_are_not_a_lost_peer(m
             raise RuntimeError("the epoch failed") from inner
     except RuntimeError as outer:
         assert not is_peer_loss(outer)
+
+
+def test_the_start_up_collectives_raise_peer_lost_when_their_collective_fails(monkeypatch):
+    """The wrappers' own synchronous collectives are typed where they are called (#42 item 4),
+    not recognised afterwards by the frames they failed in."""
+    import torch
+
+    from raytrain_ddp.parallel import startup
+
+    def reset(*args, **kwargs):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection reset by peer")
+
+    monkeypatch.setattr(dist, "all_reduce", reset)
+    monkeypatch.setattr(dist, "broadcast", reset)
+    module = torch.nn.Linear(2, 2)
+    with pytest.raises(PeerLost, match="all-reduce of the model's structure failed on this rank"):
+        startup.check_structure(module, None, 2, 0)
+    monkeypatch.setattr(startup, "check_structure", lambda *args: None)
+    monkeypatch.setattr(dist, "get_global_rank", lambda pg, rank: rank, raising=False)
+    for verify in (False, True):
+        with pytest.raises(PeerLost, match="broadcast of rank 0's weights failed on this rank.*Connection reset"):
+            startup.sync_initial_state(module, None, verify=verify, world_size=2, world_rank=1)
