@@ -88,16 +88,20 @@ def shard_placement(world_size: int) -> Callable[[nn.Parameter], Any]:
     return place
 
 
-# What the wrapper calls on FSDP2, all of it on torch 2.13 (the declared floor, where `make
-# compat` passes); `fully_shard` / `shard_placement_fn` became public in 2.6 and the custom
-# collectives and forced SUM reduction came later. Checked at wrap time, before any
-# collective, so every rank of an older torch stops with the same clear error.
+# What the wrapper calls on FSDP2; `fully_shard` / `shard_placement_fn` became public in 2.6
+# and the custom collectives and forced SUM reduction came later. Checked at wrap time, before
+# any collective, so every rank of an older torch stops with the same clear error.
+# `set_reduce_scatter_unused_params` (reduce-scatter zeros for a parameter a rank did not use)
+# is newer than torch 2.11, the GPU machine's: it is needed only with find_unused_parameters,
+# and its default (off) is what a torch without it does, so only that option asks for it.
 FSDP2_METHODS = ("set_custom_all_gather", "set_custom_reduce_scatter", "set_force_sum_reduction_for_comms",
-                 "set_reduce_scatter_unused_params", "set_requires_gradient_sync")
+                 "set_requires_gradient_sync")
+FSDP2_UNUSED_METHOD = "set_reduce_scatter_unused_params"
 
 
-def check_fsdp2_support() -> None:
-    """Raise naming what this torch lacks when it cannot run strategy 'fsdp'."""
+def check_fsdp2_support(find_unused_parameters: bool = False) -> None:
+    """Raise naming what this torch lacks when it cannot run strategy 'fsdp' (with
+    `find_unused_parameters` when asked)."""
     import inspect
 
     missing: list[str] = []
@@ -107,12 +111,15 @@ def check_fsdp2_support() -> None:
     except ImportError as exc:
         missing.append(f"torch.distributed.fsdp.fully_shard and its custom-collective API ({exc})")
     else:
-        missing += [f"FSDPModule.{name}" for name in FSDP2_METHODS if not hasattr(FSDPModule, name)]
+        wanted = FSDP2_METHODS + ((FSDP2_UNUSED_METHOD,) if find_unused_parameters else ())
+        missing += [f"FSDPModule.{name}" for name in wanted if not hasattr(FSDPModule, name)]
         if "shard_placement_fn" not in inspect.signature(fully_shard).parameters:
             missing.append("fully_shard(shard_placement_fn=...)")
     if missing:
+        needs = "with parallel.find_unused_parameters " if find_unused_parameters and missing == [
+            f"FSDPModule.{FSDP2_UNUSED_METHOD}"] else ""
         raise RuntimeError(
-            f"parallel.strategy 'fsdp' needs FSDP2 APIs that torch {torch.__version__} lacks: "
+            f"parallel.strategy 'fsdp' {needs}needs FSDP2 APIs that torch {torch.__version__} lacks: "
             f"{', '.join(missing)}. Install a torch in this project's range (pyproject.toml: the "
             "range `make compat` passes), or use strategy 'zero1' (sharded optimizer state, "
             "written from scratch, no FSDP2 needed)"
@@ -168,7 +175,7 @@ class FullyShardedDP(WrappedModel):
         self._ran, self._owners = set(), []
         # before any collective: every rank fails alike on an older torch (one rank too, so
         # local mode refuses what the workers would)
-        check_fsdp2_support()
+        check_fsdp2_support(find_unused_parameters)
         if self.world_size == 1:  # nothing to shard: the module itself, as `LocalModel`
             return
         sync_initial_state(module, process_group, verify=verify_init, world_size=self.world_size,
@@ -192,7 +199,8 @@ class FullyShardedDP(WrappedModel):
             unit.set_custom_all_gather(gather)
             unit.set_custom_reduce_scatter(scatter)
             unit.set_force_sum_reduction_for_comms(gloo)  # gloo has no ReduceOp.AVG
-        module.set_reduce_scatter_unused_params(find_unused_parameters)
+        if find_unused_parameters:  # off is FSDP2's default, and all a torch without it does
+            module.set_reduce_scatter_unused_params(True)
         self._stats["buckets"] = len(self.units)
         self._ran: set[str] = set()  # submodules whose forward ran with grad enabled since the last step
         self._owners: list[tuple[nn.Parameter, list[str]]] = []

@@ -34,3 +34,16 @@ def test_declared_floor_is_what_make_compat_builds():
     assert all(tuple(map(int, v.split(".")[:2])) < tuple(map(int, cap.split("."))) for v in versions)
     installed = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
     assert tuple(map(int, floor.split(".")[:2])) <= installed < tuple(map(int, cap.split(".")))
+
+
+def test_fsdp_asks_for_unused_parameter_reduce_scatter_only_with_find_unused(monkeypatch):
+    """torch 2.11 (the GPU machine's) lacks set_reduce_scatter_unused_params: fsdp runs there
+    with its default (off, what a torch without it does) and refuses only the option it serves."""
+    from torch.distributed.fsdp import FSDPModule
+
+    monkeypatch.delattr(FSDPModule, fsdp.FSDP2_UNUSED_METHOD)
+    fsdp.check_fsdp2_support()
+    fsdp.check_fsdp2_support(find_unused_parameters=False)
+    with pytest.raises(RuntimeError, match=r"'fsdp' with parallel.find_unused_parameters needs FSDP2 APIs "
+                                           r".* lacks: FSDPModule.set_reduce_scatter_unused_params\."):
+        fsdp.check_fsdp2_support(find_unused_parameters=True)
