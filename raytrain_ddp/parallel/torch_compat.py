@@ -69,6 +69,11 @@ def is_registered(group: Any) -> bool:
     return group in _c10d()._world.pg_map
 
 
+def registered_groups() -> list:
+    """Every group c10d's map holds (`c10d._world.pg_map`)."""
+    return list(_c10d()._world.pg_map)
+
+
 def register_backend(group: Any, backend: str, store: Any) -> None:
     """Record `group`'s backend name and store in c10d's map (`c10d._world.pg_map`): torch asks the
     map for a group's backend, and `new_group` for the default group's store."""

@@ -155,7 +155,8 @@ class LiveSession:
         if self._previous_default is None:
             return None
         if registry.get(self.cfg.parallel.strategy).live_subgroups:
-            return torch.distributed.new_group(timeout=timedelta(seconds=self.cfg.parallel.collective_timeout_s))
+            return self._group.adopt(torch.distributed.new_group(
+                timeout=timedelta(seconds=self.cfg.parallel.collective_timeout_s)))
         return self._group
 
     def _install(self) -> None:

@@ -46,7 +46,11 @@ def live_group_class(device: Optional[torch.device] = None) -> type:
         (`native`) runs on one, since its C++ reducer reads the group's size from the C++ base,
         and torchft's is built once with size 1. Its store keys are numbered per quorum (every
         member re-wraps in the same order after a reconfiguration); `ahead` of them are made
-        with the quorum, and each reconfiguration ends the previous quorum's. gloo closes a
+        with the quorum, and each reconfiguration ends the previous quorum's. A torch whose
+        `new_group` does not ask the default group (2.11) makes sub-groups itself (a wrapper's
+        side group too): once `adopt` sees one, every group c10d registered since the quorum
+        formed is ended with the quorum's, and none are made ahead (torch would never take
+        them). gloo closes a
         group's connections only when the group is freed, not at its `abort`, and
         a wrapper holds its sub-group until the re-wrap: a member whose own collectives
         completed is stopped by the step's commit vote, which every member reaches."""
@@ -54,6 +58,8 @@ def live_group_class(device: Optional[torch.device] = None) -> type:
         _store: Any = None
         _subgroups: list = []  # this quorum's, handed out or not
         _ready: list = []  # made with the quorum, not handed out yet
+        _before: list = []  # the groups c10d held when the quorum formed
+        _torch_makes = False  # torch makes sub-groups itself (adopt saw one)
         ahead = 0  # sub-groups to make with each quorum (the registry's `live_subgroups`)
         backend_name = backend  # what c10d's map records for it and its sub-groups
 
@@ -72,7 +78,7 @@ def live_group_class(device: Optional[torch.device] = None) -> type:
             return super()._create_pg(store, rank, world_size)
 
         def new_group(self, ranks: list, timeout: Any = None, pg_options: Any = None, group_name: Any = None,
-                      group_desc: Any = None) -> Any:
+                      group_desc: Any = None, backend: Any = None) -> Any:  # backend: torch >= 2.15 passes it
             if list(ranks) != list(range(self.size())):
                 raise NotImplementedError(f"run.recovery=live: a sub-group of ranks {list(ranks)} of the "
                                           f"{self.size()}-rank reconfigurable group (only all of them)")
@@ -84,12 +90,23 @@ def live_group_class(device: Optional[torch.device] = None) -> type:
             self._subgroups.append(group)
             return group
 
+        def adopt(self, group: Any) -> Any:
+            """`group`, a sub-group `torch.distributed.new_group` returned; one torch made itself
+            (it did not ask `new_group` above) is ended with this quorum's, and the ones made
+            ahead, which torch will not take, are ended now and no longer made."""
+            if group not in self._subgroups:
+                self._end(self._ready)
+                self._subgroups = [g for g in self._subgroups if g not in self._ready] + [group]
+                self._ready, self.ahead, self._torch_makes = [], 0, True
+            return group
+
         def configure(self, *args: Any, **kwargs: Any) -> None:
             """Made with the quorum, while every member is there: a member lost before the re-wrap
             then fails the wrap's first collective at once, not a rendezvous at its timeout."""
             self._end_subgroups()
             super().configure(*args, **kwargs)
             self._ready = [self._subgroup() for _ in range(self.ahead)]
+            self._before = torch_compat.registered_groups()
 
         def abort(self, errored: bool = True) -> None:
             for group in self._subgroups:  # what a backend that can abort does (NCCL); gloo: nothing
@@ -98,7 +115,14 @@ def live_group_class(device: Optional[torch.device] = None) -> type:
             super().abort(errored)
 
         def _end_subgroups(self) -> None:
-            for group in self._subgroups:
+            made = [g for g in torch_compat.registered_groups() if g is not self and g not in self._before
+                    and g not in self._subgroups] if self._torch_makes else []
+            self._end(self._subgroups + made)
+            self._subgroups, self._ready = [], []
+
+        @staticmethod
+        def _end(groups: list) -> None:
+            for group in groups:
                 with contextlib.suppress(Exception):
                     group.abort()
                 name = torch_compat.group_name(group)
@@ -108,7 +132,6 @@ def live_group_class(device: Optional[torch.device] = None) -> type:
                 if name is not None:  # destroy leaves a sub-group in torch's registry by name
                     with contextlib.suppress(Exception):
                         torch_compat.unregister_group(name)
-            self._subgroups, self._ready = [], []
 
     return LiveGroup
 

@@ -99,16 +99,27 @@ def test_verify_finds_unused_tied_and_buffers_on_a_users_model(tmp_path):
     text = "\n".join(lines)
     assert report.unused == {"dead.weight": [0, 1], "dead.bias": [0, 1]}, text
     assert report.tied == [["a.weight", "b.weight"]], text
+    # torch 2.11 lacks FSDP2's unused-parameter reduce-scatter: fsdp refuses this model, the
+    # documented difference (docs/compat.md), and says what it lacks
+    from torch.distributed.fsdp import FSDPModule
+
+    from raytrain_ddp.parallel.fsdp import FSDP2_UNUSED_METHOD
+    lacks = not hasattr(FSDPModule, FSDP2_UNUSED_METHOD)
     for finding in report.findings:
+        if lacks and finding.strategy == "fsdp":
+            assert FSDP2_UNUSED_METHOD in (finding.error or ""), (finding, text)
+            continue
         assert finding.single is None, (finding, text)  # BatchNorm: 1 process n/a
         assert finding.broadcast_bytes_per_step > 0, text  # BatchNorm buffers went out from rank 0
         # fsdp too (issue #44): FSDP2 reduce-scattered a zero gradient for the layer no forward
         # used, and the optimizer then kept Adam state (and a step count) for it that torch DDP
         # never creates; now its grad is None before the step, as torch DDP leaves it.
         assert not finding.problems(), (finding, text)
-    (fsdp,) = [f for f in report.findings if f.strategy == "fsdp"]
-    assert fsdp.param[0] == 0.0, text
-    assert len(report.problems) == 1 and "parallel.find_unused_parameters=true" in report.problems[0], text
+    if not lacks:
+        (fsdp,) = [f for f in report.findings if f.strategy == "fsdp"]
+        assert fsdp.param[0] == 0.0, text
+    unused = [p for p in report.problems if "parallel.find_unused_parameters=true" in p]
+    assert len(unused) == 1 and len(report.problems) == 1 + lacks, text
     assert not report.ok and "verdict: FAILED" in text
 
 

@@ -70,7 +70,8 @@ def _one_step(model, opt, step, world_rank, world_size, poison=False) -> float:
     if poison and world_rank == 1:
         micro[0][0][0, 0] = float("nan")
     for (xb, yb), scale in accumulation_window(model, iter(micro), expected=ACCUM):
-        (nn.functional.mse_loss(model(xb), yb) * scale).backward()
+        # the loss in the target's dtype: torch 2.11's mse_loss backward refuses a bf16 output with a float64 target
+        (nn.functional.mse_loss(model(xb).to(yb.dtype), yb) * scale).backward()
     norm = model.clip_grad_norm_(MAX_NORM).item()
     if not poison:
         opt.step()

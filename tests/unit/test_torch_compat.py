@@ -63,7 +63,7 @@ def test_c10d_registry(tmp_path):
     c10d = _attr("default_group", "torch.distributed.distributed_c10d:_world")
     for name in ("default_pg", "pg_map", "pg_names"):
         if not hasattr(c10d, name):
-            pytest.fail(_gone("default_group / is_registered / group_name", f"c10d._world.{name}"))
+            pytest.fail(_gone("default_group / is_registered / registered_groups / group_name", f"c10d._world.{name}"))
     _attr("set_default_group", "torch.distributed.distributed_c10d:_update_default_pg")
     _attr("unregister_group", "torch.distributed.distributed_c10d:_unregister_process_group")
     _attr("default_store", "torch.distributed.distributed_c10d:_get_default_store")
@@ -77,6 +77,7 @@ def test_c10d_registry(tmp_path):
         assert group is dist.group.WORLD and torch_compat.is_registered(group)
         assert torch_compat.default_store() is not None
         sub = dist.new_group([0])
+        assert torch_compat.registered_groups() == [group, sub]
         name = torch_compat.group_name(sub)
         assert name is not None
         dist.destroy_process_group(sub)
