@@ -319,6 +319,7 @@ def _check_the_three_properties(run_dir, samples: Path, plan: list[Invocation], 
         from _trackers import tensorboard_scalars
 
         local = samples.parent / "tensorboard"
+        local.mkdir()  # copy_files makes no local directory: every s3 seed failed here
         pafs.copy_files((run_dir / "tensorboard").path, str(local), source_filesystem=run_dir.fs,
                         destination_filesystem=pafs.LocalFileSystem())
         assert [s for s, _ in tensorboard_scalars(local)["train/loss"]] == list(range(1, TOTAL + 1)), tail
