@@ -61,7 +61,7 @@ compat:
 	  PIP_CONFIG_FILE=/dev/null $$venv/bin/python -m pip install -q "torch==$$v"; \
 	  PIP_CONFIG_FILE=/dev/null $$venv/bin/python -m pip install -q -e ".[dev]" "torch==$$v"; \
 	  $$venv/bin/python -c "import torch; print('torch', torch.__version__)"; \
-	  $$venv/bin/python -m pytest -q -m "not ray" tests; \
+	  $$venv/bin/python -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not ray" tests; \
 	done; \
 	torch=$(firstword $(COMPAT_TORCH) 2.11.0); \
 	for v in $(COMPAT_RAY); do \
