@@ -26,10 +26,13 @@ Decisions, and why:
 
 from __future__ import annotations
 
+import _thread
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Any, Optional
 
@@ -48,6 +51,38 @@ PG_GONE_S = 60.0  # how long the end of a sweep waits for stopped trials' placem
 # TERMINATED, so a restore would never continue them. A KeyboardInterrupt leaves them
 # running in Tune's saved state (as a killed driver does), saved every 2 s.
 TUNE_ENV = {"TUNE_DISABLE_SIGINT_HANDLER": "1", "TUNE_GLOBAL_CHECKPOINT_S": "2"}
+
+
+class CtrlC:
+    """Ctrl-C during `Tuner.fit`: a KeyboardInterrupt in the main thread, then again every second
+    until fit gives it back. One that lands inside Ray's or Tune's own loop can be swallowed
+    there (a sweep interrupted once in the suite ran to its end and exited 0)."""
+
+    REPEAT_S = 1.0
+
+    def __init__(self) -> None:
+        self.seen, self._done = threading.Event(), threading.Event()
+        self._previous: Any = None
+
+    def __enter__(self) -> "CtrlC":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if not self.seen.is_set():
+            self.seen.set()
+            threading.Thread(target=self._repeat, name="sweep-ctrl-c", daemon=True).start()
+        raise KeyboardInterrupt
+
+    def _repeat(self) -> None:
+        while not self._done.wait(self.REPEAT_S):
+            _thread.interrupt_main()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._done.set()
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 def sweep_dir_of(base: Config, sweep: SweepConfig) -> Location:
@@ -172,8 +207,12 @@ def run_sweep(base: Config, base_data: dict[str, Any], sweep: SweepConfig, code:
         started = time.time()
         for name, value in TUNE_ENV.items():
             os.environ.setdefault(name, value)
+        ctrl_c = CtrlC()
         try:
-            grid = tuner(base_data, base, sweep, where, at_once).fit()
+            with ctrl_c:
+                grid = tuner(base_data, base, sweep, where, at_once).fit()
+            if ctrl_c.seen.is_set():  # swallowed every time until the sweep ended: still ours
+                raise KeyboardInterrupt
         except KeyboardInterrupt:
             _interrupted(where, sweep, started)
             raise

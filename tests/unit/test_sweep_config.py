@@ -152,3 +152,30 @@ def test_a_trial_hands_tune_its_validation_lines_only():
     sink.record({"step": 5, "loss": 1.0})
     sink.record({"step": 22, "epoch": 1, "val_loss": 0.5, "phase": "val", "ok": True})
     assert seen == [{"step": 22, "epoch": 1, "val_loss": 0.5}] and sink.reported == 1
+
+
+def test_a_swallowed_ctrl_c_is_raised_again_until_the_sweep_gives_it_back():
+    """CtrlC: the first SIGINT raises; if something swallows it, the main thread gets another
+    KeyboardInterrupt within a second, and the previous handler comes back at the end."""
+    import signal
+    import time
+
+    from raytrain_ddp.sweep.run import CtrlC
+
+    before = signal.getsignal(signal.SIGINT)
+    guard, swallowed = CtrlC(), 0
+    try:
+        with guard:
+            try:
+                signal.raise_signal(signal.SIGINT)
+            except KeyboardInterrupt:
+                swallowed += 1  # what a loop inside Ray or Tune may do
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the swallowed Ctrl-C was not raised again")
+    assert swallowed == 1 and guard.seen.is_set()
+    assert signal.getsignal(signal.SIGINT) is before
