@@ -157,7 +157,10 @@ def test_refresh_autoscaling_coordinator():
         assert "recompute" in _params(actor.get_reserved_resources), \
             _gone("refresh_autoscaling_coordinator", "get_reserved_resources(requester_id, recompute=...)")
     else:  # Ray 2.59: the periodic refresh, called once
-        assert _params(actor._tick) == ["self"], _gone("refresh_autoscaling_coordinator", "_AutoscalingCoordinatorActor._tick()")
+        # Ray's tracing can add a `_ray_trace_ctx` keyword to an actor class's methods (seen with
+        # Ray 2.59 when this file ran beside the Ray tier's compatibility subset)
+        params = [p for p in _params(actor._tick) if p != "_ray_trace_ctx"]
+        assert params == ["self"], _gone("refresh_autoscaling_coordinator", "_AutoscalingCoordinatorActor._tick()")
 
 
 @pytest.mark.ray
