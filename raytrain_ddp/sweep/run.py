@@ -61,8 +61,9 @@ class CtrlC:
     REPEAT_S = 1.0
 
     def __init__(self) -> None:
-        self.seen, self._done = threading.Event(), threading.Event()
+        self.seen, self._done, self._lock = threading.Event(), threading.Event(), threading.Lock()
         self._previous: Any = None
+        self._thread: Optional[threading.Thread] = None
 
     def __enter__(self) -> "CtrlC":
         if threading.current_thread() is threading.main_thread():
@@ -70,17 +71,25 @@ class CtrlC:
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if self._done.is_set():  # a repeat that crossed fit giving one back: that one is enough
+            return
         if not self.seen.is_set():
             self.seen.set()
-            threading.Thread(target=self._repeat, name="sweep-ctrl-c", daemon=True).start()
+            self._thread = threading.Thread(target=self._repeat, name="sweep-ctrl-c", daemon=True)
+            self._thread.start()
         raise KeyboardInterrupt
 
     def _repeat(self) -> None:
         while not self._done.wait(self.REPEAT_S):
-            _thread.interrupt_main()
+            with self._lock:
+                if not self._done.is_set():
+                    _thread.interrupt_main()
 
     def __exit__(self, *exc: Any) -> None:
-        self._done.set()
+        with self._lock:  # no repeat after this ...
+            self._done.set()
+        if self._thread is not None:  # ... and one already sent is taken by `_handle` (a no-op now)
+            self._thread.join(timeout=5)
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
 
