@@ -91,13 +91,11 @@ def sync_initial_state(module: nn.Module, pg, *, verify: bool, world_size: int, 
     max_diff: dict[int, float] = {}
     with torch.no_grad():
         for i, (_, _, tensor) in enumerate(items):
-            if not verify:
-                with collective("broadcast of rank 0's weights"):
-                    dist.broadcast(tensor.data, src=src, group=pg)
-                continue
-            reference = tensor.detach().clone()
+            reference = tensor.detach().clone() if verify else tensor.data  # verify: compare before taking it
             with collective("broadcast of rank 0's weights"):
                 dist.broadcast(reference, src=src, group=pg)
+            if not verify:
+                continue
             if not torch.equal(reference, tensor.detach()):
                 differs[world_rank, i] = 1
                 if tensor.is_floating_point() and tensor.numel():

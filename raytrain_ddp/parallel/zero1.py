@@ -284,16 +284,14 @@ class Zero1DDP(BucketedDDP):
             return torch.nn.utils.clip_grad_norm_([p for _, p in self._tracked], max_norm, norm_type)
         grads = [s.grad for s in self._shards]
         device = grads[0].device
-        if math.isinf(norm_type):
+        inf = math.isinf(norm_type)
+        if inf:
             local = torch.stack([g.abs().max() for g in grads]).max()
-            with collective("all-reduce of the gradient norm"):
-                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._pg)
-            total = local
         else:
             local = torch.stack([torch.linalg.vector_norm(g, norm_type) ** norm_type for g in grads]).sum()
-            with collective("all-reduce of the gradient norm"):
-                dist.all_reduce(local, group=self._pg)
-            total = local ** (1.0 / norm_type)
+        with collective("all-reduce of the gradient norm"):
+            dist.all_reduce(local, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=self._pg)
+        total = local if inf else local ** (1.0 / norm_type)
         self._stats["control_bytes"] += local.element_size()
         if not math.isinf(max_norm):
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
