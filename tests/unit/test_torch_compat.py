@@ -19,6 +19,7 @@ from _compat import attr_or_fail
 import torch
 import torch.distributed as dist
 
+from raytrain_ddp.ops.ranks import run_ranks
 from raytrain_ddp.parallel import torch_compat
 
 pytestmark = pytest.mark.timeout(60)
@@ -67,10 +68,13 @@ def test_c10d_registry(tmp_path):
     _attr("set_default_group", "torch.distributed.distributed_c10d:_update_default_pg")
     _attr("unregister_group", "torch.distributed.distributed_c10d:_unregister_process_group")
     _attr("default_store", "torch.distributed.distributed_c10d:_get_default_store")
-    assert torch_compat.default_group() is None or dist.is_initialized()
-    if dist.is_initialized():
-        pytest.skip("a process group is already set up in this process")
-    store = dist.FileStore(str(tmp_path / "store"), 1)
+    # in a fresh process of its own: another test in this one may have a process group set up
+    run_ranks(_c10d_registry_body, 1, str(tmp_path / "store"), init_pg=False, timeout_s=50)
+
+
+def _c10d_registry_body(world_rank: int, world_size: int, store_path: str) -> None:
+    assert torch_compat.default_group() is None and not dist.is_initialized()
+    store = dist.FileStore(store_path, 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         group = torch_compat.default_group()
