@@ -116,6 +116,64 @@ def worker_callback_base() -> type:
     return WorkerCallback
 
 
+PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"  # Ray Train V2 (2.60): its drain watcher actor
+
+
+def lean_local_trainer(trainer_cls: type) -> type:
+    """`trainer_cls` (Ray Train V2's `TorchTrainer`) without the actors an embedded instance
+    has no use for: each is a fresh Python process importing Ray Train on the start-up's
+    critical path (docs/design.md#the-embedded-instance-starts-lean). The embedded instance
+    lives and dies with this process, on one node with no autoscaler and no drain notices:
+    - the placement-group cleaner (it frees the groups of a controller that died while the
+      cluster lived on; here the cluster dies with it);
+    - Ray Data's autoscaling coordinator, under a fixed worker count (it asks an autoscaler
+      for the workers' resources; there is none);
+    - the preemption watcher (it polls for draining nodes; nothing drains this one);
+    - the dataset manager when the fit hands Ray Train no Ray Dataset (`data.sharding: exact`
+      sends its shards through the object store).
+    Falls back to `trainer_cls` itself where this Ray lacks one of the names."""
+    try:
+        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+        from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+        from ray.train.v2._internal.execution.scaling_policy.fixed import FixedScalingPolicy
+    except ImportError:  # pragma: no cover - another Ray: the full start
+        return trainer_cls
+    if not hasattr(trainer_cls, "_initialize_and_run_controller"):  # pragma: no cover
+        return trainer_cls
+
+    class LocalFixedScalingPolicy(FixedScalingPolicy):  # pickled by value into the controller
+        def after_controller_start(self, train_run_context: Any) -> None:
+            pass
+
+        def _maybe_send_resource_request(self) -> None:
+            pass
+
+        def _send_resource_request(self) -> None:
+            pass
+
+        def _cancel_resource_request(self) -> None:
+            pass
+
+    class LeanLocalTrainer(trainer_cls):  # type: ignore[misc, valid-type]
+        def _initialize_and_run_controller(self, **kwargs: Any) -> Any:
+            datasets = getattr(self, "datasets", None)
+            kwargs["callbacks"] = [cb for cb in kwargs.get("callbacks", [])
+                                   if not isinstance(cb, PlacementGroupCleanerCallback)
+                                   and not (isinstance(cb, DatasetsCallback) and not datasets)]
+            policy = kwargs.get("scaling_policy")
+            if type(policy) is FixedScalingPolicy:
+                kwargs["scaling_policy"] = LocalFixedScalingPolicy(policy.scaling_config)
+            before = os.environ.get(PREEMPTION_WATCHER_ENV)
+            os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")  # read as the controller's env is built
+            try:
+                return super()._initialize_and_run_controller(**kwargs)
+            finally:
+                if before is None:
+                    os.environ.pop(PREEMPTION_WATCHER_ENV, None)
+
+    return LeanLocalTrainer
+
+
 def is_restart_state(state: Any) -> bool:
     """Whether a controller state (as handed to a controller callback) is about to size a new group."""
     return type(state).__name__ in CONTROLLER_RESTART_STATES

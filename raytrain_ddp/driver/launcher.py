@@ -72,7 +72,7 @@ from raytrain_ddp.driver import hold, ray_console
 from raytrain_ddp.driver.interrupt import Interrupt
 from raytrain_ddp.ray_compat import (
     CONTROLLER_POLL_ENV, abort_controller, install_sigint_handler, job_config,
-    local_instance_kwargs, preemption_grace, startup_timed_out,
+    lean_local_trainer, local_instance_kwargs, preemption_grace, started_here, startup_timed_out,
 )
 from raytrain_ddp.driver.placement import Unschedulable, wait_for_placement, worker_resources
 from raytrain_ddp.driver.preflight import preflight
@@ -228,10 +228,10 @@ def connect_ray(cfg: Config, runtime_env: Optional[dict[str, Any]] = None, cpus:
         ray_console.after_init()
         return False
     cores = os.cpu_count() or 1
-    # The dashboard stays on (bound to 127.0.0.1): Ray Train's placement-group cleaner
-    # polls the state API it serves, and warns every few seconds without it.
+    # No dashboard: it serves jobs and the state API, which only Ray Train's placement-group
+    # cleaner reads, and an embedded instance runs no cleaner (ray_compat.lean_local_trainer).
     # address="local": a new instance even if an address file or another cluster is around.
-    _init_local(address="local", num_cpus=max(cores, needed), include_dashboard=True, dashboard_host="127.0.0.1",
+    _init_local(address="local", num_cpus=max(cores, needed), include_dashboard=False,
                 **local_instance_kwargs("127.0.0.1"), log_to_driver=True, logging_level=level,
                 runtime_env=runtime_env)
     ray_console.after_init()
@@ -243,8 +243,6 @@ def warn_small_instance(needed: int) -> None:
     start when a dataset is made before `train()`: the machine's cores) has fewer CPUs than
     the workers plus Ray Data's tasks need: Ray Data's tasks would wait for the workers' CPUs."""
     import ray
-
-    from raytrain_ddp.ray_compat import started_here
 
     have = ray.cluster_resources().get("CPU", 0)
     if started_here() and have < needed:
@@ -424,7 +422,9 @@ def build_trainer(cfg: Config, run_dir: Location, job: Job, prepared: Any) -> An
     env_vars.update(nccl_env(cfg.scaling.use_gpu, os.environ))
     recovery = table.driver_half(cfg)(cfg)  # the run's recovery mode, Ray Train's side (recovery/table.py)
     env_vars.update(recovery.env())
-    return TorchTrainer(
+    # An embedded instance dies with this process: Ray Train's actors for clusters stay off (ray_compat.py)
+    trainer_cls = lean_local_trainer(TorchTrainer) if started_here() else TorchTrainer
+    return trainer_cls(
         train_loop_per_worker,
         train_loop_config=loop_config(job, prepared),
         torch_config=recovery.torch_config(pg_timeout_s),

@@ -37,11 +37,19 @@ def tiny(storage: Path, name: str, *overrides: str):
     return load_config(TINY, [f"run.storage_path={storage}", f"name={name}", *overrides])
 
 
+_ACTORS_STARTED: list[str] = []  # the actor classes the module's fit started (finished_run)
+
+
 @pytest.fixture(scope="module")
 def finished_run(ray_cluster, tmp_path_factory):
     storage = tmp_path_factory.mktemp("runs")
     cfg = tiny(storage, "tiny")
-    return cfg, run_training(cfg)
+    from ray._private.state import actors  # the GCS's actor table (the state API needs a dashboard)
+
+    before = set(actors())
+    summary = run_training(cfg)
+    _ACTORS_STARTED[:] = sorted(v["ActorClassName"] for k, v in actors().items() if k not in before)
+    return cfg, summary
 
 
 def _train_steps(run_dir: Path) -> list[int]:
@@ -95,6 +103,15 @@ def test_the_start_up_timeline_is_measured_phase_by_phase(finished_run):
     assert timeline_problems(Path(summary["run_dir"]), summary) == []
     phases = summary["startup"]["attempts"][0]["phases"]
     assert phases["ray"] > 0 and phases["workers_up"] > 0 and phases["first_step"] > 0, phases
+
+
+def test_an_embedded_instance_starts_only_the_actors_a_fit_needs(finished_run):
+    """On the instance this process started, Ray Train starts its controller, its
+    synchronisation actor and the workers, and none of the actors that serve a cluster
+    (ray_compat.lean_local_trainer): no placement-group cleaner, no autoscaling coordinator,
+    no preemption watcher, no dataset manager for shards sent through the object store."""
+    assert finished_run and _ACTORS_STARTED == ["Mailbox", "RayTrainWorker", "RayTrainWorker",
+                                                "SynchronizationActor", "TrainController"], _ACTORS_STARTED
 
 
 def test_torchrun_launcher_ends_on_the_ray_paths_weights_bit_for_bit(finished_run, tmp_path):

@@ -137,6 +137,60 @@ def test_preemption_grace():
             check_ray_supports(load_config(None, ["run.preemption_grace_s=5"]))
 
 
+def test_lean_local_trainer():
+    """The names the embedded instance's lean start relies on, and what it does to the
+    controller's arguments: no cleaner, no dataset manager without datasets, a fixed policy
+    that sends no resource request, no preemption watcher (set only for the call)."""
+    import os
+
+    from ray.train.torch import TorchTrainer
+
+    fn = "lean_local_trainer"
+    datasets_cb = _attr(fn, "ray.train.v2._internal.callbacks.datasets:DatasetsCallback")
+    cleaner_cb = _attr(fn, "ray.train.v2._internal.callbacks.placement_group_callback:PlacementGroupCleanerCallback")
+    fixed = _attr(fn, "ray.train.v2._internal.execution.scaling_policy.fixed:FixedScalingPolicy")
+    for method in ("after_controller_start", "_maybe_send_resource_request", "_send_resource_request",
+                   "_cancel_resource_request"):
+        assert callable(getattr(fixed, method, None)), _gone(fn, f"FixedScalingPolicy.{method}")
+    assert _attr(fn, "ray.train.v2._internal.constants:ENABLE_PREEMPTION_WATCHER_ENV_VAR") \
+        == ray_compat.PREEMPTION_WATCHER_ENV
+    run = _attr(fn, "ray.train.v2.api.data_parallel_trainer:DataParallelTrainer._initialize_and_run_controller")
+    assert "get_env_vars_to_propagate()" in inspect.getsource(run), _gone(fn, "the controller's env built in the call")
+    source = inspect.getsource(_attr(fn, "ray.train.v2.api.data_parallel_trainer:DataParallelTrainer.fit"))
+    assert "scaling_policy=" in source and "callbacks=" in source, _gone(fn, "fit's scaling_policy= / callbacks=")
+
+    seen = {}
+
+    class Base:
+        datasets: dict = {}
+
+        def _initialize_and_run_controller(self, **kwargs):
+            seen.update(kwargs, env=os.environ.get(ray_compat.PREEMPTION_WATCHER_ENV))
+            return "result"
+
+    lean = ray_compat.lean_local_trainer(Base)
+    assert lean is not Base and issubclass(lean, Base)
+
+    class Keep:
+        pass
+
+    policy = fixed(ray.train.ScalingConfig(num_workers=2))
+    cleaner, data, keep = cleaner_cb.__new__(cleaner_cb), datasets_cb.__new__(datasets_cb), Keep()
+    os.environ.pop(ray_compat.PREEMPTION_WATCHER_ENV, None)
+    assert lean()._initialize_and_run_controller(callbacks=[cleaner, data, keep], scaling_policy=policy) == "result"
+    assert seen["callbacks"] == [keep] and seen["env"] == "0"
+    assert ray_compat.PREEMPTION_WATCHER_ENV not in os.environ
+    swapped = seen["scaling_policy"]
+    assert isinstance(swapped, fixed) and swapped.scaling_config is policy.scaling_config
+    swapped.after_controller_start(None)
+    assert swapped.make_decision_for_non_running_worker_group().num_workers == 2  # no coordinator asked
+    with_data = lean()
+    with_data.datasets = {"train": object()}
+    with_data._initialize_and_run_controller(callbacks=[cleaner, data], scaling_policy=policy)
+    assert seen["callbacks"] == [data]
+    assert TorchTrainer in ray_compat.lean_local_trainer(TorchTrainer).__mro__
+
+
 # ------------------------------------------------------------------ Ray Data, core, autoscaler
 
 
