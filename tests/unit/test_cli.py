@@ -107,3 +107,24 @@ def test_verbose_is_accepted_anywhere_on_the_command_line():
                  ["train", "c.yaml", "train.lr=0.1", "--verbose"]):
         args = build_parser().parse_args(_flags_first(argv))
         assert args.verbose and args.config == "c.yaml" and args.overrides == ["train.lr=0.1"], argv
+
+
+@pytest.mark.parametrize("module", [False, True], ids=["raytrain-ddp", "python -m raytrain_ddp"])
+def test_the_command_ends_with_main_s_exit_code_after_the_exit_handlers_and_its_output(module, tmp_path, capsys):
+    """`cli.console` ends the process with `os._exit` after `main`: the exit code is main's, the
+    exit handlers ran (a file one of them writes exists) and everything printed arrived."""
+    import os
+
+    exe = [sys.executable, "-m", "raytrain_ddp"] if module else [str(Path(sys.executable).parent / "raytrain-ddp")]
+    marker = tmp_path / "atexit-ran"
+    (tmp_path / "sitecustomize.py").write_text(  # an exit handler registered in the command's own process
+        f"import atexit, pathlib\natexit.register(pathlib.Path({str(marker)!r}).write_text, 'ok')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    args = ["config", str(ROOT / "examples/configs/quickstart.yaml"), "--all"]
+    assert main(args) == 0
+    expected = capsys.readouterr().out
+    done = subprocess.run([*exe, *args], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0 and done.stdout == expected, done.stderr
+    assert marker.read_text() == "ok"
+    bad = subprocess.run([*exe, "config", args[1], "train.nope=1"], capture_output=True, text=True, timeout=60, env=env)
+    assert bad.returncode == 2 and "train.nope" in bad.stderr, bad.stderr
