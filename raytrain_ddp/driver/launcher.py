@@ -231,7 +231,7 @@ def connect_ray(cfg: Config, runtime_env: Optional[dict[str, Any]] = None, cpus:
     # No dashboard: it serves jobs and the state API, which only Ray Train's placement-group
     # cleaner reads, and an embedded instance runs no cleaner (ray_compat.lean_local_trainer).
     # address="local": a new instance even if an address file or another cluster is around.
-    _init_local(address="local", num_cpus=max(cores, needed), include_dashboard=False,
+    _init_local(address="local", num_cpus=max(cores, needed), include_dashboard=False, dashboard_host="127.0.0.1",
                 **local_instance_kwargs("127.0.0.1"), log_to_driver=True, logging_level=level,
                 runtime_env=runtime_env)
     ray_console.after_init()

@@ -79,6 +79,16 @@ def _newest_epoch(run_dir: Path):
         return None
 
 
+def _newest_step(run_dir: Path) -> int:
+    """The step of the run's newest valid checkpoint (0: none)."""
+    for found in ckpt.find_checkpoints(Location.parse(str(run_dir))):
+        try:
+            return int(ckpt.read_manifest(found).get("step", 0))
+        except ckpt.CheckpointError:  # cut short by the interrupt: the one before counts
+            continue
+    return 0
+
+
 def _released(trials: Path, timeout_s: float) -> None:
     """Wait (bounded) until no fit of the interrupted command holds a trial's run directory."""
     deadline = time.monotonic() + timeout_s
@@ -118,7 +128,7 @@ def swept(tmp_path_factory, head):
             os.killpg(proc.pid, signal.SIGKILL)  # the group this test started
             proc.wait(timeout=30)
     _released(trials, 60)  # the joined cluster ends the interrupted job's trials as its driver goes
-    before = {d.name: _summary(d) for d in trials.iterdir() if d.is_dir()}
+    before = {d.name: {**_summary(d), "_checkpoint_step": _newest_step(d)} for d in trials.iterdir() if d.is_dir()}
     second = subprocess.run(command, env=env, cwd=tmp, capture_output=True, text=True, timeout=1500,
                             start_new_session=True)
     yield tmp, first_rc, before, second, env
@@ -130,16 +140,20 @@ def test_interrupted_sweep_continues_keeping_finished_trials(swept):
     assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
     trials = tmp / "runs" / "sweep" / "trials"
     finished_before = {name for name, s in before.items() if s.get("status") == "ok"}
-    resumed = []
+    resumed = {}  # trial -> (the step its second fit resumed from, its newest checkpoint at the interrupt)
     for run_dir in (d for d in trials.iterdir() if d.is_dir()):
         if run_dir.name in finished_before:  # not run again: the same fit wrote its summary
             assert _summary(run_dir)["fit_id"] == before[run_dir.name]["fit_id"], run_dir.name
         fits = [r for r in read_jsonl(run_dir / "attempts.jsonl")]
         if len({r["fit_id"] for r in fits}) > 1:
-            resumed.append(max(int(r.get("resumed_step") or 0) for r in fits))
+            resumed[run_dir.name] = (max(int(r.get("resumed_step") or 0) for r in fits),
+                                     before.get(run_dir.name, {}).get("_checkpoint_step", 0))
         keys = Counter((r["step"], "loss" in r) for r in read_metrics(run_dir / "metrics.jsonl"))
         assert not [k for k, n in keys.items() if n > 1], (run_dir.name, keys)
-    assert resumed and all(step > 0 for step in resumed), resumed  # from their checkpoints, not from scratch
+    # Each interrupted trial continued from its newest checkpoint (one Tune started as the
+    # interrupt came has none, and starts over), and the fixture interrupted one past a checkpoint.
+    assert resumed and all(step == newest for step, newest in resumed.values()), resumed
+    assert any(step > 0 for step, _ in resumed.values()), resumed
 
 
 def test_report_ranks_names_the_stopped_and_leaves_no_placement_group(swept):
