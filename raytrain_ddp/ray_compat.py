@@ -119,18 +119,18 @@ def worker_callback_base() -> type:
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"  # Ray Train V2 (2.60): its drain watcher actor
 
 
-def lean_local_trainer(trainer_cls: type) -> type:
-    """`trainer_cls` (Ray Train V2's `TorchTrainer`) without the actors an embedded instance
-    has no use for: each is a fresh Python process importing Ray Train on the start-up's
-    critical path (docs/design.md#the-embedded-instance-starts-lean). The embedded instance
-    lives and dies with this process, on one node with no autoscaler and no drain notices:
+def lean_trainer(trainer_cls: type, *, local: bool) -> type:
+    """`trainer_cls` (Ray Train V2's `TorchTrainer`) without the actors this fit has no use
+    for: each is a fresh Python process importing Ray Train on the start-up's critical path
+    (docs/design.md#the-embedded-instance-starts-lean). On any Ray, no dataset manager when
+    the fit hands Ray Train no Ray Dataset (`data.sharding: exact` sends its shards through
+    the object store). `local`: an embedded instance, which lives and dies with this process,
+    on one node with no autoscaler and no drain notices, also runs without:
     - the placement-group cleaner (it frees the groups of a controller that died while the
       cluster lived on; here the cluster dies with it);
     - Ray Data's autoscaling coordinator, under a fixed worker count (it asks an autoscaler
       for the workers' resources; there is none);
-    - the preemption watcher (it polls for draining nodes; nothing drains this one);
-    - the dataset manager when the fit hands Ray Train no Ray Dataset (`data.sharding: exact`
-      sends its shards through the object store).
+    - the preemption watcher (it polls for draining nodes; nothing drains this one).
     Falls back to `trainer_cls` itself where this Ray lacks one of the names."""
     try:
         from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
@@ -154,12 +154,14 @@ def lean_local_trainer(trainer_cls: type) -> type:
         def _cancel_resource_request(self) -> None:
             pass
 
-    class LeanLocalTrainer(trainer_cls):  # type: ignore[misc, valid-type]
+    class LeanTrainer(trainer_cls):  # type: ignore[misc, valid-type]
         def _initialize_and_run_controller(self, **kwargs: Any) -> Any:
-            datasets = getattr(self, "datasets", None)
+            datasets = getattr(self, "datasets", True)  # a Ray that names them otherwise: keep the manager
             kwargs["callbacks"] = [cb for cb in kwargs.get("callbacks", [])
-                                   if not isinstance(cb, PlacementGroupCleanerCallback)
+                                   if not (local and isinstance(cb, PlacementGroupCleanerCallback))
                                    and not (isinstance(cb, DatasetsCallback) and not datasets)]
+            if not local:
+                return super()._initialize_and_run_controller(**kwargs)
             policy = kwargs.get("scaling_policy")
             if type(policy) is FixedScalingPolicy:
                 kwargs["scaling_policy"] = LocalFixedScalingPolicy(policy.scaling_config)
@@ -171,7 +173,7 @@ def lean_local_trainer(trainer_cls: type) -> type:
                 if before is None:
                     os.environ.pop(PREEMPTION_WATCHER_ENV, None)
 
-    return LeanLocalTrainer
+    return LeanTrainer
 
 
 def is_restart_state(state: Any) -> bool:

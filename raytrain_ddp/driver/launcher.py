@@ -72,7 +72,7 @@ from raytrain_ddp.driver import hold, ray_console
 from raytrain_ddp.driver.interrupt import Interrupt
 from raytrain_ddp.ray_compat import (
     CONTROLLER_POLL_ENV, abort_controller, install_sigint_handler, job_config,
-    lean_local_trainer, local_instance_kwargs, preemption_grace, started_here, startup_timed_out,
+    lean_trainer, local_instance_kwargs, preemption_grace, started_here, startup_timed_out,
 )
 from raytrain_ddp.driver.placement import Unschedulable, wait_for_placement, worker_resources
 from raytrain_ddp.driver.preflight import preflight
@@ -229,7 +229,7 @@ def connect_ray(cfg: Config, runtime_env: Optional[dict[str, Any]] = None, cpus:
         return False
     cores = os.cpu_count() or 1
     # No dashboard: it serves jobs and the state API, which only Ray Train's placement-group
-    # cleaner reads, and an embedded instance runs no cleaner (ray_compat.lean_local_trainer).
+    # cleaner reads, and an embedded instance runs no cleaner (ray_compat.lean_trainer).
     # address="local": a new instance even if an address file or another cluster is around.
     _init_local(address="local", num_cpus=max(cores, needed), include_dashboard=False, dashboard_host="127.0.0.1",
                 **local_instance_kwargs("127.0.0.1"), log_to_driver=True, logging_level=level,
@@ -422,9 +422,9 @@ def build_trainer(cfg: Config, run_dir: Location, job: Job, prepared: Any) -> An
     env_vars.update(nccl_env(cfg.scaling.use_gpu, os.environ))
     recovery = table.driver_half(cfg)(cfg)  # the run's recovery mode, Ray Train's side (recovery/table.py)
     env_vars.update(recovery.env())
-    # An embedded instance dies with this process: Ray Train's actors for clusters stay off (ray_compat.py)
-    trainer_cls = lean_local_trainer(TorchTrainer) if started_here() else TorchTrainer
-    return trainer_cls(
+    # Only the actors this fit uses; an embedded instance dies with this process: none of
+    # Ray Train's actors for clusters either (ray_compat.lean_trainer)
+    return lean_trainer(TorchTrainer, local=started_here())(
         train_loop_per_worker,
         train_loop_config=loop_config(job, prepared),
         torch_config=recovery.torch_config(pg_timeout_s),

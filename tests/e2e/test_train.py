@@ -108,7 +108,7 @@ def test_the_start_up_timeline_is_measured_phase_by_phase(finished_run):
 def test_an_embedded_instance_starts_only_the_actors_a_fit_needs(finished_run):
     """On the instance this process started, Ray Train starts its controller, its
     synchronisation actor and the workers, and none of the actors that serve a cluster
-    (ray_compat.lean_local_trainer): no placement-group cleaner, no autoscaling coordinator,
+    (ray_compat.lean_trainer): no placement-group cleaner, no autoscaling coordinator,
     no preemption watcher, no dataset manager for shards sent through the object store."""
     assert finished_run and _ACTORS_STARTED == ["Mailbox", "RayTrainWorker", "RayTrainWorker",
                                                 "SynchronizationActor", "TrainController"], _ACTORS_STARTED

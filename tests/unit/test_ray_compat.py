@@ -137,15 +137,15 @@ def test_preemption_grace():
             check_ray_supports(load_config(None, ["run.preemption_grace_s=5"]))
 
 
-def test_lean_local_trainer():
-    """The names the embedded instance's lean start relies on, and what it does to the
-    controller's arguments: no cleaner, no dataset manager without datasets, a fixed policy
-    that sends no resource request, no preemption watcher (set only for the call)."""
+def test_lean_trainer():
+    """The names the lean start relies on, and what it does to the controller's arguments:
+    on any Ray no dataset manager without datasets; on an embedded instance also no cleaner,
+    a fixed policy that sends no resource request, no preemption watcher (set only for the call)."""
     import os
 
     from ray.train.torch import TorchTrainer
 
-    fn = "lean_local_trainer"
+    fn = "lean_trainer"
     datasets_cb = _attr(fn, "ray.train.v2._internal.callbacks.datasets:DatasetsCallback")
     cleaner_cb = _attr(fn, "ray.train.v2._internal.callbacks.placement_group_callback:PlacementGroupCleanerCallback")
     fixed = _attr(fn, "ray.train.v2._internal.execution.scaling_policy.fixed:FixedScalingPolicy")
@@ -158,6 +158,8 @@ def test_lean_local_trainer():
     assert "get_env_vars_to_propagate()" in inspect.getsource(run), _gone(fn, "the controller's env built in the call")
     source = inspect.getsource(_attr(fn, "ray.train.v2.api.data_parallel_trainer:DataParallelTrainer.fit"))
     assert "scaling_policy=" in source and "callbacks=" in source, _gone(fn, "fit's scaling_policy= / callbacks=")
+    init = inspect.getsource(_attr(fn, "ray.train.v2.api.data_parallel_trainer:DataParallelTrainer.__init__"))
+    assert "self.datasets = " in init, _gone(fn, "DataParallelTrainer.datasets")
 
     seen = {}
 
@@ -168,7 +170,7 @@ def test_lean_local_trainer():
             seen.update(kwargs, env=os.environ.get(ray_compat.PREEMPTION_WATCHER_ENV))
             return "result"
 
-    lean = ray_compat.lean_local_trainer(Base)
+    lean = ray_compat.lean_trainer(Base, local=True)
     assert lean is not Base and issubclass(lean, Base)
 
     class Keep:
@@ -188,7 +190,10 @@ def test_lean_local_trainer():
     with_data.datasets = {"train": object()}
     with_data._initialize_and_run_controller(callbacks=[cleaner, data], scaling_policy=policy)
     assert seen["callbacks"] == [data]
-    assert TorchTrainer in ray_compat.lean_local_trainer(TorchTrainer).__mro__
+    joined = ray_compat.lean_trainer(Base, local=False)  # a cluster's: only the dataset manager goes
+    joined()._initialize_and_run_controller(callbacks=[cleaner, data, keep], scaling_policy=policy)
+    assert seen["callbacks"] == [cleaner, keep] and seen["scaling_policy"] is policy and seen["env"] is None
+    assert TorchTrainer in ray_compat.lean_trainer(TorchTrainer, local=True).__mro__
 
 
 # ------------------------------------------------------------------ Ray Data, core, autoscaler
