@@ -18,7 +18,8 @@ _BUNDLE = re.compile(r"_group_(\d+)_")
 
 
 def _kill_a_worker() -> dict[str, Any]:
-    """SIGKILL one live RayTrainWorker (rank 1 if its bundle says so); {pid, rank, time}."""
+    """SIGKILL one live RayTrainWorker (rank 1 if its bundle says so); {pid, rank, time}. The
+    state API needs the instance's dashboard: the run's config sets `run.dashboard=true`."""
     import ray
     from ray.util.state import list_actors
 

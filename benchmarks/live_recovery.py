@@ -139,7 +139,8 @@ def _cfg(mode: str, storage: Path, name: str, steps: int = MAX_STEPS) -> Any:
 
     return load_config(QUICKSTART, [
         f"run.storage_path={storage}", f"name={name}", f"run.recovery={mode}", "run.log_every_steps=1",
-        f"run.checkpoint_every_steps={CHECKPOINT_EVERY}", f"train.max_steps={steps}", "run.max_failures=1"])
+        f"run.checkpoint_every_steps={CHECKPOINT_EVERY}", f"train.max_steps={steps}", "run.max_failures=1",
+        "run.dashboard=true"])  # the kill finds rank 1's worker through the state API (kill.py)
 
 
 class _Console:

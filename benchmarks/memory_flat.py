@@ -57,7 +57,8 @@ def main() -> int:
     steps_per_epoch = 22
     epochs = math.ceil(10 * n / steps_per_epoch) + 1
     cfg = load_config(REPO / "examples/configs/tiny.yaml",
-                      [f"run.storage_path={storage}", "name=memory", f"train.epochs={epochs}", "run.log_every_steps=1"])
+                      [f"run.storage_path={storage}", "name=memory", f"train.epochs={epochs}", "run.log_every_steps=1",
+                       "run.dashboard=true"])  # the workers' pids come from the state API
     metrics = storage / "memory" / "metrics.jsonl"
     samples: dict[int, dict] = {}
     done = threading.Event()

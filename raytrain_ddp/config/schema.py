@@ -469,6 +469,12 @@ class RunConfig(_Section):
     address: Optional[str] = Field(
         None, description="Ray cluster to join; default: $RAY_ADDRESS, else an embedded local instance."
     )
+    dashboard: bool = Field(
+        False, description="Start the embedded local instance's dashboard (bound to 127.0.0.1): the web UI, "
+        "`ray list actors` and the state API. Off by default, since the instance serves no jobs and the "
+        "start is shorter without it (docs/design.md#the-embedded-instance-starts-lean). A joined "
+        "cluster's dashboard is the cluster's.",
+    )
 
     @field_validator("checkpoint_every_steps", mode="before")
     @classmethod

@@ -228,10 +228,11 @@ def connect_ray(cfg: Config, runtime_env: Optional[dict[str, Any]] = None, cpus:
         ray_console.after_init()
         return False
     cores = os.cpu_count() or 1
-    # No dashboard: it serves jobs and the state API, which only Ray Train's placement-group
-    # cleaner reads, and an embedded instance runs no cleaner (ray_compat.lean_trainer).
+    # No dashboard unless asked (run.dashboard): it serves jobs and the state API, which only Ray
+    # Train's placement-group cleaner reads, and an embedded instance runs no cleaner (ray_compat.lean_trainer).
     # address="local": a new instance even if an address file or another cluster is around.
-    _init_local(address="local", num_cpus=max(cores, needed), include_dashboard=False, dashboard_host="127.0.0.1",
+    _init_local(address="local", num_cpus=max(cores, needed), include_dashboard=cfg.run.dashboard,
+                dashboard_host="127.0.0.1",
                 **local_instance_kwargs("127.0.0.1"), log_to_driver=True, logging_level=level,
                 runtime_env=runtime_env)
     ray_console.after_init()
@@ -244,8 +245,10 @@ def warn_small_instance(needed: int) -> None:
     the workers plus Ray Data's tasks need: Ray Data's tasks would wait for the workers' CPUs."""
     import ray
 
+    from raytrain_ddp import ray_compat
+
     have = ray.cluster_resources().get("CPU", 0)
-    if started_here() and have < needed:
+    if ray_compat.started_here() and have < needed:
         print(f"raytrain-ddp: warning: the Ray instance this process started has {have:g} CPUs; the run needs "
               f"{needed} (its workers + {DATA_HEADROOM_CPUS} for Ray Data's tasks), which may wait for one "
               f"another. Call ray.init(num_cpus={needed}) before making the datasets", file=sys.stderr, flush=True)
