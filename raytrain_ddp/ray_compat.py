@@ -142,16 +142,12 @@ def lean_trainer(trainer_cls: type, *, local: bool) -> type:
         return trainer_cls
 
     class LocalFixedScalingPolicy(FixedScalingPolicy):  # pickled by value into the controller
+        """No coordinator client is made, so nothing is sent; the base's cancel skips a missing client."""
+
         def after_controller_start(self, train_run_context: Any) -> None:
             pass
 
         def _maybe_send_resource_request(self) -> None:
-            pass
-
-        def _send_resource_request(self) -> None:
-            pass
-
-        def _cancel_resource_request(self) -> None:
             pass
 
     class LeanTrainer(trainer_cls):  # type: ignore[misc, valid-type]

@@ -149,9 +149,10 @@ def test_lean_trainer():
     datasets_cb = _attr(fn, "ray.train.v2._internal.callbacks.datasets:DatasetsCallback")
     cleaner_cb = _attr(fn, "ray.train.v2._internal.callbacks.placement_group_callback:PlacementGroupCleanerCallback")
     fixed = _attr(fn, "ray.train.v2._internal.execution.scaling_policy.fixed:FixedScalingPolicy")
-    for method in ("after_controller_start", "_maybe_send_resource_request", "_send_resource_request",
-                   "_cancel_resource_request"):
+    for method in ("after_controller_start", "_maybe_send_resource_request", "_cancel_resource_request"):
         assert callable(getattr(fixed, method, None)), _gone(fn, f"FixedScalingPolicy.{method}")
+    assert "_coordinator_client is None" in inspect.getsource(fixed._cancel_resource_request), \
+        _gone(fn, "FixedScalingPolicy._cancel_resource_request's skip of a missing client")
     assert _attr(fn, "ray.train.v2._internal.constants:ENABLE_PREEMPTION_WATCHER_ENV_VAR") \
         == ray_compat.PREEMPTION_WATCHER_ENV
     run = _attr(fn, "ray.train.v2.api.data_parallel_trainer:DataParallelTrainer._initialize_and_run_controller")
@@ -185,6 +186,7 @@ def test_lean_trainer():
     swapped = seen["scaling_policy"]
     assert isinstance(swapped, fixed) and swapped.scaling_config is policy.scaling_config
     swapped.after_controller_start(None)
+    swapped.before_controller_abort()  # cancels nothing: no coordinator client was made
     assert swapped.make_decision_for_non_running_worker_group().num_workers == 2  # no coordinator asked
     with_data = lean()
     with_data.datasets = {"train": object()}
