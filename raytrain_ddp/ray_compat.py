@@ -269,6 +269,14 @@ def started_here() -> bool:
     return bool(node is not None and node.is_head())
 
 
+def placement_group_job(group_id_hex: str) -> str:
+    """The hex id of the job that created a placement group (`placement_group_table()`'s key):
+    a `PlacementGroupID` ends with its `JobID` (Ray's id layout; the table itself has no job)."""
+    import ray
+
+    return group_id_hex[-2 * ray.JobID.size():]
+
+
 def job_config(environ: Any = None) -> Optional[dict[str, Any]]:
     """The job config Ray's job supervisor hands a `ray job submit` entrypoint (runtime_env,
     metadata), None outside a job; {} when it does not parse."""

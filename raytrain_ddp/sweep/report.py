@@ -138,6 +138,7 @@ def print_report(where: Location, metric: Optional[str] = None, mode: Optional[s
               f"({', '.join(r['trial'] for r in rows if r['status'] == 'stopped early') or 'none'}), "
               f"{sum(r['status'].startswith('failed') for r in rows)} failed; "
               f"placement groups left: {outcome.get('placement_groups_left')}"
+              + (f" ({outcome['placement_groups_removed']} removed by the sweep)" if outcome.get("placement_groups_removed") else "")
               + ("; run the same command to continue it" if outcome.get("status") == "interrupted" else ""))
     plot(rows, metric, where / CURVES_FILE)
     print(f"wrote {where / CURVES_FILE}")

@@ -421,3 +421,26 @@ def test_startup_timed_out():
         _gone("startup_timed_out", f"the message {ray_compat.STARTUP_TIMEOUT_TEXT!r} of ray/_private/node.py")
     assert ray_compat.startup_timed_out(Exception("The current node timed out during startup. This could ..."))
     assert not ray_compat.startup_timed_out(ValueError("anything else"))
+
+
+@pytest.mark.ray
+def test_placement_group_job(ray_cluster):
+    """The id layout `placement_group_job` reads, and the sweep's end that relies on it: a group
+    of this job still held is removed and counted; so is nothing of another job."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from raytrain_ddp.sweep.run import placement_groups_left
+
+    assert ray.PlacementGroupID.size() == 14 + ray.JobID.size(), _gone("placement_group_job", "PlacementGroupID layout")
+    job = ray.get_runtime_context().get_job_id()
+    group = placement_group([{"CPU": 0.01}])
+    try:
+        ray.get(group.ready(), timeout=30)
+        assert ray_compat.placement_group_job(group.id.hex()) == job, _gone("placement_group_job", "JobID suffix")
+        assert ray_compat.placement_group_job("ab" * 14 + "07000000") == "07000000"
+        left, removed = placement_groups_left(timeout_s=0.5)
+        assert (left, removed) == ([], 1)
+        assert ray.util.placement_group_table(group)["state"] == "REMOVED"
+    finally:
+        if ray.util.placement_group_table(group)["state"] != "REMOVED":
+            remove_placement_group(group)
