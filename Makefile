@@ -32,7 +32,7 @@ test: $(STAMP)
 
 # The fault-sequence soak (not in `make test`): one row per seed, docs/reliability.md#fault-sequences.
 SEEDS ?= 0-19
-KINDS ?= s3,load,late
+KINDS ?= s3,load,late,node
 soak: $(STAMP)
 	$(PY) -m benchmarks.soak --seeds $(SEEDS) --kinds $(KINDS)
 

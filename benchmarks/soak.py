@@ -10,8 +10,9 @@ say the run is complete); the three properties are checked against one uninterru
 (every row once per epoch, the same final weights, the attempts accounting for everything).
 `--kinds` adds fault kinds (default all: `s3`, the run directory in a moto bucket for the
 whole sequence; `load`, one CPU-bound process per core during an invocation; `late`, a Ctrl-C
-aimed at the last steps). A failing seed becomes a fixed case of the suite (`SEEDS` there).
-A lost node is not among the kinds yet (docs/reliability.md says why).
+aimed at the last steps; `node`, about one seed in five on a two-node cluster of its own, every
+process of the second node SIGKILLed during one invocation and the node started again before
+the next). A failing seed becomes a fixed case of the suite (`SEEDS` there).
 
 Must not touch: the product. It runs pytest, so the test's own deadlines and clean-up hold.
 """
@@ -41,7 +42,8 @@ def faults(story: list[str]) -> str:
 def table(rows: list[dict]) -> str:
     lines = ["| seed | faults | invocations | result | time (s) |", "|---|---|---|---|---|"]
     for row in rows:
-        where = " (s3)" if row["story"] and row["story"][0].endswith(" s3") else ""
+        tags = row["story"][0].split()[2:] if row["story"] else []  # "seed 7 s3 two-node"
+        where = f" ({', '.join(tags)})" if tags else ""
         codes = ",".join(line.rsplit(" -> ", 1)[1] for line in row["story"][1:] if " -> " in line)
         lines.append(f"| {row['seed']}{where} | {faults(row['story'])} | {len(row['story']) - 1} ({codes}) | "
                      f"{row['result']} | {row['seconds']:.0f} |")
@@ -51,7 +53,7 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", default="0-19", help="LOW-HIGH or one seed")
-    parser.add_argument("--kinds", default="s3,load,late", help="extra fault kinds, comma-separated ('' for none)")
+    parser.add_argument("--kinds", default="s3,load,late,node", help="extra fault kinds, comma-separated ('' for none)")
     parser.add_argument("--rows", default=None, help="the JSON lines of the rows (default: a temporary file)")
     args = parser.parse_args(argv)
     rows_path = Path(args.rows or tempfile.mkstemp(prefix="soak-", suffix=".jsonl")[1])
@@ -60,13 +62,16 @@ def main(argv: list[str] | None = None) -> int:
            "RAYTRAIN_DDP_SOAK_ROWS": str(rows_path), "RAYTRAIN_DDP_SOAK_TIMEOUT_S": "3600"}  # per seed
     started = time.monotonic()
     # Every seed runs (no -x); each gets an hour (the suite's 900 s was spent by a busy machine).
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", TEST],
+    # A failed seed's invocation logs, samples and cluster logs stay under the rows' folder
+    basetemp = rows_path.with_suffix(".pytest")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
+                           f"--basetemp={basetemp}", TEST],
                           cwd=REPO, env=env)
     rows = [json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()]
     print(table(rows))
     passed = sum(r["result"] == "passed" for r in rows)
     print(f"{passed} of {len(rows)} seeds passed in {time.monotonic() - started:.0f} s "
-          f"(seeds {args.seeds}, kinds {args.kinds or 'none'}; rows in {rows_path})")
+          f"(seeds {args.seeds}, kinds {args.kinds or 'none'}; rows in {rows_path}, logs in {basetemp})")
     return done.returncode
 
 

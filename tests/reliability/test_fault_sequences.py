@@ -26,7 +26,10 @@ The suite runs the fixed seeds in `SEEDS` (each once failed or covers a distinct
 drawn from a second stream so each seed's base plan stays what it is: `s3`, the run directory
 in a bucket (moto on 127.0.0.1) for the whole sequence; `load`, one CPU-bound process per core
 during an invocation; `late`, a Ctrl-C aimed at the run's last steps (a run whose last step
-trained is complete: exit 0, never `interrupted`). `RAYTRAIN_DDP_SOAK_ROWS=FILE` appends one
+trained is complete: exit 0, never `interrupted`); `node`, the whole sequence on a two-node
+cluster of its own (`cluster/local-two-node.sh`, every invocation joining it, elastic over one
+worker per node) with every process of the second node SIGKILLed during one invocation and the
+node started again before the next. `RAYTRAIN_DDP_SOAK_ROWS=FILE` appends one
 JSON line per seed (faults, invocations, result, seconds).
 """
 
@@ -58,6 +61,7 @@ from raytrain_ddp.config import load_config
 from raytrain_ddp.driver.launcher import run_training
 from raytrain_ddp.rundir import read_jsonl, read_metrics
 from raytrain_ddp.testing.hooks import ENABLE, FAULT_ENV, SAMPLE_LOG_ENV, STEP_DELAY_ENV
+from benchmarks.recovery import CLUSTER_SCRIPT, two_node_env
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(int(os.environ.get("RAYTRAIN_DDP_SOAK_TIMEOUT_S", "900")))]  # soak: more
 
@@ -67,6 +71,8 @@ TOTAL = EPOCHS * STEPS_PER_EPOCH
 STEP_DELAY_S = "0.12"  # ~5 s of training: room to aim a Ctrl-C or a kill at a step
 RECOVERY_ENV = "RAYTRAIN_DDP_FAULT_RECOVERY"  # e.g. live: every invocation with that run.recovery (issue #28)
 KINDS_ENV, ROWS_ENV = "RAYTRAIN_DDP_FAULT_KINDS", "RAYTRAIN_DDP_SOAK_ROWS"
+NODE_MORE_STEPS = 4  # a node-loss invocation ends (Ctrl-C, SIGKILL) this many steps after its node was lost
+NODE_WORKER = ("scaling.cpus_per_worker=2",)  # one worker per node of local-two-node.sh (3 CPUs each)
 SEEDS = [15]  # rank 0 killed right after an async save, Ctrl-C, a kill + driver SIGKILL. Seed 0 once failed
 # (rank 2 of 4 killed right after an async save): test_fault_pieces.py keeps its cause as a unit test
 
@@ -89,6 +95,8 @@ class Invocation:
     after_steps: int = 0  # `end` is sent once this invocation logged that many steps
     load: bool = False  # one CPU-bound process per core while it runs (KINDS_ENV: load)
     late: bool = False  # the Ctrl-C aimed at the run's last steps (KINDS_ENV: late)
+    node_loss: bool = False  # the second node's processes SIGKILLed once `after_steps` were logged (KINDS_ENV: node)
+    cluster: Optional[Path] = None  # the two-node cluster's state dir that this invocation joins (KINDS_ENV: node)
     outcome: dict = field(default_factory=dict)
 
 
@@ -110,12 +118,55 @@ def draw_plan(seed: int) -> list[Invocation]:
     for inv in plan:
         inv.load = "load" in kinds and extra.random() < 0.4
         inv.late = "late" in kinds and inv.end == "sigint" and extra.random() < 0.5
+    if on_two_nodes(seed):  # one worker per node: at most 2, a fault's rank among them
+        nodes = random.Random(f"node-plan-{seed}")
+        for inv in plan:
+            inv.workers = min(inv.workers, 2)
+            if inv.worker_fault:
+                inv.worker_fault = (inv.worker_fault[0] % inv.workers, *inv.worker_fault[1:])
+        plan[nodes.randrange(len(plan))].node_loss = True
     return plan
 
 
 def on_s3(seed: int) -> bool:
     """Whether this seed's run directory is in a bucket (KINDS_ENV: s3; every other seed)."""
     return "s3" in os.environ.get(KINDS_ENV, "").split(",") and random.Random(f"s3-{seed}").random() < 0.5
+
+
+def on_two_nodes(seed: int) -> bool:
+    """Whether this seed runs on a two-node cluster and loses a node (KINDS_ENV: node; about one in five)."""
+    return "node" in os.environ.get(KINDS_ENV, "").split(",") and random.Random(f"node-{seed}").random() < 0.2
+
+
+@contextlib.contextmanager
+def two_node_cluster(log_dir: Path):
+    """`local-two-node.sh up` (this process's environment: a seed's bucket too), its state dir;
+    `down` at the end, which stops exactly what `up` (and `revive-node`) started."""
+    up = subprocess.run([str(CLUSTER_SCRIPT), "up"], env={**two_node_env(), "RT2N_UP_TIMEOUT_S": "120"},
+                        capture_output=True, text=True, timeout=400)
+    said = re.search(r"local-two-node: state dir (\S+)", up.stderr)
+    state = Path(up.stdout.strip().splitlines()[-1]) if up.returncode == 0 else Path(said.group(1)) if said else None
+    try:
+        assert up.returncode == 0, f"local-two-node.sh up failed:\n{up.stderr[-3000:]}"
+        (log_dir / "cluster").write_text(str(state))
+        yield state
+    finally:
+        if state is not None:
+            subprocess.run([str(CLUSTER_SCRIPT), "down", str(state)], env=two_node_env(), capture_output=True,
+                           timeout=120)
+
+
+def _cluster_trainers_gone(state: Path, timeout_s: float) -> None:
+    """Wait (bounded) until no Ray Train controller or worker runs in the cluster's sessions: a
+    SIGKILLed driver's job ends there when Ray notices, not with the driver's process group."""
+    sids = {(state / f"{n}.pgid").read_text().strip() for n in ("head", "node") if (state / f"{n}.pgid").exists()}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        out = subprocess.run(["ps", "-eo", "sid=,args="], capture_output=True, text=True).stdout
+        if not [ln for ln in out.splitlines() if ln.split(None, 1)[0] in sids
+                and ("ray::RayTrainWorker" in ln or "ray::TrainController" in ln)]:
+            return
+        time.sleep(0.5)
 
 
 @contextlib.contextmanager
@@ -141,8 +192,10 @@ def _train_steps(run_dir, since: float = 0.0) -> list[int]:
 
 def _overrides(tmp, name: str, inv: Invocation) -> list[str]:
     trackers = [] if isinstance(tmp, Path) else ["run.loggers=[jsonl,tensorboard]"]  # a bucket: TensorBoard too
+    workers = f"[1,{inv.workers}]" if inv.cluster is not None and inv.workers > 1 else str(inv.workers)  # elastic
     return [*trackers, f"run.storage_path={tmp / 'runs'}", f"name={name}", f"train.epochs={EPOCHS}", "run.log_every_steps=1",
-            f"scaling.num_workers={inv.workers}", f"run.checkpoint_upload={inv.upload}", "run.max_failures=2",
+            f"scaling.num_workers={workers}", *(NODE_WORKER if inv.cluster is not None else ()),
+            f"run.checkpoint_upload={inv.upload}", "run.max_failures=2",
             *([f"run.recovery={os.environ[RECOVERY_ENV]}"] if os.environ.get(RECOVERY_ENV) else [])]
 
 
@@ -151,8 +204,12 @@ def run_command(tmp: Path, name: str, inv: Invocation, samples: Path, index: int
     `store`: where `runs/` lives (a bucket's `Location`), else `tmp`."""
     store = tmp if store is None else store
     ray_tmp = Path(tempfile.mkdtemp(prefix="rtseq-", dir="/tmp"))  # its own: no address file is shared
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RAYTRAIN_DDP_"))}
-    env.update(ENABLE, RAY_TMPDIR=str(ray_tmp), PYTHONUNBUFFERED="1", **{SAMPLE_LOG_ENV: str(samples)})
+    if inv.cluster is not None:  # joins the seed's two-node cluster (RAY_ADDRESS, its token)
+        env = two_node_env(inv.cluster)
+    else:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RAYTRAIN_DDP_"))}
+        env["RAY_TMPDIR"] = str(ray_tmp)
+    env.update(ENABLE, PYTHONUNBUFFERED="1", **{SAMPLE_LOG_ENV: str(samples)})
     if inv.end != "finish":  # room to aim the Ctrl-C or the kill; a run left to finish needs none
         env[STEP_DELAY_ENV] = STEP_DELAY_S
     if inv.worker_fault:
@@ -165,7 +222,9 @@ def run_command(tmp: Path, name: str, inv: Invocation, samples: Path, index: int
     command = [str(CLI), "train", str(TINY), *_overrides(store, name, inv)]
     log_path = tmp / f"invocation-{index}.log"
     run_dir = store / "runs" / name
-    wanted = TOTAL - 1 if inv.late else inv.after_steps  # late: as the last steps train
+    # late: as the last steps train; after a node loss, a few steps after it
+    wanted = TOTAL - 1 if inv.late else inv.after_steps + (NODE_MORE_STEPS if inv.node_loss else 0)
+    lose_node_at = inv.after_steps if inv.node_loss else None
     started: list[int] = []
     began = time.time()
     with open(log_path, "wb") as log, cpu_load(inv.load):
@@ -173,19 +232,26 @@ def run_command(tmp: Path, name: str, inv: Invocation, samples: Path, index: int
                                 start_new_session=True)
         try:
             deadline = time.monotonic() + 480  # a loaded machine: the reference alone took 231 s at load 90
-            if inv.end != "finish":
-                while proc.poll() is None and time.monotonic() < deadline:
+            while (inv.end != "finish" or lose_node_at is not None) and proc.poll() is None \
+                    and time.monotonic() < deadline:
+                started = sorted(set(started) | set(_descendants(proc.pid)))
+                steps = _train_steps(run_dir, since=began)
+                if lose_node_at is not None and len(steps) >= lose_node_at:
+                    lost = subprocess.run([str(CLUSTER_SCRIPT), "kill-node", str(inv.cluster)], env=two_node_env(),
+                                          capture_output=True, text=True, timeout=60)
+                    assert lost.returncode == 0, lost.stderr
+                    lose_node_at, inv.outcome["node_lost_after"] = None, len(steps)
+                    steps = []  # the end waits for steps trained after the loss
+                if lose_node_at is None and inv.end != "finish" and steps and \
+                        (steps[-1] >= wanted if inv.late else len(steps) >= wanted):
+                    break
+                time.sleep(0.1)
+            if inv.end != "finish" and proc.poll() is None:
+                if inv.end == "sigint":
+                    os.kill(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the driver
+                else:
                     started = sorted(set(started) | set(_descendants(proc.pid)))
-                    steps = _train_steps(run_dir, since=began)
-                    if (steps and steps[-1] >= wanted) if inv.late else len(steps) >= wanted:
-                        break
-                    time.sleep(0.1)
-                if proc.poll() is None:
-                    if inv.end == "sigint":
-                        os.kill(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the driver
-                    else:
-                        started = sorted(set(started) | set(_descendants(proc.pid)))
-                        os.killpg(proc.pid, signal.SIGKILL)  # the driver's group: Ray's own processes too
+                    os.killpg(proc.pid, signal.SIGKILL)  # the driver's group: Ray's own processes too
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         finally:
             if proc.poll() is None:
@@ -197,7 +263,13 @@ def run_command(tmp: Path, name: str, inv: Invocation, samples: Path, index: int
                 except (ProcessLookupError, PermissionError):
                     pass
             shutil.rmtree(ray_tmp, ignore_errors=True)
-    return {"code": proc.returncode, "out": log_path.read_text(errors="replace")}
+            if inv.cluster is not None:
+                _cluster_trainers_gone(inv.cluster, 90)
+                if "node_lost_after" in inv.outcome:  # as an autoscaler replaces a lost node
+                    back = subprocess.run([str(CLUSTER_SCRIPT), "revive-node", str(inv.cluster)], env=two_node_env(),
+                                          capture_output=True, text=True, timeout=400)
+                    assert back.returncode == 0, back.stderr[-3000:]
+    return {**inv.outcome, "code": proc.returncode, "out": log_path.read_text(errors="replace")}
 
 
 def committed_rows(samples: Path) -> dict[int, list[str]]:
@@ -265,7 +337,11 @@ def test_any_fault_sequence_then_the_same_command_continues_exactly(reference, t
                 stack.enter_context(s3_bucket(tmp_path, "soak"))
                 store = Location.parse("s3://soak")
                 story[0] += " s3"
-            _sequence(reference, tmp_path, store, seed, story)
+            cluster = None
+            if on_two_nodes(seed):  # after the bucket: the nodes get its endpoint and credentials
+                cluster = stack.enter_context(two_node_cluster(tmp_path))
+                story[0] += " two-node"
+            _sequence(reference, tmp_path, store, seed, story, cluster)
         result = "passed"
     finally:
         if os.environ.get(ROWS_ENV):
@@ -274,18 +350,20 @@ def test_any_fault_sequence_then_the_same_command_continues_exactly(reference, t
                                        "seconds": round(time.monotonic() - began, 1)}) + "\n")
 
 
-def _sequence(reference, tmp_path: Path, store, seed: int, story: list[str]) -> None:
+def _sequence(reference, tmp_path: Path, store, seed: int, story: list[str], cluster: Optional[Path] = None) -> None:
     ref_rows, ref_model = reference
     plan = draw_plan(seed)
     samples, run_dir = tmp_path / "samples", store / "runs" / "seq"
     continues_at = None
     for index in range(len(plan) + 5):  # the faulted invocations, then plain reruns until done
         inv = plan[index] if index < len(plan) else Invocation()
+        inv.cluster = cluster
         inv.outcome = run_command(tmp_path, "seq", inv, samples, index + 1, store)
         code, out = inv.outcome["code"], inv.outcome["out"]
+        lost = f" node-lost@{inv.outcome['node_lost_after']}" if "node_lost_after" in inv.outcome else ""
         story.append(f"#{index + 1} {inv.workers}w {inv.upload} fault={inv.worker_fault} "
                      f"end={inv.end}{'@end' if inv.late else f'+{inv.after_steps}'}{' load' if inv.load else ''}"
-                     f" -> {code}")
+                     f"{lost} -> {code}")
         tail = "\n".join(story) + "\n--- last output:\n" + out[-2500:]
         assert "Traceback" not in out and "corrupted run directory" not in out, tail
         if code == 2 and "the local Ray instance did not start, twice" in out:
@@ -305,7 +383,7 @@ def _sequence(reference, tmp_path: Path, store, seed: int, story: list[str]) -> 
     else:
         pytest.fail("the run never completed:\n" + "\n".join(story))
     tail = "\n".join(story)
-    again = run_command(tmp_path, "seq", Invocation(), samples, len(story), store)  # before Ray: seconds
+    again = run_command(tmp_path, "seq", Invocation(cluster=cluster), samples, len(story), store)  # before Ray: seconds
     assert again["code"] == 0 and "is complete" in again["out"], tail + "\n" + again["out"][-2000:]
     _check_the_three_properties(run_dir, samples, plan, ref_rows, ref_model, tail)
 
@@ -329,14 +407,37 @@ def _check_the_three_properties(run_dir, samples: Path, plan: list[Invocation], 
     assert not wrong, f"{tail}\nsteps whose committed rows differ from the uninterrupted run's: {wrong}"
 
     model = final_model(run_dir)
-    resized = any(inv.workers != 2 for inv in plan)
+    attempts = read_jsonl(run_dir / "attempts.jsonl")
+    # a resize: asked for (another worker count) or made (an elastic run on the node left)
+    resized = any(inv.workers != 2 for inv in plan) or any(r.get("world_size", 2) != 2 for r in attempts)
     for key, want in ref_model.items():
         if resized:
             assert torch.allclose(model[key], want, rtol=0, atol=1e-4), (tail, key)
         else:
             assert torch.equal(model[key], want), (tail, key, (model[key] - want).abs().max())
 
-    attempts = read_jsonl(run_dir / "attempts.jsonl")
     per_fit = collections.Counter(r["fit_id"] for r in attempts)
     assert summary["fit_id"] in per_fit and per_fit[summary["fit_id"]] == summary["attempts"], (tail, attempts)
     assert all(n <= 1 + 2 for n in per_fit.values()), (tail, per_fit)  # run.max_failures=2
+
+
+def test_the_soak_s_kinds_keep_each_seed_s_base_plan_and_a_two_node_seed_loses_one_node(monkeypatch):
+    """The kinds are drawn from streams of their own: a seed's worker faults, ends and steps stay
+    the suite's; `node` makes about one seed in five a two-node one, with one node lost in it,
+    one worker per node, and a worker fault aimed at a rank that exists."""
+    monkeypatch.delenv(KINDS_ENV, raising=False)
+    base = {seed: draw_plan(seed) for seed in range(20)}
+    monkeypatch.setenv(KINDS_ENV, "s3,load,late,node")
+    nodes = [seed for seed in range(20) if on_two_nodes(seed)]
+    assert 3 <= len(nodes) <= 12, nodes
+    for seed in range(20):
+        plan = draw_plan(seed)
+        assert [(i.end, i.after_steps, i.upload) for i in plan] == [(i.end, i.after_steps, i.upload)
+                                                                    for i in base[seed]], seed
+        if seed in nodes:
+            assert sum(i.node_loss for i in plan) == 1 and all(i.workers <= 2 for i in plan), (seed, plan)
+            assert all(i.worker_fault[0] < i.workers for i in plan if i.worker_fault), (seed, plan)
+            assert [i.workers for i in plan] == [min(i.workers, 2) for i in base[seed]], seed
+        else:
+            assert not any(i.node_loss for i in plan) and [(i.workers, i.worker_fault) for i in plan] == \
+                [(i.workers, i.worker_fault) for i in base[seed]], seed
