@@ -13,14 +13,6 @@ from typing import Any, Literal, Optional
 from raytrain_ddp.config import Config
 
 
-ENV_PREFIX = "RAYTRAIN_DDP_"  # the driver's variables every worker gets (`Job.worker_env`)
-
-
-def forwarded_env(environ: Any) -> dict[str, str]:
-    """The driver's `RAYTRAIN_DDP_*` variables, for `Job.worker_env`."""
-    return {k: v for k, v in environ.items() if k.startswith(ENV_PREFIX)}
-
-
 @dataclass(frozen=True)
 class DataSpec:
     """What the model and the loop need to know about the data, computed on the driver."""
@@ -64,7 +56,3 @@ class Job:
     # The user's model factory, loss and preprocess (`raytrain_ddp.user.UserCode`), pickled
     # on the driver and unpickled only on the workers, whose runtime_env carries their modules.
     user_code: Optional[bytes] = None
-    # The driver's `RAYTRAIN_DDP_*` variables (a test's hooks), set in each worker as its loop
-    # starts: not in Ray's runtime_env, whose env_vars make every worker a fresh process (the
-    # runtime-env agent's set-up) instead of one Ray has already started and imported.
-    worker_env: dict[str, str] = field(default_factory=dict)

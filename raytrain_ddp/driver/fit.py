@@ -9,7 +9,6 @@ Ray Data is imported only to prepare datasets for a Ray fit (`prepared` is None)
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from typing import Any, Optional
@@ -21,7 +20,7 @@ from raytrain_ddp.driver.console import final_metrics, print_plan, print_summary
 from raytrain_ddp.goodput import summary_figures
 from raytrain_ddp.driver.resume import prune_checkpoints, record_config, restore_config_if_untrained
 from raytrain_ddp.driver.stream import Recorder, line_key, tracked_step
-from raytrain_ddp.job import Job, forwarded_env
+from raytrain_ddp.job import Job
 from raytrain_ddp.ray_compat import forget_earlier_fits
 from raytrain_ddp.rundir import (
     ABORT_FILE, ATTEMPTS_FILE, METRICS_FILE, SUMMARY_FILE, JsonlFile, Location, read_jsonl, read_metrics,
@@ -53,7 +52,7 @@ def prepare(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, check
     total_steps = data_steps.total_steps(cfg, steps_per_epoch)  # as each rank's loop computes it
     job = Job(cfg=cfg, spec=prepared.spec, run_dir=str(run_dir), fit_id=fit_id,
               resume_from=Location.parse(resume_from) if resume_from else None,
-              user_code=code.dumps() if code.custom else None, worker_env=forwarded_env(os.environ))
+              user_code=code.dumps() if code.custom else None)
     params = checked.pipeline.params if checked.pipeline else None
     print_plan(cfg, prepared.spec, run_dir, steps_per_epoch, total_steps, resume_from, params)
     return job, prepared, total_steps

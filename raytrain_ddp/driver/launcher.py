@@ -45,10 +45,7 @@ Decisions, and why:
   (status `interrupted`) and says where the next run starts; `run_training`'s `finally`
   stops the embedded Ray instance, and the CLI exits 130.
 * `RAYTRAIN_DDP_*` environment variables of the driver are forwarded to the workers
-  (tests name their hooks there: `RAYTRAIN_DDP_HOOKS`, see `worker/hooks.py`) in the job
-  (`Job.worker_env`), set as each worker's loop starts; the workers' runtime_env carries only
-  what the process group needs first (NCCL's flight recorder, live recovery's lighthouse), since
-  any env_vars there make Ray start each worker afresh instead of using a prestarted one.
+  (tests name their hooks there: `RAYTRAIN_DDP_HOOKS`, see `worker/hooks.py`).
 * The user's model factory, loss and preprocess (`raytrain_ddp.user`) are imported and
   run once on a few rows before Ray starts; their modules travel in the job's
   `runtime_env` (`py_modules`, merged with a submitted job's `working_dir`): Ray accepts
@@ -93,6 +90,7 @@ CONTROLLER_POLL_S = 0.25  # see the module docstring
 # (torch >= 2.3 reads these; older ones ignore them). A user's own values win.
 NCCL_TRACE_ENV = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
 POLL_ENV = CONTROLLER_POLL_ENV  # propagated by Ray Train to its controller
+ENV_PREFIX = "RAYTRAIN_DDP_"
 _PREPARED: dict[str, hold.Hold] = {}  # run dir -> the hold `prepare_job` took in this process
 
 
@@ -423,9 +421,8 @@ def build_trainer(cfg: Config, run_dir: Location, job: Job, prepared: Any) -> An
     from raytrain_ddp.recovery import table
 
     pg_timeout_s = process_group_timeout_s(cfg.parallel.collective_timeout_s, cfg.scaling.use_gpu)
-    # Only what must be set before the process group forms; RAYTRAIN_DDP_* travel in the job
-    # (`Job.worker_env`): env_vars here make each worker a fresh process, not one Ray prestarted
-    env_vars = nccl_env(cfg.scaling.use_gpu, os.environ)
+    env_vars = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}
+    env_vars.update(nccl_env(cfg.scaling.use_gpu, os.environ))
     recovery = table.driver_half(cfg)(cfg)  # the run's recovery mode, Ray Train's side (recovery/table.py)
     env_vars.update(recovery.env())
     # Only the actors this fit uses; an embedded instance dies with this process: none of

@@ -22,7 +22,6 @@ Invariants the story relies on:
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import TYPE_CHECKING, Any, Union
 
@@ -49,7 +48,6 @@ if TYPE_CHECKING:
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     job: Job = loop_config["job"]
-    os.environ.update(job.worker_env)  # the driver's RAYTRAIN_DDP_* (job.py), before the hooks read them
     runtime = loop_config.get("runtime") or RayTrainRuntime(loop_config.get("shards"))  # a Ray Train worker, or local mode
     cfg, rank, hooks = job.cfg, runtime.rank(), load_hooks()
     hooks.on_start(rank)
