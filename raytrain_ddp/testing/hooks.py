@@ -42,7 +42,10 @@ records which samples every optimizer step trained on: a forward pre-hook digest
 row of the model's first input during training, and after each step every rank appends
 `{"attempt", "step", "rank", "world_size", "rows": [digest, ...]}` to
 `DIR/samples-rank<R>-<pid>.jsonl` (the data tests compare these across worker counts
-and across a kill and resume), with the wall-clock `time` it was written.
+and across a kill and resume), with the wall-clock `time` it was written. Each forward's
+rows also go at once, as the same fields, to `DIR/pending-rank<R>-<pid>.jsonl`: a rank
+killed after its step's exchange but before the samples line (a lost node) leaves its
+rows of a step the survivors committed there.
 
     RAYTRAIN_DDP_STEP_DELAY_S=0.15
 
@@ -198,6 +201,7 @@ class TestHooks(Hooks):
         self.fault, self.preemption, self.start_fault = fault, preemption, start_fault
         self.world_rank, self.attempt, self.next_step = 0, 1, 1
         self.world_size, self.rows = 1, []  # RAYTRAIN_DDP_SAMPLE_LOG
+        self.current_step = 0  # the step being trained (before_step): the pending lines' step
 
     def on_start(self, rank: "Rank") -> None:
         if self.start_fault is not None:
@@ -221,19 +225,31 @@ class TestHooks(Hooks):
         if not module.training:
             return
         first = args[0] if args else next(iter(kwargs.values()))
-        for row in first.detach().cpu().contiguous().numpy():
-            self.rows.append(hashlib.blake2b(row.tobytes(), digest_size=8).hexdigest())
+        rows = [hashlib.blake2b(row.tobytes(), digest_size=8).hexdigest()
+                for row in first.detach().cpu().contiguous().numpy()]
+        self.rows.extend(rows)
+        self._write_line("pending", self.current_step, rows)  # durable before the step's exchange
+
+    def before_step(self, step: int) -> None:
+        self.current_step = step
 
     def _write_samples(self, step: int) -> None:
+        self._write_line("samples", step, self.rows)
+        self.rows = []
+
+    def _write_line(self, kind: str, step: int, rows: list[str]) -> None:
+        """One line of `<kind>-rank<r>-<pid>.jsonl`: `samples`, a finished step's rows (written
+        after it); `pending`, one forward's rows as it runs. A rank killed between its step's
+        exchange and the samples line (a lost node) leaves only the pending lines of a step
+        the survivors committed."""
         import json
 
-        out = Path(os.environ[SAMPLE_LOG_ENV]) / f"samples-rank{self.world_rank}-{os.getpid()}.jsonl"
+        out = Path(os.environ[SAMPLE_LOG_ENV]) / f"{kind}-rank{self.world_rank}-{os.getpid()}.jsonl"
         out.parent.mkdir(parents=True, exist_ok=True)
         line = {"attempt": self.attempt, "step": step, "rank": self.world_rank, "world_size": self.world_size,
-                "time": time.time(), "rows": self.rows}
+                "time": time.time(), "rows": rows}
         with open(out, "a") as handle:
             handle.write(json.dumps(line) + "\n")
-        self.rows = []
 
     def _poison(self, module: Any, inputs: Any, output: Any) -> Any:
         if module.training and self.fault.hits(self.world_rank, self.next_step, self.attempt):

@@ -29,6 +29,9 @@ class Hooks:
     def on_attempt(self, rank: "Rank", attempt: int, module: Any) -> None:
         """A worker group started (attempt 1, 2, ...); `module` is the bare model."""
 
+    def before_step(self, step: int) -> None:
+        """Optimizer step `step` starts on this rank: its first micro-batch is next."""
+
     def after_step(self, step: int) -> None:
         """Optimizer step `step` finished on this rank."""
 

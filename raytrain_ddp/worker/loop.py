@@ -84,6 +84,7 @@ def _train(job: Job, cfg: "Config", rank: "Rank", hooks: Hooks, recovery: Union[
                 if progress.step >= total_steps:  # resuming a finished run: nothing left to do
                     break
                 for window in profiler.steps(data.train_windows(epoch, skip_steps=progress.steps_into_epoch)):
+                    hooks.before_step(progress.step + 1)
                     result = recovery.train_step(state, window, data.accumulation_steps, cfg.train, rank)  # counts it
                     hooks.after_step(progress.step)
                     log.step(result, progress.epoch_ended(data.steps_per_epoch))  # the step's end (its time)

@@ -273,9 +273,23 @@ def run_command(tmp: Path, name: str, inv: Invocation, samples: Path, index: int
 
 
 def committed_rows(samples: Path) -> dict[int, list[str]]:
-    """Step -> the rows its last execution trained on, every rank of that execution together."""
-    lines = [json.loads(line) for f in samples.glob("samples-rank*.jsonl") for line in f.read_text().splitlines()
-             if line.strip()]
+    """Step -> the rows its last execution trained on, every rank of that execution together.
+
+    A rank's execution is its samples line (written after the step), or, for a rank killed
+    between the step's exchange and that line (a lost node: the survivors commit the step),
+    its pending lines of the step (one per forward, testing/hooks.py), whichever is newer."""
+    def read(pattern: str) -> list[dict]:
+        return [json.loads(line) for f in samples.glob(pattern) for line in f.read_text().splitlines()
+                if line.strip()]
+
+    lines = read("samples-rank*.jsonl")
+    pending: dict[tuple, dict] = {}  # (step, rank, world, pid file, attempt) -> one execution's forwards
+    for f in samples.glob("pending-rank*.jsonl"):
+        for line in (json.loads(text) for text in f.read_text().splitlines() if text.strip()):
+            key = (line["step"], line["rank"], line["world_size"], f.name, line["attempt"])
+            run = pending.setdefault(key, {**line, "rows": []})
+            run["rows"] += line["rows"]
+            run["time"] = max(run["time"], line["time"])
     by_step: dict[int, list[dict]] = collections.defaultdict(list)
     for line in lines:
         by_step[line["step"]].append(line)
@@ -286,6 +300,7 @@ def committed_rows(samples: Path) -> dict[int, list[str]]:
         rows = []
         for rank in range(world):  # each rank's newest execution of the step belongs to the last group
             mine = [r for r in execs if r["rank"] == rank and r["world_size"] == world]
+            mine += [] if mine else [r for k, r in pending.items() if k[:3] == (step, rank, world)]
             rows += max(mine, key=lambda r: r["time"])["rows"] if mine else ["<missing rank>"]
         out[step] = sorted(rows)
     return out
@@ -337,6 +352,7 @@ def test_any_fault_sequence_then_the_same_command_continues_exactly(reference, t
                 stack.enter_context(s3_bucket(tmp_path, "soak"))
                 store = Location.parse("s3://soak")
                 story[0] += " s3"
+                stack.callback(_keep_bucket, store, tmp_path / "bucket")  # before moto stops: the run's evidence
             cluster = None
             if on_two_nodes(seed):  # after the bucket: the nodes get its endpoint and credentials
                 cluster = stack.enter_context(two_node_cluster(tmp_path))
@@ -348,6 +364,16 @@ def test_any_fault_sequence_then_the_same_command_continues_exactly(reference, t
             with open(os.environ[ROWS_ENV], "a") as rows:
                 rows.write(json.dumps({"seed": seed, "story": story, "result": result,
                                        "seconds": round(time.monotonic() - began, 1)}) + "\n")
+
+
+def _keep_bucket(store, where: Path) -> None:
+    """A copy of the bucket's run directories beside the invocation logs (the soak keeps them)."""
+    import pyarrow.fs as pafs
+
+    with contextlib.suppress(Exception):  # evidence only: never the test's outcome
+        where.mkdir(exist_ok=True)
+        pafs.copy_files((store / "runs").path, str(where), source_filesystem=store.fs,
+                        destination_filesystem=pafs.LocalFileSystem())
 
 
 def _sequence(reference, tmp_path: Path, store, seed: int, story: list[str], cluster: Optional[Path] = None) -> None:
@@ -441,3 +467,22 @@ def test_the_soak_s_kinds_keep_each_seed_s_base_plan_and_a_two_node_seed_loses_o
         else:
             assert not any(i.node_loss for i in plan) and [(i.workers, i.worker_fault) for i in plan] == \
                 [(i.workers, i.worker_fault) for i in base[seed]], seed
+
+
+def test_a_rank_killed_after_its_step_s_exchange_counts_with_its_pending_rows(tmp_path):
+    """The lost-node case: rank 1 did step 3's exchange and died before its samples line;
+    rank 0 committed step 3. Its pending lines (one per forward) stand in; with neither, the
+    rank is missing and the step differs from any reference."""
+    def write(name: str, *lines: dict) -> None:
+        with open(tmp_path / name, "a") as f:
+            f.writelines(json.dumps(line) + "\n" for line in lines)
+
+    line = {"attempt": 1, "world_size": 2}
+    write("samples-rank0-10.jsonl", {**line, "step": 3, "rank": 0, "time": 5.0, "rows": ["a", "b"]})
+    assert committed_rows(tmp_path)[3] == ["<missing rank>", "a", "b"]
+    write("pending-rank1-11.jsonl", {**line, "step": 3, "rank": 1, "time": 4.0, "rows": ["c"]},
+          {**line, "step": 3, "rank": 1, "time": 4.5, "rows": ["d"]},
+          {**line, "step": 2, "rank": 1, "time": 3.0, "rows": ["x"]})
+    assert committed_rows(tmp_path)[3] == ["a", "b", "c", "d"]
+    write("samples-rank1-11.jsonl", {**line, "step": 3, "rank": 1, "time": 4.9, "rows": ["d", "c"]})
+    assert committed_rows(tmp_path)[3] == ["a", "b", "c", "d"]  # its samples line, when written

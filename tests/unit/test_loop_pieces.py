@@ -284,6 +284,24 @@ def test_hooks_are_a_no_op_unless_named_and_test_hooks_fire_only_where_asked(mon
         FaultPlan.from_env()
 
 
+def test_the_sample_log_has_each_step_s_rows_and_each_forward_s_at_once(monkeypatch, tmp_path):
+    import json
+
+    monkeypatch.setenv("RAYTRAIN_DDP_SAMPLE_LOG", str(tmp_path))
+    hooks, module = TestHooks(), torch.nn.Linear(2, 2)
+    hooks.on_attempt(RANK, 1, module)
+    hooks.before_step(7)
+    module(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))  # two micro-batches of step 7
+    module(torch.tensor([[5.0, 6.0]]))
+    pending = [json.loads(x) for f in tmp_path.glob("pending-rank0-*.jsonl") for x in f.read_text().splitlines()]
+    assert [(x["step"], len(x["rows"])) for x in pending] == [(7, 2), (7, 1)]  # there before the step ends
+    assert not list(tmp_path.glob("samples-*.jsonl"))
+    module.eval()(torch.ones(1, 2))  # validation: not a training row
+    hooks.after_step(7)
+    (done,) = [json.loads(x) for f in tmp_path.glob("samples-rank0-*.jsonl") for x in f.read_text().splitlines()]
+    assert done["step"] == 7 and done["rows"] == pending[0]["rows"] + pending[1]["rows"]
+
+
 def test_bf16_autocast_step_on_cpu_and_sgd_with_clipping(group):
     cfg = _cfg("train.precision=bf16", "train.optimizer=sgd", "train.clip_grad_norm=0.01")
     parts = _build(cfg)
