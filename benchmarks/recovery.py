@@ -33,13 +33,15 @@ is shown as well, but on a shared machine it is noise around the tiny true cost.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from benchmarks.common import Sizes, stats
 from benchmarks.kill import QUICKSTART
@@ -152,6 +154,25 @@ def two_node_env(state: Optional[Path] = None) -> dict[str, str]:
     return env
 
 
+@contextlib.contextmanager
+def two_node_cluster(timeout_s: float = 400.0) -> Iterator[Path]:
+    """`local-two-node.sh up` in this process's environment (a bucket's endpoint reaches the
+    nodes), yielding its state dir; `down` at the end stops exactly what `up` and `revive-node`
+    started, also when `up` gave up after starting something (the dir it named first)."""
+    up = subprocess.run([str(CLUSTER_SCRIPT), "up"], env={**two_node_env(), "RT2N_UP_TIMEOUT_S": "120"},
+                        capture_output=True, text=True, timeout=timeout_s)
+    said = re.search(r"local-two-node: state dir (\S+)", up.stderr)
+    state = Path(up.stdout.strip().splitlines()[-1]) if up.returncode == 0 else Path(said.group(1)) if said else None
+    try:
+        if up.returncode != 0:
+            raise RuntimeError(f"local-two-node.sh up failed: {up.stderr[-3000:]}")
+        yield state
+    finally:
+        if state is not None:
+            subprocess.run([str(CLUSTER_SCRIPT), "down", str(state)], env=two_node_env(), capture_output=True,
+                           timeout=120)
+
+
 def last_logged_step(metrics: Path) -> int:
     """The newest step of a train line in `metrics.jsonl` (0 before the first)."""
     from raytrain_ddp.rundir import read_metrics
@@ -208,15 +229,8 @@ def node_loss_run(log=print, timeout_s: float = 300.0, mode: str = "replica", ru
     live: the step the replacement joined at), the steps redone, kill -> next trained step,
     the attempts' world sizes; the first run's fields at the top level, all in `runs`.
     """
-    import subprocess
-
     base = two_node_env()
-    up = subprocess.run([str(CLUSTER_SCRIPT), "up"], env={**base, "RT2N_UP_TIMEOUT_S": "120"},
-                        capture_output=True, text=True, timeout=200)
-    if up.returncode != 0:
-        raise RuntimeError(f"local-two-node.sh up failed: {up.stderr[-2000:]}")
-    state = Path(up.stdout.strip().splitlines()[-1])
-    try:
+    with two_node_cluster(timeout_s=200) as state:
         rows = []
         for i in range(runs):
             if i:
@@ -226,13 +240,10 @@ def node_loss_run(log=print, timeout_s: float = 300.0, mode: str = "replica", ru
         backs = [r["kill_to_next_step_s"] for r in rows]
         return {**rows[0], "runs": rows, "kill_to_next_step": stats(backs), "mode": mode,
                 "target_s": NODE_TARGETS_S[mode]}
-    finally:
-        subprocess.run([str(CLUSTER_SCRIPT), "down", str(state)], env=base, capture_output=True, timeout=120)
 
 
 def _node_loss_once(state: Path, name: str, mode: str, base: dict[str, str], timeout_s: float, log) -> dict[str, Any]:
     import json
-    import subprocess
 
     from raytrain_ddp.rundir import read_jsonl, read_metrics
 

@@ -61,7 +61,7 @@ from raytrain_ddp.config import load_config
 from raytrain_ddp.driver.launcher import run_training
 from raytrain_ddp.rundir import read_jsonl, read_metrics
 from raytrain_ddp.testing.hooks import ENABLE, FAULT_ENV, SAMPLE_LOG_ENV, STEP_DELAY_ENV
-from benchmarks.recovery import CLUSTER_SCRIPT, two_node_env
+from benchmarks.recovery import CLUSTER_SCRIPT, two_node_cluster, two_node_env
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(int(os.environ.get("RAYTRAIN_DDP_SOAK_TIMEOUT_S", "900")))]  # soak: more
 
@@ -137,24 +137,6 @@ def on_s3(seed: int) -> bool:
 def on_two_nodes(seed: int) -> bool:
     """Whether this seed runs on a two-node cluster and loses a node (KINDS_ENV: node; about one in five)."""
     return "node" in os.environ.get(KINDS_ENV, "").split(",") and random.Random(f"node-{seed}").random() < 0.2
-
-
-@contextlib.contextmanager
-def two_node_cluster(log_dir: Path):
-    """`local-two-node.sh up` (this process's environment: a seed's bucket too), its state dir;
-    `down` at the end, which stops exactly what `up` (and `revive-node`) started."""
-    up = subprocess.run([str(CLUSTER_SCRIPT), "up"], env={**two_node_env(), "RT2N_UP_TIMEOUT_S": "120"},
-                        capture_output=True, text=True, timeout=400)
-    said = re.search(r"local-two-node: state dir (\S+)", up.stderr)
-    state = Path(up.stdout.strip().splitlines()[-1]) if up.returncode == 0 else Path(said.group(1)) if said else None
-    try:
-        assert up.returncode == 0, f"local-two-node.sh up failed:\n{up.stderr[-3000:]}"
-        (log_dir / "cluster").write_text(str(state))
-        yield state
-    finally:
-        if state is not None:
-            subprocess.run([str(CLUSTER_SCRIPT), "down", str(state)], env=two_node_env(), capture_output=True,
-                           timeout=120)
 
 
 def _cluster_trainers_gone(state: Path, timeout_s: float) -> None:
@@ -279,18 +261,17 @@ def committed_rows(samples: Path) -> dict[int, list[str]]:
     A rank's execution is its samples line (written after the step), or, for a rank killed
     between the step's exchange and that line (a lost node: the survivors commit the step),
     its pending lines of the step (one per forward, testing/hooks.py), whichever is newer."""
-    def read(pattern: str) -> list[dict]:
-        return [json.loads(line) for f in samples.glob(pattern) for line in f.read_text().splitlines()
+    def read(pattern: str) -> list[tuple[str, dict]]:  # (file, line): a file is one process
+        return [(f.name, json.loads(line)) for f in samples.glob(pattern) for line in f.read_text().splitlines()
                 if line.strip()]
 
-    lines = read("samples-rank*.jsonl")
+    lines = [line for _, line in read("samples-rank*.jsonl")]
     pending: dict[tuple, dict] = {}  # (step, rank, world, pid file, attempt) -> one execution's forwards
-    for f in samples.glob("pending-rank*.jsonl"):
-        for line in (json.loads(text) for text in f.read_text().splitlines() if text.strip()):
-            key = (line["step"], line["rank"], line["world_size"], f.name, line["attempt"])
-            run = pending.setdefault(key, {**line, "rows": []})
-            run["rows"] += line["rows"]
-            run["time"] = max(run["time"], line["time"])
+    for name, line in read("pending-rank*.jsonl"):
+        key = (line["step"], line["rank"], line["world_size"], name, line["attempt"])
+        run = pending.setdefault(key, {**line, "rows": []})
+        run["rows"] += line["rows"]
+        run["time"] = max(run["time"], line["time"])
     by_step: dict[int, list[dict]] = collections.defaultdict(list)
     for line in lines:
         by_step[line["step"]].append(line)
@@ -379,7 +360,8 @@ def test_any_fault_sequence_then_the_same_command_continues_exactly(reference, t
                 stack.callback(_keep_bucket, store, tmp_path / "bucket")  # before moto stops: the run's evidence
             cluster = None
             if on_two_nodes(seed):  # after the bucket: the nodes get its endpoint and credentials
-                cluster = stack.enter_context(two_node_cluster(tmp_path))
+                cluster = stack.enter_context(two_node_cluster())
+                (tmp_path / "cluster").write_text(str(cluster))
                 story[0] += " two-node"
             _sequence(two_node_reference() if cluster else reference, tmp_path, store, seed, story, cluster)
         result = "passed"
