@@ -192,8 +192,8 @@ def placement_groups_left(timeout_s: float = PG_GONE_S) -> tuple[list[dict[str, 
     Once Tune has returned, no trial of this job runs, so whatever of its groups outlives the
     wait is a leak: Ray Train's cleaner only learns a group after the worker group started,
     and a trial stopped while its workers were starting leaves its group held until the job
-    ends (seen on a loaded 2-core machine: one 1-CPU group, still CREATED after 60 s). Other
-    jobs' groups on a shared cluster are not the sweep's to count or remove."""
+    ends (docs/usage.md). Other jobs' groups on a shared cluster are not the sweep's to count
+    or remove."""
     import ray
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
