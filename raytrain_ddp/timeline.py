@@ -34,12 +34,15 @@ CONTROLLER_PHASES = ("workers_up", "process_group")
 
 
 def process_start_time(pid: Optional[int] = None) -> Optional[float]:
-    """When a process started, as unix seconds (Linux /proc); None elsewhere."""
+    """When a process started, as unix seconds (Linux /proc); None elsewhere.
+
+    /proc gives the start in clock ticks since boot. The boot's unix time comes from the
+    boot clock, not /proc/stat's `btime`: that is whole seconds, and its lost fraction
+    (up to 1 s) moved every start earlier by the same amount."""
     try:
         stat = Path(f"/proc/{pid or 'self'}/stat").read_text()
-        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
-    except (OSError, StopIteration, ValueError):
+        boot = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+    except (OSError, AttributeError):  # no /proc, or no boot clock (not Linux)
         return None
     ticks = float(stat.rsplit(")", 1)[1].split()[19])
     return boot + ticks / os.sysconf("SC_CLK_TCK")

@@ -5,6 +5,10 @@ start, a stamp that never came is a 0 s phase, and rank 0's stamps wait for the 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -67,3 +71,17 @@ def test_without_ray_the_missing_phases_are_zero_and_rank_0_sends_once():
     assert list(attempt["phases"])[3:] == list(ATTEMPT_PHASES)
     assert attempt["phases"]["ray"] == attempt["phases"]["workers_up"] == 0.0
     assert process_start_time() is not None and process_start_time() <= stamps.stamps["data_ready"]
+
+
+def test_a_process_start_is_the_moment_it_was_spawned_to_the_clock_tick():
+    """The goodput report's wall and idle start at the CLI's process start: /proc/stat's
+    whole-second `btime` put every start up to 1 s early (CI saw 0.73 s on both)."""
+    before = time.time()
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        after = time.time()
+        started = process_start_time(child.pid)
+    finally:
+        child.communicate(timeout=30)
+    tick = 1.0 / os.sysconf("SC_CLK_TCK")
+    assert before - tick - 0.005 <= started <= after + 0.005, (before, started, after)
