@@ -3,7 +3,7 @@
 Owns: each use of a name Ray does not promise to keep -- imports from `ray._private`,
 `ray.train.v2._internal`, `ray.data._internal`, `ray.autoscaler._private`, underscore
 attributes and arguments of Ray objects, internal actor / resource / handler / logger /
-environment-variable names, and the one monkeypatch. Other modules call the functions
+environment-variable names, and the monkeypatches (each says for how long). Other modules call the functions
 below and never spell a private name themselves (`tests/unit/test_ray_compat.py` greps
 the package for it); each function has a test there that fails by its name when a Ray
 release moves what it relies on. Must not touch: training, the worker loop, what is
@@ -28,10 +28,11 @@ fit wrote, and its file never contradicts ours.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -258,6 +259,43 @@ def startup_timed_out(exc: BaseException) -> bool:
 def local_instance_kwargs(ip: str) -> dict[str, Any]:
     """`ray.init` arguments that pin an embedded instance's node address to `ip` (private argument)."""
     return {"_node_ip_address": ip}
+
+
+LEAN_NODE_SKIPS = ("start_api_server", "start_monitor")  # ray/_private/node.py: Node's head processes we skip
+
+
+@contextlib.contextmanager
+def lean_local_node() -> Iterator[bool]:
+    """While it is open, a head node Ray starts (`ray.init` of an embedded instance) starts
+    without two Python processes that serve a cluster, not a fit that dies with its driver:
+    - the dashboard's head process: with `include_dashboard=False` Ray still starts it, with
+      only its usage-stats module, and waits for it (~1 s here);
+    - the autoscaler's monitor: one node, nothing to scale (Ray then stops it at shutdown
+      with a graceful wait of ~1 s).
+    Yields False, and changes nothing, where this Ray's `Node` lacks either method. For the
+    `with` only: the methods are Ray's own again when it closes."""
+    try:
+        from ray._private.node import Node
+    except ImportError:  # pragma: no cover - Ray moved it: the full start
+        yield False
+        return
+    saved = {name: Node.__dict__.get(name) for name in LEAN_NODE_SKIPS}
+    if not all(callable(method) for method in saved.values()):  # pragma: no cover
+        yield False
+        return
+
+    def no_api_server(self: Any, **_: Any) -> None:
+        self._webui_url = None  # what Ray records when its dashboard did not start
+
+    def no_monitor(self: Any) -> None:
+        pass
+
+    Node.start_api_server, Node.start_monitor = no_api_server, no_monitor
+    try:
+        yield True
+    finally:
+        for name, method in saved.items():
+            setattr(Node, name, method)
 
 
 def started_here() -> bool:

@@ -3,7 +3,7 @@
 `ray_cluster` starts Ray only when a test asks for it (the pure and gloo tiers never pay
 for it) and shuts it down at the end of the session. It mirrors what `raytrain-ddp
 train` does on this machine: more logical CPUs than cores (workers + Ray Data tasks),
-no dashboard, node bound to 127.0.0.1.
+no dashboard head nor autoscaler monitor, node bound to 127.0.0.1.
 
 Test hooks: every run started from this session (in process, or as a child process that
 inherits the environment) loads `raytrain_ddp.testing.hooks:from_env` on its workers, so
@@ -35,8 +35,11 @@ def ray_cluster():
     if ray.is_initialized():  # someone else started it: use it, do not stop it
         yield ray
         return
-    ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,  # as an embedded run has it
-             _node_ip_address="127.0.0.1", logging_level="WARNING")
+    from raytrain_ddp.ray_compat import lean_local_node
+
+    with lean_local_node():  # as an embedded run has it: no dashboard, no autoscaler monitor
+        ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
+                 _node_ip_address="127.0.0.1", logging_level="WARNING")
     try:
         yield ray
     finally:

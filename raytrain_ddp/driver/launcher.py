@@ -56,6 +56,7 @@ Decisions, and why:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import math
 import os
@@ -231,7 +232,8 @@ def connect_ray(cfg: Config, runtime_env: Optional[dict[str, Any]] = None, cpus:
     # No dashboard unless asked (run.dashboard): it serves jobs and the state API, which only Ray
     # Train's placement-group cleaner reads, and an embedded instance runs no cleaner (ray_compat.lean_trainer).
     # address="local": a new instance even if an address file or another cluster is around.
-    _init_local(address="local", num_cpus=max(cores, needed), include_dashboard=cfg.run.dashboard,
+    _init_local(lean=not cfg.run.dashboard, address="local", num_cpus=max(cores, needed),
+                include_dashboard=cfg.run.dashboard,
                 dashboard_host="127.0.0.1",
                 **local_instance_kwargs("127.0.0.1"), log_to_driver=True, logging_level=level,
                 runtime_env=runtime_env)
@@ -258,15 +260,19 @@ class LocalRayDidNotStart(UserError):
     """The embedded Ray instance did not start, twice (one line, not Ray's traceback)."""
 
 
-def _init_local(**kwargs: Any) -> None:
+def _init_local(lean: bool = True, **kwargs: Any) -> None:
     """`ray.init` of the embedded instance, once more if Ray's own 30 s wait for its raylet
     ran out (a loaded machine: docs/design.md#measurements-behind-the-code). What the first try started is fate-shared with
-    this process by Ray and ends with it."""
+    this process by Ray and ends with it. `lean`: without the dashboard's head process and the
+    autoscaler's monitor (`ray_compat.lean_local_node`; `run.dashboard` keeps both)."""
     import ray
+
+    from raytrain_ddp.ray_compat import lean_local_node
 
     for attempt in (1, 2):
         try:
-            ray.init(**kwargs)
+            with lean_local_node() if lean else contextlib.nullcontext():
+                ray.init(**kwargs)
             return
         except Exception as exc:  # noqa: BLE001 - only Ray's start-up timeout is retried
             if not startup_timed_out(exc):

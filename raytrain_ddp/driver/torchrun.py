@@ -1,9 +1,9 @@
 """`scaling.launcher: torchrun`: the workers of one machine started by `torch.distributed.run`,
 with no Ray at all (issue #39), the way Ray Train V2's local mode runs under torchrun.
 
-Owns: the driver's side (`run_torchrun`: the data read once in this process, the job and its
-rows handed to the ranks in one pickle, torchrun started in its own session, Ctrl-C, the
-summary) and each rank's (`rank_main`, run as `python -m raytrain_ddp.driver.torchrun`: the
+Owns: the driver's side (`run_torchrun`: torchrun started first, in its own session, so its
+processes import torch while this one reads the data once; the job and its rows handed to the
+ranks in one pickle; Ctrl-C; the summary) and each rank's (`rank_main`, run as `python -m raytrain_ddp.driver.torchrun`: the
 process group from torchrun's environment, then the same loop as every other host, through
 `worker/runtime.LocalRuntime`). Rank 0's records reach the driver's `Recorder` through a
 local socket (`MailboxServer` / `MailboxClient`, the calls of `stream.LocalMailbox`).
@@ -33,6 +33,10 @@ from typing import Any, Optional
 
 from raytrain_ddp.config import Config
 from raytrain_ddp.rundir import Location
+
+
+DRIVER_PID_ENV = "RAYTRAIN_DDP_TORCHRUN_DRIVER"  # the ranks wait for their job while this process runs
+PAYLOAD_WAIT_S = 600.0  # and no longer (a driver that hangs before writing it)
 
 
 class MailboxServer:
@@ -113,7 +117,12 @@ class MailboxClient:
 
 def run_torchrun(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, checked: Any, code: Any,
                  timeline: Any = None) -> dict[str, Any]:
-    """Train `cfg` on `scaling.num_workers` torchrun processes; returns the summary."""
+    """Train `cfg` on `scaling.num_workers` torchrun processes; returns the summary.
+
+    torchrun starts first: its agent and the ranks import torch while this process reads the
+    data and plans the job, and each rank waits for the payload (`_wait_for_payload`), which
+    appears at once, whole (written beside it, then renamed). A refusal or an error before
+    it is written stops them."""
     from raytrain_ddp.data.ray_datasets import PreparedData
     from raytrain_ddp.driver.console import ProgressPrinter
     from raytrain_ddp.driver.fit import prepare, report
@@ -121,28 +130,31 @@ def run_torchrun(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, 
     from raytrain_ddp.driver.sinks import make_sinks
     from raytrain_ddp.driver.stream import LocalMailbox, Recorder
 
-    shards, spec = local_data(cfg, checked, code)
-    job, _, total_steps = prepare(cfg, run_dir, fit_id, resume_from, checked, code, None,
-                                   prepared=PreparedData({}, spec, None))
-    mailbox = LocalMailbox()
-    server = MailboxServer(mailbox)
-    job = dataclasses.replace(job, mailbox=server.client())
-    recorder = Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir, job.fit_id)],
-                        mailbox, write_metrics="jsonl" in cfg.run.loggers, timeline=timeline)
-    if timeline is not None:
-        timeline.mark("ray", applies=False)
-        timeline.mark("datasets", applies=False)  # read in this process; the ranks get the rows
-        timeline.attach(run_dir)
-    started, status, error = time.time(), "ok", None
-    with tempfile.NamedTemporaryFile(prefix="raytrain_ddp_torchrun_", suffix=".pkl", delete=False) as handle:
-        pickle.dump({"job": job, "shards": shards, "run_dir": run_dir}, handle)
+    payload = os.path.join(tempfile.gettempdir(), f"raytrain_ddp_torchrun_{uuid.uuid4().hex}.pkl")
+    started = time.time()
+    proc = subprocess.Popen(torchrun_command(cfg, payload), env=_rank_env(cfg),
+                            start_new_session=True)  # Ctrl-C reaches this process only
+    server = None
     try:
+        shards, spec = local_data(cfg, checked, code)
+        job, _, total_steps = prepare(cfg, run_dir, fit_id, resume_from, checked, code, None,
+                                      prepared=PreparedData({}, spec, None))
+        mailbox = LocalMailbox()
+        server = MailboxServer(mailbox)
+        job = dataclasses.replace(job, mailbox=server.client())
+        recorder = Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir, job.fit_id)],
+                            mailbox, write_metrics="jsonl" in cfg.run.loggers, timeline=timeline)
+        if timeline is not None:
+            timeline.mark("ray", applies=False)
+            timeline.mark("datasets", applies=False)  # read in this process; the ranks get the rows
+            timeline.attach(run_dir)
+        with open(payload + ".part", "wb") as handle:
+            pickle.dump({"job": job, "shards": shards, "run_dir": run_dir}, handle)
+        os.replace(payload + ".part", payload)
+        status, error = "ok", None
         with ctrl_c_stops(mailbox) as pressed:
-            proc = None
             try:
                 with recorder:
-                    proc = subprocess.Popen(torchrun_command(cfg, handle.name), env=_rank_env(cfg),
-                                            start_new_session=True)  # Ctrl-C reaches this process only
                     code_ = proc.wait()
                 if code_ != 0:
                     status, error = "failed", f"a torchrun rank exited with code {code_} (its output is above)"
@@ -150,13 +162,26 @@ def run_torchrun(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, 
                     status = "interrupted" if pressed else "ok"
             except KeyboardInterrupt:  # the second Ctrl-C: stop the ranks now
                 status = "interrupted"
-                if proc is not None and proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                    proc.wait()
+                _stop(proc)
     finally:
-        os.unlink(handle.name)
-        server.close()
+        _stop(proc)  # a refusal or an error before the ranks got their payload: they wait for none
+        for path in (payload, payload + ".part"):
+            if os.path.exists(path):
+                os.unlink(path)
+        if server is not None:
+            server.close()
     return report(cfg, run_dir, job, recorder, status, error, started)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """torchrun's session, stopped (its agent stops its ranks) if it still runs."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def torchrun_command(cfg: Config, payload: str) -> list[str]:
@@ -175,7 +200,7 @@ def torchrun_command(cfg: Config, payload: str) -> list[str]:
 def _rank_env(cfg: Config) -> dict[str, str]:
     """The ranks' environment: OMP_NUM_THREADS as Ray gives a worker of cpus_per_worker CPUs
     (torchrun would set 1, and say so); a user's own value wins."""
-    env = dict(os.environ)
+    env = {**os.environ, DRIVER_PID_ENV: str(os.getpid())}
     env.setdefault("OMP_NUM_THREADS", str(max(1, int(cfg.scaling.cpus_per_worker))))
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
@@ -198,6 +223,7 @@ def rank_main(payload: str, stamps: Optional[dict[str, float]] = None) -> None:
 
     stamps = dict(stamps or {}, workers_up=time.time())  # this process up, torch imported
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver asks for a stop through the mailbox
+    _wait_for_payload(payload, int(os.environ[DRIVER_PID_ENV]))
     with open(payload, "rb") as handle:
         given = pickle.load(handle)
     job = given["job"]
@@ -219,5 +245,31 @@ def rank_main(payload: str, stamps: Optional[dict[str, float]] = None) -> None:
         dist.destroy_process_group()
 
 
+def _wait_for_payload(payload: str, driver_pid: int, timeout_s: float = PAYLOAD_WAIT_S) -> None:
+    """Until the driver has written this fit's payload. Exits if the driver or this rank's
+    torchrun agent is gone first (the agent stops its ranks when asked; one SIGKILLed cannot)."""
+    deadline, agent = time.monotonic() + timeout_s, os.getppid()
+    while not os.path.exists(payload):
+        if os.getppid() != agent or not _runs(driver_pid):
+            raise SystemExit(f"raytrain-ddp: torchrun rank: the driver (pid {driver_pid}) or its torchrun ended "
+                             "before this rank's job was ready")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"raytrain-ddp: torchrun rank: no job at {payload} after {timeout_s:.0f} s")
+        time.sleep(0.01)
+
+
+def _runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 if __name__ == "__main__":
     rank_main(sys.argv[1])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the loop's work is done and flushed: skip the interpreter's teardown of torch (~0.5 s)

@@ -5,7 +5,8 @@ every listening TCP socket owned by that session (from /proc) and checks:
 
 * no dashboard / Jobs HTTP API (the port that runs code on request) is started: the
   embedded instance serves no jobs (a `ray start` head's dashboard listens on 127.0.0.1
-  only: tests/e2e/test_job_submit.py);
+  only: tests/e2e/test_job_submit.py); nor the dashboard's head process or the
+  autoscaler's monitor at all;
 * every socket bound beyond loopback belongs to Ray's own services (GCS, raylet, core
   workers, agents, autoscaler monitor) -- none is opened by our code;
 * those services refuse a client that lacks the token: the GCS refuses a driver, the
@@ -57,6 +58,13 @@ def _listeners(session_id: int) -> list[tuple[str, int, str]]:
     return [(addr, port, cmd) for addr, port, _, cmd in listening_sockets(in_session(session_id))]
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:  # ended meanwhile
+        return ""
+
+
 def _loopback(address: str) -> bool:
     return loopback(address)
 
@@ -76,6 +84,11 @@ def test_embedded_ray_exposes_only_loopback_http_and_token_protected_services(tm
         assert not info["dashboard"], info["dashboard"]
         http = [s for s in sockets if s[1] == DASHBOARD_PORT]
         assert not http, f"something listens on the dashboard's port: {http}"
+        # Nor the two processes Ray starts for a cluster (ray_compat.lean_local_node): the
+        # dashboard's head process and the autoscaler's monitor
+        commands = [_cmdline(pid) for pid in in_session(proc.pid)]
+        cluster = [c for c in commands if "dashboard/dashboard.py" in c or "autoscaler/_private/monitor.py" in c]
+        assert not cluster, cluster
 
         exposed = [s for s in sockets if not _loopback(s[0])]
         strangers = [s for s in exposed if not any(name in s[2] for name in RAY_SERVICES)]

@@ -251,6 +251,21 @@ def test_autoscaler_config_checks():
     assert callable(prepare) and callable(validate)
 
 
+def test_lean_local_node():
+    from ray._private.node import Node
+
+    for name in ray_compat.LEAN_NODE_SKIPS:
+        assert callable(Node.__dict__.get(name)), _gone("lean_local_node", f"Node.{name}")
+    assert "_webui_url" in inspect.getsource(Node.start_api_server), _gone("lean_local_node", "Node._webui_url")
+    own = {name: Node.__dict__[name] for name in ray_compat.LEAN_NODE_SKIPS}
+    with ray_compat.lean_local_node() as lean:
+        assert lean and all(Node.__dict__[name] is not own[name] for name in own)
+        node = object.__new__(Node)
+        assert Node.start_api_server(node, include_dashboard=False, raise_on_failure=False) is None
+        assert node._webui_url is None and Node.start_monitor(node) is None
+    assert {name: Node.__dict__[name] for name in own} == own  # Ray's own again
+
+
 def test_local_instance_kwargs():
     source = inspect.getsource(_attr("local_instance_kwargs", "ray._private.worker:init"))
     for name in ray_compat.local_instance_kwargs("127.0.0.1"):  # private: read from **kwargs

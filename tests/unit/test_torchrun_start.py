@@ -1,0 +1,67 @@
+"""`scaling.launcher: torchrun` starts torchrun before the driver reads the data (`driver/torchrun.py`):
+its processes import torch meanwhile and each rank waits for its job. A driver that fails
+before the job is written stops them and leaves nothing behind; a rank whose driver is
+gone stops waiting."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from raytrain_ddp.config import load_config
+from raytrain_ddp.driver import local
+from raytrain_ddp.driver.launcher import run_training
+from raytrain_ddp.driver.torchrun import DRIVER_PID_ENV
+
+pytestmark = pytest.mark.timeout(120)
+
+TINY = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny.yaml"
+
+
+def _processes_naming(text: str) -> list[str]:
+    """Command lines of the processes whose command line holds `text`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd:
+            found.append(cmd)
+    return found
+
+
+def test_a_driver_that_fails_before_the_job_is_written_stops_torchrun_and_leaves_nothing(tmp_path, monkeypatch):
+    def broken(*_args, **_kwargs):
+        deadline = time.monotonic() + 60  # torchrun's agent and both ranks are up and waiting
+        while len(_processes_naming(str(payloads))) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        raise RuntimeError("the data could not be read")
+
+    payloads = tmp_path / "tmp"  # where the driver puts the ranks' job (tempfile's directory)
+    payloads.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(payloads))
+    monkeypatch.setattr(local, "local_data", broken)
+    cfg = load_config(TINY, [f"run.storage_path={tmp_path}", "name=t", "scaling.launcher=torchrun"])
+    with pytest.raises(RuntimeError, match="could not be read"):
+        run_training(cfg)
+    assert _processes_naming(str(payloads)) == []  # the agent and its ranks: stopped and reaped
+    assert list(payloads.iterdir()) == []
+
+
+def test_a_rank_whose_driver_is_gone_stops_waiting_for_its_job(tmp_path):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", "import sys; from raytrain_ddp.driver.torchrun import "
+                           "_wait_for_payload; _wait_for_payload(sys.argv[1], int(sys.argv[2]))",
+                           str(tmp_path / "never.pkl"), str(gone.pid)],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, DRIVER_PID_ENV: "0"})
+    assert done.returncode == 1 and "ended before this rank's job was ready" in done.stderr, done.stderr
+    assert time.monotonic() - started < 30
