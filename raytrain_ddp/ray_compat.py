@@ -217,6 +217,34 @@ def refresh_autoscaling_coordinator(requester: str, timeout_s: float = 5.0) -> b
         return False
 
 
+def train_requester(trainer: Any) -> Optional[str]:
+    """The name under which `trainer`'s controller asks Ray Data's autoscaling coordinator
+    for its workers' resources (Ray Train V2's `ScalingPolicy.after_controller_start`:
+    `train-<run id>`, the id made with the trainer); None where this Ray has no such id."""
+    run_id = getattr(getattr(trainer, "train_run_context", None), "run_id", None)
+    return f"train-{run_id}" if run_id else None
+
+
+def cancel_autoscaling_request(requester: str, timeout_s: float = 5.0) -> bool:
+    """Cancel `requester`'s resource request in Ray Data's autoscaling coordinator, as Ray
+    Train's controller does when it ends gracefully. A SIGKILLed driver's controller never
+    does, and its request keeps its workers' resources reserved until it expires (Ray Data's
+    AUTOSCALING_REQUESTS_EXPIRE_TIME_S, 180 s in Ray 2.60): an elastic fit that takes the
+    run over sizes itself on what is left. False if there is no coordinator or it failed."""
+    import ray
+
+    try:
+        coordinator = ray.get_actor(COORDINATOR[0], namespace=COORDINATOR[1])
+    except ValueError:  # none on this cluster: no request is held
+        return False
+    try:
+        ray.get(coordinator.cancel_request.remote(requester), timeout=timeout_s)
+        return True
+    except Exception:  # noqa: BLE001 - the request then expires on Ray's own clock
+        logger.warning("raytrain-ddp: could not cancel %s in Ray's autoscaling coordinator", requester, exc_info=True)
+        return False
+
+
 def _coordinator_recomputes() -> bool:
     import inspect
 

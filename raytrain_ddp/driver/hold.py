@@ -1,7 +1,7 @@
 """One fit at a time per run directory: the hold.
 
 Owns: `<run dir>/hold.json` (`rundir.HOLD_FILE`): who holds the run -- host, pid, fit
-id, start time, last heartbeat --, taking it, the background thread that refreshes its
+id, start time, last heartbeat, its resource request's name in Ray --, taking it, the background thread that refreshes its
 heartbeat, and releasing it. Must not touch: any other file of the run directory, Ray.
 
 The rules (docs/reliability.md states them for users, with the race window):
@@ -58,6 +58,9 @@ class Holder:
     started: float
     heartbeat: float
     pid_start: Optional[str] = None  # the process's start tick (Linux): a reused pid is not the holder
+    # The fit's resource request in Ray's autoscaling coordinator (a cluster's Ray Train run asks
+    # under `train-<run id>`): the fit that takes over from a dead holder cancels it (driver/launcher.py)
+    requester: Optional[str] = None
 
     @classmethod
     def me(cls, fit_id: str) -> "Holder":
@@ -97,7 +100,7 @@ def take(cfg: "Config", fit_id: str) -> "Hold":
     run_dir = run_dir_of(cfg)
     loc = run_dir / HOLD_FILE
     made_dir = _missing_dirs(run_dir)  # the run directory and its parents that this fit creates
-    mine = Holder.me(fit_id)
+    mine, dead = Holder.me(fit_id), None
     for _ in range(3):  # each pass: judge what is there, write ours, check it stuck
         held = _read(loc)
         if held is None:
@@ -109,12 +112,13 @@ def take(cfg: "Config", fit_id: str) -> "Hold":
             print(f"raytrain-ddp: taking over {run_dir} from fit {held.fit_id[:8]} ({held.host}, pid {held.pid}): "
                   f"{why}", file=sys.stderr, flush=True)
             loc.write_bytes(_dumps(mine))
+            dead = held
         else:
             raise RunHeld(_refusal(run_dir, held, cfg))
         time.sleep(SETTLE_S)  # a racing writer's PUT lands within this (docs/reliability.md)
         now_there = _read(loc)
         if now_there is not None and now_there.fit_id == fit_id:
-            return Hold(loc, mine, made_dir)
+            return Hold(loc, mine, made_dir, taken_from=dead)
     held = _read(loc)
     raise RunHeld(_refusal(run_dir, held, cfg) if held else f"could not take the hold of {run_dir}; try again")
 
@@ -122,9 +126,11 @@ def take(cfg: "Config", fit_id: str) -> "Hold":
 class Hold:
     """A taken hold: a daemon thread refreshes its heartbeat until `release()`."""
 
-    def __init__(self, loc: Location, holder: Holder, made_dir: list[Path]) -> None:
+    def __init__(self, loc: Location, holder: Holder, made_dir: list[Path], taken_from: Optional[Holder] = None) -> None:
         self.loc, self.holder, self._made_dir = loc, holder, made_dir
+        self.taken_from = taken_from  # the dead holder this fit took the run over from
         self.lost: Optional[Holder] = None  # someone else's record found where ours was
+        self._lock = threading.Lock()  # one writer of the record at a time: the heartbeat, `record_requester`
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="raytrain-ddp-hold", daemon=True)
         self._thread.start()
@@ -140,10 +146,20 @@ class Hold:
                           "stale, or both took it at once: docs/reliability.md); stop this fit",
                           file=sys.stderr, flush=True)
                     return
-                self.holder = dataclasses.replace(self.holder, heartbeat=time.time())
-                self.loc.write_bytes(_dumps(self.holder))
+                with self._lock:
+                    self.holder = dataclasses.replace(self.holder, heartbeat=time.time())
+                    self.loc.write_bytes(_dumps(self.holder))
             except OSError as exc:  # storage unreachable for a moment: the next beat tries again
                 print(f"raytrain-ddp: warning: heartbeat of {self.loc} failed: {exc}", file=sys.stderr, flush=True)
+
+    def record_requester(self, requester: str) -> None:
+        """Name this fit's resource request in the record (`Holder.requester`), written now."""
+        with self._lock:
+            self.holder = dataclasses.replace(self.holder, requester=requester)
+            try:
+                self.loc.write_bytes(_dumps(self.holder))
+            except OSError as exc:  # the next heartbeat writes it
+                print(f"raytrain-ddp: warning: could not write {self.loc}: {exc}", file=sys.stderr, flush=True)
 
     def release(self) -> None:
         """Stop the heartbeat; delete the hold if it is still ours (and a local run directory

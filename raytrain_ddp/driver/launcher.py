@@ -370,6 +370,7 @@ def _fit(start: _Start, checked: Any, given: Optional[dict[str, Any]], sinks: Se
     cfg = table.driver_half(cfg).resolve(cfg)  # run.recovery=live, or its fallback to replica said in one line
     job = _with_mailbox(dataclasses.replace(job, cfg=cfg))
     trainer = build_trainer(cfg, run_dir, job, prepared)
+    hand_over_request(start.held, trainer)
     started = time.time()
     interrupt = Interrupt(job.mailbox)  # ours lets the driver finish (see the module docstring)
     install_sigint_handler(trainer, interrupt.register)
@@ -385,6 +386,20 @@ def _fit(start: _Start, checked: Any, given: Optional[dict[str, Any]], sinks: Se
     finally:
         done.set()
     return report(cfg, run_dir, job, recorder, status, error, started)
+
+
+def hand_over_request(held: hold.Hold, trainer: Any) -> None:
+    """Name this fit's resource request in the hold, and on a joined cluster cancel the one of
+    the dead fit this one took over from (`ray_compat.cancel_autoscaling_request`: else an
+    elastic fit waited up to 180 s for the dead fit's reservation to expire, 167 s measured).
+    An embedded instance died with that fit, and its coordinator with it."""
+    from raytrain_ddp.ray_compat import cancel_autoscaling_request, started_here, train_requester
+
+    dead, requester = held.taken_from, train_requester(trainer)
+    if dead is not None and dead.requester and dead.requester != requester and not started_here():
+        cancel_autoscaling_request(dead.requester)
+    if requester:
+        held.record_requester(requester)
 
 
 def _press_on(stop: threading.Event, done: threading.Event, interrupt: Interrupt) -> None:

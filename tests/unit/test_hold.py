@@ -183,3 +183,55 @@ def test_cli_and_python_api_refuse_a_held_run_before_ray(tmp_path, capsys, monke
         assert sorted(p.name for p in (tmp_path / "busy").iterdir()) == [HOLD_FILE]  # nothing else written
     finally:
         held.release()
+
+
+def test_the_fit_that_takes_over_learns_the_dead_fit_s_resource_request_and_records_its_own(cfg, monkeypatch):
+    """hold.json names the fit's request in Ray's autoscaling coordinator; the fit that takes
+    the run over from a dead holder gets that holder's record (to cancel its request:
+    driver/launcher.hand_over_request), and its own request survives the heartbeat."""
+    monkeypatch.setattr(hold, "HEARTBEAT_S", 0.2)
+    exited = subprocess.Popen(["true"])
+    exited.wait()
+    _write(cfg, host=hold.Holder.me("x").host, pid=exited.pid, requester="train-dead")
+    held = hold.take(cfg, "e" * 32)
+    try:
+        assert held.taken_from is not None and held.taken_from.requester == "train-dead"
+        held.record_requester("train-mine")
+        assert _holder(cfg)["requester"] == "train-mine"
+        beat = _holder(cfg)["heartbeat"]
+        deadline = time.monotonic() + 10
+        while _holder(cfg)["heartbeat"] == beat and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _holder(cfg)["heartbeat"] > beat and _holder(cfg)["requester"] == "train-mine"
+    finally:
+        held.release()
+    fresh = hold.take(cfg, "f" * 32)  # released, not taken over: no dead holder
+    assert fresh.taken_from is None
+    fresh.release()
+
+
+def test_a_fit_that_took_over_on_a_joined_cluster_cancels_the_dead_fit_s_request(monkeypatch):
+    """`launcher.hand_over_request`: on a joined cluster the dead holder's request is cancelled
+    (else an elastic fit waited for Ray to expire it: 167 s measured), on an embedded instance
+    (it died with its fit) it is not; the fit's own request is recorded either way."""
+    from raytrain_ddp import ray_compat
+    from raytrain_ddp.driver import launcher
+
+    cancelled: list[str] = []
+    monkeypatch.setattr(ray_compat, "cancel_autoscaling_request", lambda requester: cancelled.append(requester) or True)
+    monkeypatch.setattr(ray_compat, "train_requester", lambda trainer: f"train-{trainer}")
+
+    class Held:
+        def __init__(self, dead):
+            self.taken_from, self.recorded = dead, []
+
+        def record_requester(self, requester):
+            self.recorded.append(requester)
+
+    dead = hold.Holder("h", 1, "a" * 32, 0.0, 0.0, requester="train-old")
+    for joined, taken_from, expected in ((True, dead, ["train-old"]), (False, dead, []), (True, None, [])):
+        monkeypatch.setattr(ray_compat, "started_here", lambda: not joined)
+        cancelled.clear()
+        held = Held(taken_from)
+        launcher.hand_over_request(held, "new")
+        assert cancelled == expected and held.recorded == ["train-new"]

@@ -237,6 +237,37 @@ def test_refresh_autoscaling_coordinator_on_a_live_one(ray_cluster):
         _gone("refresh_autoscaling_coordinator", "a working refresh of the live coordinator")
 
 
+def test_train_requester():
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    policy = _attr("train_requester", "ray.train.v2._internal.execution.scaling_policy.scaling_policy:ScalingPolicy")
+    assert 'f"train-{train_run_context.run_id}"' in inspect.getsource(policy.after_controller_start), \
+        _gone("train_requester", "ScalingPolicy.after_controller_start's requester id train-<run id>")
+    trainer = TorchTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=1))
+    assert ray_compat.train_requester(trainer) == f"train-{trainer.train_run_context.run_id}", \
+        _gone("train_requester", "the trainer's train_run_context.run_id")
+    assert ray_compat.train_requester(object()) is None
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(180)  # the session's Ray start included
+def test_cancel_autoscaling_request(ray_cluster):
+    """A request left by a dead fit is gone from the live coordinator once cancelled."""
+    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+        get_or_create_autoscaling_coordinator,
+    )
+
+    coordinator = get_or_create_autoscaling_coordinator()
+    handle = ray.get_actor(*ray_compat.COORDINATOR)
+    ray.get(handle.request_resources.remote(requester_id="train-dead", resources=[{"CPU": 1}], expire_after_s=180))
+    requests = lambda: ray.get(handle.__ray_call__.remote(lambda actor: sorted(actor._ongoing_reqs)))  # noqa: E731
+    assert "train-dead" in requests(), _gone("cancel_autoscaling_request", "_AutoscalingCoordinatorActor._ongoing_reqs")
+    assert ray_compat.cancel_autoscaling_request("train-dead", timeout_s=30.0)
+    assert "train-dead" not in requests(), _gone("cancel_autoscaling_request", "cancel_request(requester_id)")
+    assert coordinator is not None
+
+
 def test_autoscaler_node_groups():
     state = _attr("autoscaler_node_groups", "ray._private.state:state")
     assert callable(getattr(state, "get_cluster_config", None)), _gone("autoscaler_node_groups", "state.get_cluster_config")
