@@ -146,7 +146,7 @@ def _checked(start: _Start, datasets: Optional[dict[str, Any]]) -> Any:
 
 def run_training(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, Any]] = None,
                  preflighted: bool = False, started_at: Optional[float] = None, sinks: Sequence[Any] = (),
-                 stop: Optional[threading.Event] = None) -> dict[str, Any]:
+                 stop: Optional[threading.Event] = None, launch: Any = None) -> dict[str, Any]:
     """Train `cfg` to the end; returns the summary (also written to summary.json).
 
     `code`: the user's model, loss and preprocess (`user.resolve`; by default resolved
@@ -156,6 +156,8 @@ def run_training(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, 
     `sinks`: more takers of the metrics lines (`record`/`flush`/`close`, as `driver/sinks.py`'s;
     a sweep's trial reports to Tune through one: `raytrain_ddp/sweep/trial.py`); `stop`: set
     from another thread, the fit stops as on Ctrl-C (a sweep's trial that Tune stops).
+    `launch`: torchrun already started for this fit (`driver/torchrun.start_early`; the
+    caller stops it if this returns early, e.g. on a refusal).
     """
     start = _start(cfg, code, datasets, preflighted=preflighted, started_at=started_at)
     cfg, started_here, summary = start.cfg, False, None
@@ -174,7 +176,7 @@ def run_training(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, 
             from raytrain_ddp.driver.torchrun import run_torchrun
 
             summary = run_torchrun(cfg, start.run_dir, start.fit_id, start.resume_from, start.checked, start.code,
-                                   timeline=start.timeline)
+                                   timeline=start.timeline, launch=launch)
             return summary
         started_here = connect_user_code(cfg, start.code)
         warn_local_storage(cfg)

@@ -21,6 +21,7 @@ import dataclasses
 import os
 import pickle
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,14 +116,42 @@ class MailboxClient:
         self._call("request_stop")
 
 
+class TorchrunLaunch:
+    """torchrun started for a fit whose job is not written yet: its agent and ranks import
+    torch while the driver does, and each rank waits for `payload` (`_wait_for_payload`),
+    which appears at once, whole (`hand_over`: written beside it, then renamed). `stop()`
+    ends it (its agent stops its ranks) and removes the payload; it is a no-op once torchrun
+    has exited. The CLI starts one before it imports torch (`start_early`)."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.dir = tempfile.mkdtemp(prefix="raytrain_ddp_torchrun_")  # the payload, torchrun's log dir
+        self.payload = os.path.join(self.dir, "job.pkl")
+        self.started = time.time()
+        self.proc = subprocess.Popen(torchrun_command(cfg, self.payload, log_dir=os.path.join(self.dir, "torchrun")),
+                                     env=_rank_env(cfg), start_new_session=True)  # Ctrl-C reaches the driver only
+
+    def hand_over(self, given: dict[str, Any]) -> None:
+        with open(self.payload + ".part", "wb") as handle:
+            pickle.dump(given, handle)
+        os.replace(self.payload + ".part", self.payload)
+
+    def stop(self) -> None:
+        _stop(self.proc)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def start_early(cfg: Config) -> Optional[TorchrunLaunch]:
+    """torchrun for `cfg`, started before the driver imports torch, if it launches with torchrun."""
+    return TorchrunLaunch(cfg) if cfg.scaling.launcher == "torchrun" and not cfg.scaling.local else None
+
+
 def run_torchrun(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, checked: Any, code: Any,
-                 timeline: Any = None) -> dict[str, Any]:
+                 timeline: Any = None, launch: Optional[TorchrunLaunch] = None) -> dict[str, Any]:
     """Train `cfg` on `scaling.num_workers` torchrun processes; returns the summary.
 
-    torchrun starts first: its agent and the ranks import torch while this process reads the
-    data and plans the job, and each rank waits for the payload (`_wait_for_payload`), which
-    appears at once, whole (written beside it, then renamed). A refusal or an error before
-    it is written stops them."""
+    torchrun starts first (`launch`: the CLI's, else one started here), so that its
+    processes import torch while this one reads the data and plans the job. A refusal or
+    an error before the job is handed over stops it."""
     from raytrain_ddp.data.ray_datasets import PreparedData
     from raytrain_ddp.driver.console import ProgressPrinter
     from raytrain_ddp.driver.fit import prepare, report
@@ -130,10 +159,7 @@ def run_torchrun(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, 
     from raytrain_ddp.driver.sinks import make_sinks
     from raytrain_ddp.driver.stream import LocalMailbox, Recorder
 
-    payload = os.path.join(tempfile.gettempdir(), f"raytrain_ddp_torchrun_{uuid.uuid4().hex}.pkl")
-    started = time.time()
-    proc = subprocess.Popen(torchrun_command(cfg, payload), env=_rank_env(cfg),
-                            start_new_session=True)  # Ctrl-C reaches this process only
+    launch = launch or TorchrunLaunch(cfg)
     server = None
     try:
         shards, spec = local_data(cfg, checked, code)
@@ -148,29 +174,24 @@ def run_torchrun(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, 
             timeline.mark("ray", applies=False)
             timeline.mark("datasets", applies=False)  # read in this process; the ranks get the rows
             timeline.attach(run_dir)
-        with open(payload + ".part", "wb") as handle:
-            pickle.dump({"job": job, "shards": shards, "run_dir": run_dir}, handle)
-        os.replace(payload + ".part", payload)
+        launch.hand_over({"job": job, "shards": shards, "run_dir": run_dir})
         status, error = "ok", None
         with ctrl_c_stops(mailbox) as pressed:
             try:
                 with recorder:
-                    code_ = proc.wait()
+                    code_ = launch.proc.wait()
                 if code_ != 0:
                     status, error = "failed", f"a torchrun rank exited with code {code_} (its output is above)"
                 else:
                     status = "interrupted" if pressed else "ok"
             except KeyboardInterrupt:  # the second Ctrl-C: stop the ranks now
                 status = "interrupted"
-                _stop(proc)
+                launch.stop()
     finally:
-        _stop(proc)  # a refusal or an error before the ranks got their payload: they wait for none
-        for path in (payload, payload + ".part"):
-            if os.path.exists(path):
-                os.unlink(path)
+        launch.stop()  # a refusal or an error before the ranks got their payload: they wait for none
         if server is not None:
             server.close()
-    return report(cfg, run_dir, job, recorder, status, error, started)
+    return report(cfg, run_dir, job, recorder, status, error, launch.started)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -184,7 +205,7 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def torchrun_command(cfg: Config, payload: str) -> list[str]:
+def torchrun_command(cfg: Config, payload: str, log_dir: Optional[str] = None) -> list[str]:
     """`python -m torch.distributed.run` on this machine, each rank running `rank_main`.
 
     The rendezvous store listens on a port the OS gives it when it binds (endpoint port 0,
@@ -194,7 +215,8 @@ def torchrun_command(cfg: Config, payload: str) -> list[str]:
     """
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={cfg.scaling.num_workers}",
             "--nnodes=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", f"--rdzv-id={uuid.uuid4().hex}",
-            "--local-addr=127.0.0.1", "-m", "raytrain_ddp.driver.torchrun", payload]
+            "--local-addr=127.0.0.1", *([f"--log-dir={log_dir}"] if log_dir else []),  # else torchrun leaves
+            "-m", "raytrain_ddp.driver.torchrun", payload]  # a torchelastic_* directory in the temp dir
 
 
 def _rank_env(cfg: Config) -> dict[str, str]:

@@ -46,7 +46,7 @@ def test_a_driver_that_fails_before_the_job_is_written_stops_torchrun_and_leaves
 
     payloads = tmp_path / "tmp"  # where the driver puts the ranks' job (tempfile's directory)
     payloads.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(payloads))
+    monkeypatch.setattr(tempfile, "tempdir", str(payloads))  # where the driver puts the ranks' job
     monkeypatch.setattr(local, "local_data", broken)
     cfg = load_config(TINY, [f"run.storage_path={tmp_path}", "name=t", "scaling.launcher=torchrun"])
     with pytest.raises(RuntimeError, match="could not be read"):
@@ -65,3 +65,30 @@ def test_a_rank_whose_driver_is_gone_stops_waiting_for_its_job(tmp_path):
                           capture_output=True, text=True, timeout=60, env={**os.environ, DRIVER_PID_ENV: "0"})
     assert done.returncode == 1 and "ended before this rank's job was ready" in done.stderr, done.stderr
     assert time.monotonic() - started < 30
+
+
+def test_the_command_starts_torchrun_before_its_checks_and_a_refusal_stops_it(tmp_path):
+    """`raytrain-ddp train ... scaling.launcher=torchrun` starts torchrun before it imports torch
+    (`torchrun.start_early`); bad data is then refused in one line, exit 2, and torchrun's
+    processes are gone with the command."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"x": pa.array([[0.0] * 4] * 64), "label": pa.array([1] * 64)}), bad)
+    payloads = tmp_path / "tmp"
+    payloads.mkdir()
+    seen: list[str] = []
+    proc = subprocess.Popen([sys.executable, "-m", "raytrain_ddp", "train", str(TINY), f"run.storage_path={tmp_path}",
+                             "name=t", "scaling.launcher=torchrun", "data.source=parquet", f"data.path={bad}"],
+                            env={**os.environ, "TMPDIR": str(payloads)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline:
+        seen += _processes_naming(str(payloads))
+        time.sleep(0.05)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "column 'y' (data.label) not found" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert any("torch.distributed.run" in cmd for cmd in seen)  # it had started torchrun
+    assert _processes_naming(str(payloads)) == [] and list(payloads.iterdir()) == []
