@@ -125,13 +125,26 @@ wait_for_gcs() {
 }
 
 # Wait until the head sees $2 nodes alive. Exits 3 at once if a node's log ($dir/head.log,
-# $dir/node.log) says its start-up timed out (see start_timed_out).
+# $dir/node.log) says its start-up timed out (see start_timed_out). A probe whose own Ray
+# driver died connecting is run again until the timeout: on a loaded machine one met a
+# raylet still registering ("Failed to get the system config from raylet because it is dead").
 wait_for_nodes() {
-  local dir="$1" want="$2"
+  local dir="$1" want="$2" deadline=$((SECONDS + UP_TIMEOUT_S)) rc
+  while :; do
+    rc=0; probe_nodes "$dir" "$want" "$((deadline - SECONDS))" || rc=$?
+    if (( rc == 0 || rc == 3 || SECONDS >= deadline )); then return "$rc"; fi
+    echo "local-two-node: the node probe ended with status $rc; probing again" >&2
+    sleep 1
+  done
+}
+
+# One probe of wait_for_nodes, for at most $3 seconds.
+probe_nodes() {
+  local dir="$1" want="$2" seconds="$3"
   # shellcheck disable=SC1091
   ( source "$dir/env"
-    RT2N_WANT="$want" RT2N_TIMEOUT="$UP_TIMEOUT_S" RT2N_LOGS="$dir/head.log $dir/node.log" \
-    RT2N_TIMED_OUT="$STARTUP_TIMED_OUT" timeout "$((UP_TIMEOUT_S + 10))" "$PY_BIN" - <<'EOF'
+    RT2N_WANT="$want" RT2N_TIMEOUT="$seconds" RT2N_LOGS="$dir/head.log $dir/node.log" \
+    RT2N_TIMED_OUT="$STARTUP_TIMED_OUT" timeout "$((seconds + 10))" "$PY_BIN" - <<'EOF'
 import os, sys, time
 def timed_out():
     for path in os.environ["RT2N_LOGS"].split():
@@ -358,6 +371,9 @@ cmd_status() {
   # shellcheck disable=SC1091
   ( source "$dir/env"; "$RAY_BIN" status --address "$RAY_ADDRESS" )
 }
+
+# Sourced (tests/unit/test_cluster_script.py): the functions only.
+[[ "${BASH_SOURCE[0]}" != "$0" ]] && return 0
 
 case "${1:-}" in
   up) cmd_up 2 ;;
