@@ -2,8 +2,9 @@
 with no Ray at all (issue #39), the way Ray Train V2's local mode runs under torchrun.
 
 Owns: the driver's side (`run_torchrun`: torchrun started first, in its own session, so its
-processes import torch while this one reads the data once; the job and its rows handed to the
-ranks in one pickle; Ctrl-C; the summary) and each rank's (`rank_main`, run as `python -m raytrain_ddp.driver.torchrun`: the
+processes import torch while this one reads the data once; the job and its rows handed to
+the ranks in one pickle; Ctrl-C; the summary) and each rank's (`rank_main`, run as
+`python -m raytrain_ddp.driver.torchrun`: the
 process group from torchrun's environment, then the same loop as every other host, through
 `worker/runtime.LocalRuntime`). Rank 0's records reach the driver's `Recorder` through a
 local socket (`MailboxServer` / `MailboxClient`, the calls of `stream.LocalMailbox`).
@@ -126,7 +127,6 @@ class TorchrunLaunch:
     def __init__(self, cfg: Config) -> None:
         self.dir = tempfile.mkdtemp(prefix="raytrain_ddp_torchrun_")  # the payload, torchrun's log dir
         self.payload = os.path.join(self.dir, "job.pkl")
-        self.started = time.time()
         self.proc = subprocess.Popen(torchrun_command(cfg, self.payload, log_dir=os.path.join(self.dir, "torchrun")),
                                      env=_rank_env(cfg), start_new_session=True)  # Ctrl-C reaches the driver only
 
@@ -159,6 +159,7 @@ def run_torchrun(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, 
     from raytrain_ddp.driver.sinks import make_sinks
     from raytrain_ddp.driver.stream import LocalMailbox, Recorder
 
+    started = time.time()  # the fit's own start (a launch from the CLI began before its imports)
     launch = launch or TorchrunLaunch(cfg)
     server = None
     try:
@@ -191,7 +192,7 @@ def run_torchrun(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, 
         launch.stop()  # a refusal or an error before the ranks got their payload: they wait for none
         if server is not None:
             server.close()
-    return report(cfg, run_dir, job, recorder, status, error, launch.started)
+    return report(cfg, run_dir, job, recorder, status, error, started)
 
 
 def _stop(proc: subprocess.Popen) -> None:
