@@ -297,9 +297,9 @@ def lean_local_node() -> Iterator[bool]:
     """While it is open, a head node Ray starts (`ray.init` of an embedded instance) starts
     without two Python processes that serve a cluster, not a fit that dies with its driver:
     - the dashboard's head process: with `include_dashboard=False` Ray still starts it, with
-      only its usage-stats module, and waits for it (~1 s here);
+      only its usage-stats module, and waits for it;
     - the autoscaler's monitor: one node, nothing to scale (Ray then stops it at shutdown
-      with a graceful wait of ~1 s).
+      with a graceful wait; docs/design.md has the figures).
     Yields False, and changes nothing, where this Ray's `Node` lacks either method. For the
     `with` only: the methods are Ray's own again when it closes."""
     try:

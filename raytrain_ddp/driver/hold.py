@@ -69,7 +69,7 @@ class Holder:
 
     def gone(self, now: float) -> Optional[str]:
         """Why this holder no longer holds the run, or None while it does."""
-        if self.host == socket.gethostname() and not _runs(self.pid, self.pid_start):
+        if self.host == socket.gethostname() and not pid_runs(self.pid, self.pid_start):
             return f"pid {self.pid} no longer runs on {self.host}"
         if now - self.heartbeat > STALE_S:
             return f"its last heartbeat is {now - self.heartbeat:.0f} s old (stale after {STALE_S:.0f} s)"
@@ -222,8 +222,9 @@ def _process_start(pid: int) -> Optional[str]:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
-def _runs(pid: int, start: Optional[str]) -> bool:
-    """Whether `pid` runs and is the process that started at `start` (a zombie has ended)."""
+def pid_runs(pid: int, start: Optional[str] = None) -> bool:
+    """Whether `pid` runs (a zombie has ended) and, given `start`, is the process that started
+    then (a reused pid is another process). Also read by torchrun's ranks for their driver."""
     if not os.path.exists("/proc/self/stat"):  # no /proc: ask the kernel
         try:
             os.kill(pid, 0)

@@ -393,7 +393,7 @@ def _fit(start: _Start, checked: Any, given: Optional[dict[str, Any]], sinks: Se
 def hand_over_request(held: hold.Hold, trainer: Any) -> None:
     """Name this fit's resource request in the hold, and on a joined cluster cancel the one of
     the dead fit this one took over from (`ray_compat.cancel_autoscaling_request`: else an
-    elastic fit waited up to 180 s for the dead fit's reservation to expire, 167 s measured).
+    elastic fit waits for Ray to expire the dead fit's reservation; docs/reliability.md).
     An embedded instance died with that fit, and its coordinator with it."""
     from raytrain_ddp.ray_compat import cancel_autoscaling_request, started_here, train_requester
 

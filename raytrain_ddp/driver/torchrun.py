@@ -271,9 +271,11 @@ def rank_main(payload: str, stamps: Optional[dict[str, float]] = None) -> None:
 def _wait_for_payload(payload: str, driver_pid: int, timeout_s: float = PAYLOAD_WAIT_S) -> None:
     """Until the driver has written this fit's payload. Exits if the driver or this rank's
     torchrun agent is gone first (the agent stops its ranks when asked; one SIGKILLed cannot)."""
+    from raytrain_ddp.driver.hold import pid_runs
+
     deadline, agent = time.monotonic() + timeout_s, os.getppid()
     while not os.path.exists(payload):
-        if os.getppid() != agent or not _runs(driver_pid):
+        if os.getppid() != agent or not pid_runs(driver_pid):
             raise SystemExit(f"raytrain-ddp: torchrun rank: the driver (pid {driver_pid}) or its torchrun ended "
                              "before this rank's job was ready")
         if time.monotonic() > deadline:
@@ -281,18 +283,8 @@ def _wait_for_payload(payload: str, driver_pid: int, timeout_s: float = PAYLOAD_
         time.sleep(0.01)
 
 
-def _runs(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
 if __name__ == "__main__":
     rank_main(sys.argv[1])
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # the loop's work is done and flushed: skip the interpreter's teardown of torch (~0.5 s)
+    os._exit(0)  # the loop's work is done and flushed: skip the interpreter's teardown of torch
