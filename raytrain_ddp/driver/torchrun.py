@@ -136,7 +136,14 @@ class TorchrunLaunch:
         os.replace(self.payload + ".part", self.payload)
 
     def stop(self) -> None:
-        _stop(self.proc)
+        if os.path.exists(self.payload):
+            _stop(self.proc)  # ranks at work: the agent stops them
+        elif self.proc.poll() is None:  # no job yet (a refusal): nothing to stop gracefully, and torchrun's
+            os.killpg(self.proc.pid, signal.SIGSTOP)  # SIGTERM handling printed a traceback under the one line;
+            for rank in _children(self.proc.pid):  # stopped, it starts no more ranks (each in its own session)
+                os.kill(rank, signal.SIGKILL)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -193,6 +200,18 @@ def run_torchrun(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, 
         if server is not None:
             server.close()
     return report(cfg, run_dir, job, recorder, status, error, started)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc; none found elsewhere)."""
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        try:
+            if entry.isdigit() and int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -275,9 +294,8 @@ def _wait_for_payload(payload: str, driver_pid: int, timeout_s: float = PAYLOAD_
 
     deadline, agent = time.monotonic() + timeout_s, os.getppid()
     while not os.path.exists(payload):
-        if os.getppid() != agent or not pid_runs(driver_pid):
-            raise SystemExit(f"raytrain-ddp: torchrun rank: the driver (pid {driver_pid}) or its torchrun ended "
-                             "before this rank's job was ready")
+        if os.getppid() != agent or not pid_runs(driver_pid):  # the driver stopped it, or died: its console
+            os._exit(1)  # has the reason, a line from each rank would only repeat it
         if time.monotonic() > deadline:
             raise SystemExit(f"raytrain-ddp: torchrun rank: no job at {payload} after {timeout_s:.0f} s")
         time.sleep(0.01)

@@ -37,6 +37,12 @@ def _processes_naming(text: str) -> list[str]:
     return found
 
 
+def _ours(tmp: Path) -> list[Path]:
+    """What a launch (its job and log directory) or torchrun (`torchelastic_*`) left in `tmp`;
+    torch's own cache (`torchinductor_<user>`, made by any torch import under load) is not ours."""
+    return [p for p in tmp.iterdir() if p.name.startswith(("raytrain_ddp_torchrun_", "torchelastic_"))]
+
+
 def test_a_driver_that_fails_before_the_job_is_written_stops_torchrun_and_leaves_nothing(tmp_path, monkeypatch):
     def broken(*_args, **_kwargs):
         deadline = time.monotonic() + 60  # torchrun's agent and both ranks are up and waiting
@@ -52,7 +58,7 @@ def test_a_driver_that_fails_before_the_job_is_written_stops_torchrun_and_leaves
     with pytest.raises(RuntimeError, match="could not be read"):
         run_training(cfg)
     assert _processes_naming(str(payloads)) == []  # the agent and its ranks: stopped and reaped
-    assert list(payloads.iterdir()) == []
+    assert _ours(payloads) == []
 
 
 def test_a_rank_whose_driver_is_gone_stops_waiting_for_its_job(tmp_path):
@@ -63,7 +69,7 @@ def test_a_rank_whose_driver_is_gone_stops_waiting_for_its_job(tmp_path):
                            "_wait_for_payload; _wait_for_payload(sys.argv[1], int(sys.argv[2]))",
                            str(tmp_path / "never.pkl"), str(gone.pid)],
                           capture_output=True, text=True, timeout=60, env={**os.environ, DRIVER_PID_ENV: "0"})
-    assert done.returncode == 1 and "ended before this rank's job was ready" in done.stderr, done.stderr
+    assert done.returncode == 1 and done.stderr == "", done.stderr  # quietly: the driver's console says why
     assert time.monotonic() - started < 30
 
 
@@ -91,4 +97,4 @@ def test_the_command_starts_torchrun_before_its_checks_and_a_refusal_stops_it(tm
     assert proc.returncode == 2 and "column 'y' (data.label) not found" in err, err
     assert len(err.strip().splitlines()) == 1, err
     assert any("torch.distributed.run" in cmd for cmd in seen)  # it had started torchrun
-    assert _processes_naming(str(payloads)) == [] and list(payloads.iterdir()) == []
+    assert _processes_naming(str(payloads)) == [] and _ours(payloads) == []
