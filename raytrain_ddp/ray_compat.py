@@ -117,6 +117,22 @@ def worker_callback_base() -> type:
     return WorkerCallback
 
 
+def torch_backend() -> type:
+    """Ray Train's own torch backend class (what `TorchConfig.backend_cls` names): it sets the
+    workers' process group up (`driver/process_group.py` hands it every call). Imports torch."""
+    from ray.train.torch import TorchConfig
+
+    return TorchConfig().backend_cls
+
+
+def torch_framework() -> Any:
+    """What `TorchConfig.framework` says (Ray Train's state export reads it in the controller),
+    without importing torch: `driver/process_group.py`'s config keeps the controller torch-free."""
+    from ray.train.v2._internal.util import TrainingFramework
+
+    return TrainingFramework.TORCH
+
+
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"  # Ray Train V2 (2.60): its drain watcher actor
 
 

@@ -108,34 +108,6 @@ class CopyWindow:
 WINDOW = CopyWindow()
 
 
-def _grace_for_survivors() -> type:
-    """`GraceForSurvivors`, built on first use: its base is Ray Train's (`ray_compat`), and
-    importing Ray costs local mode, which never uses it, about a second."""
-
-    class GraceForSurvivors(ray_compat.worker_callback_base()):  # type: ignore[misc]
-        """Ray Train worker callback: a worker being stopped first leaves its copy of the last step.
-
-        Passed through `RunConfig(callbacks=...)`, which hands non-user callbacks to the
-        workers (a DeveloperAPI of Ray Train). The waits stay inside Ray's 5 s patience.
-        """
-
-        def __init__(self, start_s: float = 0.25, finish_s: float = 4.0) -> None:
-            self.start_s, self.finish_s = start_s, finish_s
-
-        def before_worker_shutdown(self) -> None:
-            WINDOW.on_shutdown(self.start_s, self.finish_s)
-
-    GraceForSurvivors.__qualname__ = "GraceForSurvivors"  # pickled by reference: this module's attribute
-    return GraceForSurvivors
-
-
-def __getattr__(name: str) -> Any:
-    if name == "GraceForSurvivors":
-        globals()[name] = cls = _grace_for_survivors()
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 class LastStep:
     """Buffers and RNG streams as they were when the last step completed (`mark`).
 

@@ -103,6 +103,21 @@ def test_worker_callback_base():
         _gone("worker_callback_base", "WorkerCallback.before_worker_shutdown")
 
 
+def test_torch_backend():
+    from ray.train.torch import TorchConfig
+
+    backend = ray_compat.torch_backend()
+    assert backend is TorchConfig().backend_cls and callable(getattr(backend, "on_start", None)), \
+        _gone("torch_backend", "TorchConfig().backend_cls.on_start")
+
+
+def test_torch_framework():
+    _attr("torch_framework", "ray.train.v2._internal.util:TrainingFramework.TORCH")
+    from ray.train.torch import TorchConfig
+
+    assert ray_compat.torch_framework() == TorchConfig().framework, _gone("torch_framework", "TorchConfig().framework")
+
+
 def test_is_restart_state():
     for name in ray_compat.CONTROLLER_RESTART_STATES:
         cls = _attr("is_restart_state", f"ray.train.v2._internal.execution.controller.state:{name}")
