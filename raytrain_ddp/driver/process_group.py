@@ -9,7 +9,7 @@ workers' process group is set up, started and shut down exactly as with `TorchCo
 Why: the controller unpickles the backend config and the backend as it starts, before it asks
 for the placement group and creates the workers. `TorchConfig`'s module imports torch, about a
 second of one core, there, on the start-up's critical path, in a process that never touches a
-tensor (docs/design.md#the-controller-imports-no-torch). These classes are defined in a module
+tensor (docs/design.md#the-controller-loads-torch-off-its-critical-path). These classes are defined in a module
 without torch. An unpickled backend starts loading Ray's torch backend on a thread, while the
 controller places and starts the workers, and waits for it when the group is up.
 `live` keeps Ray's torchft config (`driver/live.py`).
