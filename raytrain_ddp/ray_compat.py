@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # the job supervisor's config for a `ray job submit` entrypoint
 CONTROLLER_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"  # Ray Train V2's controller poll, passed to it
 WORKER_NICENESS_ENV = "RAY_worker_niceness"  # the niceness Ray starts worker processes at (15)
+WORKER_NICENESS_CONFIG = "worker_niceness"  # the same setting in `ray.init(_system_config=...)`
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # the marker resource only the head node has
 TOKEN_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"  # "token auth is on/off"
 PROGRESS_NOTICE_LOGGER = "ray.data._internal.progress"  # "Progress bars disabled. To enable, ..."
@@ -301,8 +302,13 @@ def startup_timed_out(exc: BaseException) -> bool:
 
 
 def local_instance_kwargs(ip: str) -> dict[str, Any]:
-    """`ray.init` arguments that pin an embedded instance's node address to `ip` (private argument)."""
-    return {"_node_ip_address": ip}
+    """`ray.init` arguments of an embedded instance (private ones): its node address pinned to `ip`,
+    and its worker processes at the driver's own niceness (Ray's `worker_niceness`, 15 by
+    default). On a cluster Ray lowers its workers' priority to keep its daemons responsive to
+    other nodes; an embedded instance's workers are the run itself, as torchrun's ranks are, and
+    at 15 any busy process of normal priority on the machine takes their cores (the kernel weighs
+    niceness 15 at 36 against 0's 1024: docs/design.md#the-embedded-instance-starts-lean)."""
+    return {"_node_ip_address": ip, "_system_config": {WORKER_NICENESS_CONFIG: 0}}
 
 
 LEAN_NODE_SKIPS = ("start_api_server", "start_monitor")  # ray/_private/node.py: Node's head processes we skip

@@ -3,7 +3,8 @@
 `ray_cluster` starts Ray only when a test asks for it (the pure and gloo tiers never pay
 for it) and shuts it down at the end of the session. It mirrors what `raytrain-ddp
 train` does on this machine: more logical CPUs than cores (workers + Ray Data tasks),
-no dashboard head nor autoscaler monitor, node bound to 127.0.0.1.
+no dashboard head nor autoscaler monitor, node bound to 127.0.0.1, workers at this process's
+niceness.
 
 Test hooks: every run started from this session (in process, or as a child process that
 inherits the environment) loads `raytrain_ddp.testing.hooks:from_env` on its workers, so
@@ -35,11 +36,11 @@ def ray_cluster():
     if ray.is_initialized():  # someone else started it: use it, do not stop it
         yield ray
         return
-    from raytrain_ddp.ray_compat import lean_local_node
+    from raytrain_ddp.ray_compat import lean_local_node, local_instance_kwargs
 
-    with lean_local_node():  # as an embedded run has it: no dashboard, no autoscaler monitor
-        ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
-                 _node_ip_address="127.0.0.1", logging_level="WARNING")
+    with lean_local_node():  # as an embedded run has it: no dashboard, no autoscaler monitor,
+        ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,  # workers at our niceness
+                 logging_level="WARNING", **local_instance_kwargs("127.0.0.1"))
     try:
         yield ray
     finally:

@@ -318,6 +318,29 @@ def test_local_instance_kwargs():
         assert f'kwargs.pop("{name}"' in source, _gone("local_instance_kwargs", f"ray.init({name}=...)")
 
 
+def test_local_instance_kwargs_start_workers_at_our_niceness(ray_cluster):
+    """The session's instance is started with `local_instance_kwargs` (tests/conftest.py), as an
+    embedded run's is: an actor with a runtime environment (Ray Train's workers have one) and a
+    task both run at this process's niceness, not Ray's default 15."""
+    import os
+
+    @ray.remote(num_cpus=0, runtime_env={"env_vars": {"RAYTRAIN_DDP_NICENESS_PROBE": "1"}})
+    class Probe:
+        def niceness(self) -> int:
+            return os.nice(0)
+
+    @ray.remote(num_cpus=0)
+    def niceness() -> int:
+        return os.nice(0)
+
+    probe = Probe.remote()
+    try:
+        seen = ray.get([probe.niceness.remote(), niceness.remote()], timeout=120)
+    finally:
+        ray.kill(probe)
+    assert seen == [os.nice(0)] * 2, _gone("local_instance_kwargs", f"_system_config {ray_compat.WORKER_NICENESS_CONFIG!r}")
+
+
 def test_started_here():
     _attr("started_here", "ray._private.worker:_global_node")
     assert "is_head" in dir(_attr("started_here", "ray._private.node:Node")), _gone("started_here", "Node.is_head")
