@@ -47,6 +47,11 @@ STORE_BYTES="${RT2N_OBJECT_STORE_BYTES:-200000000}"
 UP_TIMEOUT_S="${RT2N_UP_TIMEOUT_S:-90}"
 START_TRIES="${RT2N_START_TRIES:-3}"
 STARTUP_TIMED_OUT="timed out during startup"  # what `ray start` says when Ray's 30 s wait ran out
+# The nodes' worker processes run at the nodes' own niceness, not Ray's default 15: these nodes
+# share one machine with everything else on it, where at 15 any busy process of normal priority
+# takes the workers' cores (as on the embedded instance: docs/design.md#the-embedded-instance-starts-lean).
+# Exported for every command, so a revived node (revive-node) gets it too; overridable.
+export RAY_worker_niceness="${RAY_worker_niceness:-0}"
 
 usage() {
   sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//' >&2

@@ -109,7 +109,9 @@ def ray_head(tmp_path):
            f"--runtime-env-agent-port={env_agent}", "--num-cpus=4", f"--temp-dir={temp_dir}",
            "--disable-usage-stats"]
     with open(log, "wb") as out:
-        head = subprocess.Popen(cmd, env=_clean_env(**auth), stdout=out, stderr=subprocess.STDOUT,
+        # Its workers at this process's niceness, as cluster/local-head.sh's: the head shares the
+        # machine with the rest of the suite, and at Ray's default 15 any busy process takes their cores.
+        head = subprocess.Popen(cmd, env=_clean_env(**auth, RAY_worker_niceness="0"), stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         _wait_for_port(dash, head, log, timeout_s=120)
