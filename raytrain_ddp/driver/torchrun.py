@@ -117,6 +117,9 @@ class MailboxClient:
         self._call("request_stop")
 
 
+STOP_WAIT_S = 10.0  # how long a stop before the job waits for the killed processes to be gone
+
+
 class TorchrunLaunch:
     """torchrun started for a fit whose job is not written yet: its agent and ranks import
     torch while the driver does, and each rank waits for `payload` (`_wait_for_payload`),
@@ -140,9 +143,7 @@ class TorchrunLaunch:
             _stop(self.proc)  # ranks at work: the agent stops them
         elif self.proc.poll() is None:  # no job yet (a refusal): nothing to stop gracefully, and torchrun's
             os.killpg(self.proc.pid, signal.SIGSTOP)  # SIGTERM handling printed a traceback under the one line;
-            for rank in _children(self.proc.pid):  # stopped, it starts no more ranks (each in its own session)
-                os.kill(rank, signal.SIGKILL)
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            _kill_naming(self.payload, STOP_WAIT_S)  # stopped, it starts no more ranks: it and they are killed
             self.proc.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -202,16 +203,34 @@ def run_torchrun(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, 
     return report(cfg, run_dir, job, recorder, status, error, started)
 
 
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (Linux /proc; none found elsewhere)."""
-    found = []
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        try:
-            if entry.isdigit() and int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
+def _kill_naming(text: str, timeout_s: float) -> None:
+    """SIGKILL every process whose command line holds `text` (this launch's private payload path:
+    its agent, its ranks, a rank the agent was forking as it was stopped, whose command line is
+    still the agent's), until none is left or `timeout_s` passed (a kill is done when the process
+    is gone or a zombie, whose command line is empty)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [pid for pid in _pids() if text.encode() in _cmdline(pid)]
+        if not left or time.monotonic() > deadline:
+            return
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:  # gone meanwhile
+                pass
+        time.sleep(0.05)
+
+
+def _pids() -> list[int]:
+    return [int(entry) for entry in (os.listdir("/proc") if os.path.isdir("/proc") else []) if entry.isdigit()]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return handle.read()
+    except OSError:
+        return b""
 
 
 def _stop(proc: subprocess.Popen) -> None:
