@@ -85,19 +85,17 @@ class ProcessGroupBackend(Backend):
         return _unpickled_backend, ()
 
     @staticmethod
-    def _torch(backend_config: ProcessGroupConfig) -> tuple[Any, Any]:
+    def _hand_on(hook: str, worker_group: Any, backend_config: ProcessGroupConfig) -> None:
+        """Ray's torch backend's `hook`, given the equal `TorchConfig` (once its load has ended)."""
         if _LOADING is not None:
             _LOADING.join()  # an import: it ends, or failed and the line below raises its error
-        return ray_compat.torch_backend()(), backend_config.torch_config()
+        getattr(ray_compat.torch_backend()(), hook)(worker_group, backend_config.torch_config())
 
     def on_start(self, worker_group: Any, backend_config: ProcessGroupConfig) -> None:
-        backend, config = self._torch(backend_config)
-        backend.on_start(worker_group, config)
+        self._hand_on("on_start", worker_group, backend_config)
 
     def on_training_start(self, worker_group: Any, backend_config: ProcessGroupConfig) -> None:
-        backend, config = self._torch(backend_config)
-        backend.on_training_start(worker_group, config)
+        self._hand_on("on_training_start", worker_group, backend_config)
 
     def on_shutdown(self, worker_group: Any, backend_config: ProcessGroupConfig) -> None:
-        backend, config = self._torch(backend_config)
-        backend.on_shutdown(worker_group, config)
+        self._hand_on("on_shutdown", worker_group, backend_config)

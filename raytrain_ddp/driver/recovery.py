@@ -10,6 +10,7 @@ Must not touch: the rest of the trainer (`launcher.py`), what the workers do.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
@@ -46,13 +47,12 @@ class SurvivorsCopy(Restart):
         return [_grace_for_survivors()()]
 
 
+@functools.cache  # one class: what pickling finds by name (`__getattr__`) is the class it pickled
 def _grace_for_survivors() -> type:
     """`GraceForSurvivors`, built on first use: its base is Ray Train's (`ray_compat`), and
     importing Ray costs local mode, which never uses it, about a second. Defined here, not
     beside `CopyWindow` in `worker/replica.py`: the controller unpickles it, and that module
     imports torch (`driver/process_group.py` says why the controller should not)."""
-    if "GraceForSurvivors" in globals():
-        return globals()["GraceForSurvivors"]
     from raytrain_ddp import ray_compat
 
     class GraceForSurvivors(ray_compat.worker_callback_base()):  # type: ignore[misc]
@@ -71,7 +71,6 @@ def _grace_for_survivors() -> type:
             WINDOW.on_shutdown(self.start_s, self.finish_s)
 
     GraceForSurvivors.__qualname__ = "GraceForSurvivors"  # pickled by reference: this module's attribute
-    globals()["GraceForSurvivors"] = GraceForSurvivors
     return GraceForSurvivors
 
 
