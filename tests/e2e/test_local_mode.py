@@ -9,10 +9,12 @@ continues from the checkpoint, as a Ray run's would.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -69,13 +71,24 @@ def test_local_mode_trains_without_ray_stops_in_your_debugger_and_resumes(tmp_pa
                f"run.storage_path={tmp_path / 'runs'}", "name=local", "model.name=usermodel:build",
                "train.max_steps=30", "run.log_every_steps=1"]
     proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT)
+    chunks: list[bytes] = []  # what it printed so far (pdb's prompt ends no line)
+    reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: os.read(proc.stdout.fileno(), 65536), b"")),
+                              daemon=True)
+    reader.start()
     children: set[int] = set()
-    deadline = time.monotonic() + 5
-    while proc.poll() is None and time.monotonic() < deadline:  # while it starts and sits in pdb
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:  # while it starts, until it sits in pdb
         children |= set(_children(proc.pid))
+        if b"(Pdb) " in b"".join(chunks):
+            break
         time.sleep(0.05)
-    out, _ = proc.communicate("p secret + '!'\nc\n", timeout=240)
+    with contextlib.suppress(BrokenPipeError):  # (it ended early: its output says why, below)
+        proc.stdin.write(b"p secret + '!'\nc\n")
+        proc.stdin.close()
+    proc.wait(timeout=240)
+    reader.join(timeout=30)
+    out = b"".join(chunks).decode()
     assert proc.returncode == 0, out[-3000:]
     assert "\"stopped in the user's forward!\"" in out, out[-3000:]  # pdb ran in this process, on its stdin
     assert "usermodel.py" in out  # and showed the user's own frame

@@ -125,7 +125,7 @@ def test_unused_parameter_does_not_hang_and_averages_zero():
 
 # -- a rank that never joins: the waiting rank gets a named timeout ------------------------
 
-TIMEOUT_S = 3.0
+TIMEOUT_S = 2.0
 
 
 def _timeouts(world_rank, world_size):

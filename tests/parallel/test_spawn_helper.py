@@ -47,8 +47,8 @@ def test_results_errors_and_deadline():
     assert mixed[0] == "fine" and mixed[1].type_name == "ValueError"
 
     start = time.monotonic()
-    with pytest.raises(RankTimeout, match=r"ranks \[(0, )?1\] of 2 did not answer within 6"):
-        run_ranks(_rank1_hangs, 2, timeout_s=6)  # rank 0 may miss it too on a loaded machine
+    with pytest.raises(RankTimeout, match=r"ranks \[(0, )?1\] of 2 did not answer within 3"):
+        run_ranks(_rank1_hangs, 2, timeout_s=3)  # rank 0 may miss it too on a loaded machine
     assert time.monotonic() - start < 30  # killed at the deadline, not after the 120 s sleep
 
 
