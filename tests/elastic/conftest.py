@@ -16,7 +16,9 @@ from raytrain_ddp.driver.launcher import run_training
 
 @pytest.fixture(scope="session")
 def reference(ray_cluster, tmp_path_factory) -> Reference:
-    """The uninterrupted run on one worker (4 accumulation steps)."""
-    summary = run_training(elastic_cfg(tmp_path_factory.mktemp("elastic_ref"), "ref", "scaling.num_workers=1"))
+    """The uninterrupted run on one worker (4 accumulation steps), in this process (local
+    mode: the same loop, data order and checkpoints as one Ray worker, without a fit's
+    worker group: the Ray runs compare against it)."""
+    summary = run_training(elastic_cfg(tmp_path_factory.mktemp("elastic_ref"), "ref", "scaling.num_workers=0"))
     assert summary["status"] == "ok", summary.get("error")
     return Reference(summary, states_by_step(Path(summary["run_dir"])))
