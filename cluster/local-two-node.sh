@@ -29,8 +29,10 @@
 # `ray` on PATH).
 #
 # A node's `ray start` gives up when its raylet has not registered within Ray's own 30 s (not
-# configurable; seen on a busy 2-core machine): such a start is tried again, with the same
-# ports, RT2N_START_TRIES times in all, as the embedded start of `raytrain-ddp train` does.
+# configurable; seen on a busy 2-core machine): such a start is tried again, RT2N_START_TRIES
+# times in all, as the embedded start of `raytrain-ddp train` does. So is a start that failed on
+# a picked port another program took before Ray bound it (seen with three test processes
+# starting Ray at once), with every port picked afresh.
 set -euo pipefail
 
 RAY_BIN="${RAY:-$(command -v ray || true)}"
@@ -290,16 +292,11 @@ cmd_down() {
   fi
 }
 
-cmd_up() {
-  local nodes="${1:-2}" dir
-  # Short path: Ray puts unix sockets under the temp dir, and those are limited to ~107 bytes.
-  dir="$(mktemp -d /tmp/rt2n-XXXX)"
-  touch "$dir/rt2n"
-  # Said first, so a caller that gives up on `up` (a timeout) can still `down` what it started.
-  echo "local-two-node: state dir $dir" >&2
-  # A token for this cluster only; file mode 600 because it grants full control of the cluster.
-  (umask 077; "$PY_BIN" -c 'import secrets; print(secrets.token_hex(32), end="")' > "$dir/auth_token")
-
+# Pick every port afresh and write the state dir's env file and the two nodes' commands
+# (head.cmd, node.cmd), and set GCS and DASH (the head's ports): before each start of the
+# cluster, so a port another program took between the pick and Ray's bind is not asked for again.
+write_start_commands() {
+  local dir="$1" CLIENT H_NM H_OM H_AG H_AGG H_RE H_MET N_NM N_OM N_AG N_AGG N_RE N_MET H_WLO N_WLO
   read -r GCS DASH CLIENT \
           H_NM H_OM H_AG H_AGG H_RE H_MET \
           N_NM N_OM N_AG N_AGG N_RE N_MET \
@@ -329,15 +326,36 @@ EOF
   # The second node's command, kept for `revive-node` (its ports are free again once it is killed).
   printf '%q ' "$RAY_BIN" start --block --address="127.0.0.1:$GCS" --temp-dir="$dir/ray-node" "${NODE_ARGS[@]}" \
     > "$dir/node.cmd"
+}
+
+# Whether a node's `ray start` (head or node) failed on a port another program had taken.
+port_taken() {
+  grep -qiE "address already in use|already occupied" "$1/head.log" "$1/node.log" 2>/dev/null
+}
+
+cmd_up() {
+  local nodes="${1:-2}" dir
+  # Short path: Ray puts unix sockets under the temp dir, and those are limited to ~107 bytes.
+  dir="$(mktemp -d /tmp/rt2n-XXXX)"
+  touch "$dir/rt2n"
+  # Said first, so a caller that gives up on `up` (a timeout) can still `down` what it started.
+  echo "local-two-node: state dir $dir" >&2
+  # A token for this cluster only; file mode 600 because it grants full control of the cluster.
+  (umask 077; "$PY_BIN" -c 'import secrets; print(secrets.token_hex(32), end="")' > "$dir/auth_token")
 
   local try rc
   for ((try = 1; try <= START_TRIES; try++)); do
-    rc=0; start_cluster "$dir" "$GCS" "$DASH" "$nodes" || rc=$?
+    write_start_commands "$dir"
+    rc=0; start_cluster "$dir" "$nodes" || rc=$?
     (( rc == 0 )) && break
-    if (( rc != 4 || try == START_TRIES )); then
+    if (( try == START_TRIES )) || ! { (( rc == 4 )) || port_taken "$dir"; }; then
       tail -n 30 "$dir/head.log" "$dir/node.log" >&2; RT2N_KEEP=1 cmd_down "$dir" >&2; exit 1
     fi
-    echo "local-two-node: the head did not start within Ray's 30 s (is the machine busy?); try $((try + 1)) of $START_TRIES" >&2
+    if (( rc == 4 )); then
+      echo "local-two-node: the head did not start within Ray's 30 s (is the machine busy?); try $((try + 1)) of $START_TRIES" >&2
+    else
+      echo "local-two-node: a port picked for Ray was taken by another program before Ray bound it; new ports, try $((try + 1)) of $START_TRIES" >&2
+    fi
     [[ -f "$dir/node.pgid" ]] && discard_start "$dir" node
     discard_start "$dir" head
   done
@@ -353,7 +371,7 @@ EOF
 # Start the head from head.cmd, then (nodes 2) the second node (start_node_and_wait); 4: the
 # head's own start timed out (cmd_up starts both again), 1: any other failure.
 start_cluster() {
-  local dir="$1" gcs="$2" dash="$3" nodes="${4:-2}" head_pid
+  local dir="$1" nodes="${2:-2}" gcs="$GCS" dash="$DASH" head_pid
   local -a cmd
   eval "cmd=($(cat "$dir/head.cmd"))"
   head_pid=$(start_group "$dir/head.log" "$dir/head" "${cmd[@]}")

@@ -1,4 +1,4 @@
-"""`make test`'s two test processes take whole files (tests/elastic as one group), so a
+"""`make test`'s test processes take whole files (tests/elastic as one group), so a
 module's fixture -- a CLI run, a cluster, a reference fit -- is built once.
 
 Checked with the real pytest-xdist and this suite's own conftest on a few generated test
