@@ -75,7 +75,7 @@ LONGEST_FIRST = ("tests/e2e/test_byo.py", "tests/elastic", "tests/cluster/test_l
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """Under pytest-xdist (`make test`: `-n 3`), whole groups (`_group`) go to one process,
+    """Under pytest-xdist (`make test`: `-n 2`), whole groups (`_group`) go to one process,
     so a module's fixtures (a finished run, the two-node cluster, a CLI run with its
     Ctrl-C) are built once, in the order `pytest_collection_modifyitems` leaves them.
     xdist's own `--dist loadgroup` reads `xdist_group` marks by rewriting `item._nodeid`,
