@@ -198,8 +198,8 @@ signal_session() {
   done
 }
 
-# SIGTERM every given session at once, wait up to 10 s for all of them, then SIGKILL
-# whatever is left.
+# SIGTERM every given session at once, wait up to 10 s for all of them, then SIGKILL whatever
+# is left and wait (10 s at most) until none of their processes is.
 kill_groups() {
   local sid
   for sid in "$@"; do signal_session TERM "$sid"; done
@@ -209,7 +209,16 @@ kill_groups() {
     (( alive )) || return 0
     sleep 0.2
   done
-  for sid in "$@"; do signal_session KILL "$sid"; done
+  # A SIGKILLed process still takes a moment to exit (seen: a head's gcs_server, under load, after
+  # `down` had returned); wait for that too, signalling again what was forked meanwhile.
+  for _ in $(seq 1 50); do
+    for sid in "$@"; do signal_session KILL "$sid"; done
+    local left=0
+    for sid in "$@"; do group_alive "$sid" && left=1; done
+    (( left )) || return 0
+    sleep 0.2
+  done
+  echo "local-two-node: processes of session(s) $* still exist 10 s after SIGKILL" >&2
 }
 
 # `kill-node <dir>`: SIGKILL every process of the second node at once, as a lost machine
