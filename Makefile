@@ -26,11 +26,10 @@ demo: $(STAMP)
 # Two test processes (pytest-xdist), one file at a time each (tests/conftest.py). A third
 # (TEST_JOBS=3) fills the Ray tier's clock waits and ends sooner idle, but beside one busy
 # process per core it failed tests that two pass (docs/design.md#where-the-suites-time-goes).
-# TEST_JOBS=0 / FAST_JOBS=0 run in this process, as a debugger wants. The slowest tests and
+# TEST_JOBS=0 runs in this process, as a debugger wants. The slowest tests and
 # every failure land in CI's log too.
 # The whole benchmark run (smoke preset) is test-bench's; make test runs each section at toy size.
 TEST_JOBS ?= 2
-FAST_JOBS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=30 -rfE -m "not bench_smoke" tests
 
@@ -41,7 +40,7 @@ soak: $(STAMP)
 	$(PY) -m benchmarks.soak --seeds $(SEEDS) --kinds $(KINDS)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n $(FAST_JOBS) --dist loadfile --durations=15 -m "not ray and not bench" tests
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=15 -m "not ray and not bench" tests
 
 test-bench: $(STAMP)
 	$(PY) -m pytest -q -n 0 -rfE -m bench_smoke tests/bench
@@ -65,7 +64,7 @@ compat:
 	  PIP_CONFIG_FILE=/dev/null $$venv/bin/python -m pip install -q "torch==$$v"; \
 	  PIP_CONFIG_FILE=/dev/null $$venv/bin/python -m pip install -q -e ".[dev]" "torch==$$v"; \
 	  $$venv/bin/python -c "import torch; print('torch', torch.__version__)"; \
-	  $$venv/bin/python -m pytest -q -n $(FAST_JOBS) --dist loadfile -m "not ray" tests; \
+	  $$venv/bin/python -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not ray" tests; \
 	done; \
 	torch=$(firstword $(COMPAT_TORCH) 2.11.0); \
 	for v in $(COMPAT_RAY); do \

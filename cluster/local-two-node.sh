@@ -198,24 +198,27 @@ signal_session() {
   done
 }
 
+# Whether no process (zombies aside) of any given session is left.
+sessions_gone() {
+  local sid
+  for sid in "$@"; do group_alive "$sid" && return 1; done
+  return 0
+}
+
 # SIGTERM every given session at once, wait up to 10 s for all of them, then SIGKILL whatever
-# is left and wait (10 s at most) until none of their processes is.
+# is left and wait (10 s at most) until none of their processes is: a SIGKILLed process still
+# takes a moment to exit (seen: a head's gcs_server, under load, after `down` had returned),
+# and each SIGKILL round also reaches what was forked meanwhile.
 kill_groups() {
   local sid
   for sid in "$@"; do signal_session TERM "$sid"; done
   for _ in $(seq 1 50); do
-    local alive=0
-    for sid in "$@"; do group_alive "$sid" && alive=1; done
-    (( alive )) || return 0
+    sessions_gone "$@" && return 0
     sleep 0.2
   done
-  # A SIGKILLed process still takes a moment to exit (seen: a head's gcs_server, under load, after
-  # `down` had returned); wait for that too, signalling again what was forked meanwhile.
   for _ in $(seq 1 50); do
     for sid in "$@"; do signal_session KILL "$sid"; done
-    local left=0
-    for sid in "$@"; do group_alive "$sid" && left=1; done
-    (( left )) || return 0
+    sessions_gone "$@" && return 0
     sleep 0.2
   done
   echo "local-two-node: processes of session(s) $* still exist 10 s after SIGKILL" >&2
