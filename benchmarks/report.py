@@ -306,8 +306,9 @@ def _startup_tables(sec: dict[str, Any]) -> list[str]:
 
     if not sec.get("figures"):
         return []
+    rounds = rounds_table(sec["rounds"]) + [""] if sec.get("rounds") else []
     return ["\n**Start-up** (the quickstart; each system a command timed from its start)\n",
-            "\n".join(rounds_table(sec["rounds"]) + table_lines(sec["figures"]))]
+            "\n".join(rounds + table_lines(sec["figures"]))]
 
 
 # The report's sections, in order: the results' key and its tables.

@@ -207,7 +207,7 @@ def read_ours(run_dir: Path, started: float, ended: float) -> dict[str, Any]:
     return {"first_step_s": first - started, "wall_s": ended - started, "last_to_exit_s": ended - last,
             "step_ms": statistics.median(step_ms) if step_ms else None, "checkpoint": summary["checkpoint"],
             "phases": summary["startup"]["attempts"][0]["phases"], "status": summary["status"],
-            "val_accuracy": summary["final_metrics"].get("val_accuracy")}
+            "val_accuracy": summary.get("final_metrics", {}).get("val_accuracy")}
 
 
 def torchrun_ref(where: Path, head: Optional[dict[str, str]] = None) -> dict[str, Any]:
