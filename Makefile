@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-bench bench bench-quick compat clean soak
+.PHONY: demo test test-fast test-bench bench bench-quick bench-startup compat clean soak
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -76,11 +76,15 @@ compat:
 	  $$venv/bin/python -m pytest -q $(COMPAT_RAY_TESTS); \
 	done
 
+# Each run is published as benchmarks/results/<preset>-<date>.{json,md,png}: the docs cite it.
 bench: $(STAMP)
-	$(VENV)/bin/raytrain-ddp bench --out benchmarks/results-cpu.json
+	$(VENV)/bin/raytrain-ddp bench
 
 bench-quick: $(STAMP)
-	$(VENV)/bin/raytrain-ddp bench --quick --out benchmarks/results-quick.json
+	$(VENV)/bin/raytrain-ddp bench --quick
+
+bench-startup: $(STAMP)
+	$(PY) -m benchmarks.startup
 
 clean:
 	rm -rf $(VENV) .venv-torch-* .venv-ray-* runs build *.egg-info

@@ -6,7 +6,7 @@ config (mlp on digits, 2 workers, checkpoint every 10 steps, validation every ep
 reads each training worker's resident set size from /proc when step N and step 10N
 are first seen. Workers are found through Ray's state API (class RayTrainWorker).
 
-    .venv/bin/python benchmarks/memory_flat.py --steps 50 --out benchmarks/memory_flat.json
+    .venv/bin/python -m benchmarks.memory_flat --steps 50   # -> benchmarks/results/memory-flat-<date>.json
 
 Reads the RSS of processes on this machine only (single-node runs).
 """
@@ -50,7 +50,7 @@ def _worker_pids() -> list[int]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50, help="N: RSS is read after N and after 10N steps")
-    parser.add_argument("--out", default=None, help="write the numbers as JSON here")
+    parser.add_argument("--out", default=None, help="the JSON (default: benchmarks/results/memory-flat-<date>.json)")
     args = parser.parse_args()
     n = args.steps
     storage = Path(tempfile.mkdtemp(prefix="memory_flat_"))
@@ -91,8 +91,10 @@ def main() -> int:
         out["growth_mb"] = {pid: round(last[pid] - first[pid], 1) for pid in first if pid in last}
     text = json.dumps(out, indent=2)
     print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    from benchmarks.session import meta, publish, results_path
+
+    path = Path(args.out) if args.out else results_path("memory-flat")
+    publish({"meta": meta(f"n={n}", "cpu"), **out}, path, f"```json\n{text}\n```")
     return 0 if summary.get("status") == "ok" and len(samples) == 2 else 1
 
 

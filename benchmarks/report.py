@@ -301,10 +301,14 @@ def _gpt_tables(gpt: dict[str, Any]) -> list[str]:
 
 
 def _startup_tables(sec: dict[str, Any]) -> list[str]:
-    """The startup section's Targets table (issue #39), when it ran (the smoke preset skips it)."""
-    from benchmarks.startup import table_lines
+    """The startup section's rounds and Targets table (issue #39), when it ran (the smoke preset skips it)."""
+    from benchmarks.startup import rounds_table, table_lines
 
-    return ["\n".join(table_lines(sec["figures"]))] if sec.get("figures") else []
+    if not sec.get("figures"):
+        return []
+    rounds = rounds_table(sec["rounds"]) + [""] if sec.get("rounds") else []
+    return ["\n**Start-up** (the quickstart; each system a command timed from its start)\n",
+            "\n".join(rounds + table_lines(sec["figures"]))]
 
 
 # The report's sections, in order: the results' key and its tables.

@@ -12,7 +12,9 @@ say the run is complete); the three properties are checked against one uninterru
 whole sequence; `load`, one CPU-bound process per core during an invocation; `late`, a Ctrl-C
 aimed at the last steps; `node`, about one seed in five on a two-node cluster of its own, every
 process of the second node SIGKILLed during one invocation and the node started again before
-the next). A failing seed becomes a fixed case of the suite (`SEEDS` there).
+the next). A failing seed becomes a fixed case of the suite (`SEEDS` there). The table and
+the rows are published as benchmarks/results/soak-<date>.{md,json} (or `--out`), with the
+`meta` block (date, commit, command, machine) of every bench.
 
 Must not touch: the product. It runs pytest, so the test's own deadlines and clean-up hold.
 """
@@ -55,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0-19", help="LOW-HIGH or one seed")
     parser.add_argument("--kinds", default="s3,load,late,node", help="extra fault kinds, comma-separated ('' for none)")
     parser.add_argument("--rows", default=None, help="the JSON lines of the rows (default: a temporary file)")
+    parser.add_argument("--out", default=None, help="the published JSON (default: benchmarks/results/soak-<date>.json)")
     args = parser.parse_args(argv)
     rows_path = Path(args.rows or tempfile.mkstemp(prefix="soak-", suffix=".jsonl")[1])
     rows_path.write_text("")
@@ -67,11 +70,19 @@ def main(argv: list[str] | None = None) -> int:
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
                            f"--basetemp={basetemp}", TEST],
                           cwd=REPO, env=env)
+    from benchmarks.session import meta, publish, results_path
+
     rows = [json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()]
-    print(table(rows))
     passed = sum(r["result"] == "passed" for r in rows)
-    print(f"{passed} of {len(rows)} seeds passed in {time.monotonic() - started:.0f} s "
-          f"(seeds {args.seeds}, kinds {args.kinds or 'none'}; rows in {rows_path}, logs in {basetemp})")
+    wall_s = time.monotonic() - started
+    text = (f"{table(rows)}\n\n{passed} of {len(rows)} seeds passed in {wall_s:.0f} s "
+            f"(seeds {args.seeds}, kinds {args.kinds or 'none'})")
+    print(text)
+    out = Path(args.out) if args.out else results_path("soak")
+    results = {"meta": meta("soak", "cpu"), "soak": {"seeds": args.seeds, "kinds": args.kinds, "passed": passed,
+                                                     "total": len(rows), "wall_s": wall_s, "rows": rows}}
+    publish(results, out, text)
+    print(f"rows in {rows_path}, logs in {basetemp}; published {out} and {out.with_suffix('.md')}")
     return done.returncode
 
 

@@ -1,8 +1,8 @@
-"""`raytrain-ddp bench`: run every section, write the JSON and PNG, print the tables.
+"""`raytrain-ddp bench`: run every section, write the JSON, the table and the PNG, print the tables.
 
-Owns: the order of sections, presets (`--quick`, full, `--device cuda`), when the Ray
-instance the Ray sections share starts, and where results go (`session` starts Ray
-and writes the `meta` block).
+Owns: the order of sections, presets (`--quick`, full, `--device cuda`) and when the Ray
+instance the Ray sections share starts (`session` starts Ray, writes the `meta` block and
+publishes the run: `benchmarks/results/<preset>-<date>.json`, `.md`, `.png` without --out).
 Must not touch: how each section measures (see strategies / accumulation /
 ray_overhead / checkpoint / ingest / recovery / gpu).
 
@@ -18,7 +18,6 @@ section is recorded as `{"error": ...}`, the others still run, and the exit stat
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import traceback
@@ -26,11 +25,10 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from benchmarks.common import FULL, QUICK, Sizes
-from benchmarks.session import log, meta, start_ray
+from benchmarks.session import log, meta, publish, results_path, start_ray
 from raytrain_ddp.errors import UserError
 
 SIZE_ENV = "RAYTRAIN_DDP_BENCH_SIZE"  # "smoke": the test suite's even smaller preset
-DEFAULT_OUT_DIR = Path("benchmarks")  # without --out: benchmarks/bench-<preset>.json (git-ignored)
 SMOKE = Sizes("smoke", rounds=1, steps_per_round=3, warmup_steps=1, mlp_batch=16, gpt_batch=4,
               accum_steps=1, ray_steps=4, ray_warmup=1, ingest_rows=2048, ingest_passes=1,
               train_steps=5, parity_launches=1, parity_rounds=2)
@@ -121,8 +119,8 @@ def _with_ray(results: dict, names: tuple[str, ...], start: Callable[[], float],
 
 
 def default_out(preset: str) -> Path:
-    """Where results go without --out: under benchmarks/ (git-ignored), never the current directory."""
-    return DEFAULT_OUT_DIR / f"bench-{preset}.json"
+    """Where results go without --out: benchmarks/results/<preset>-<date>.json, never the current directory."""
+    return results_path(preset)
 
 
 def main(quick: bool, out: Optional[str], device: str) -> int:
@@ -154,10 +152,11 @@ def main(quick: bool, out: Optional[str], device: str) -> int:
     results["meta"]["duration_s"] = time.perf_counter() - started
     results["meta"]["load_avg_at_end"] = list(os.getloadavg())
     results["targets"] = report.verdicts(results)
-    out_path.write_text(json.dumps(results, indent=2, default=float) + "\n")
+    table = report.markdown(results)
+    md = publish(results, out_path, table)
     png = report.plot(results, out_path.with_suffix(".png"))
-    print(report.markdown(results))
-    log(f"wrote {out_path} and {png}")
+    print(table)
+    log(f"wrote {out_path}, {md} and {png}")
     failed = [k for k, v in results.items() if isinstance(v, dict) and "error" in v]
     if failed:
         log(f"sections failed: {failed} (see 'error' in the JSON)")

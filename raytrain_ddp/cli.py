@@ -193,8 +193,8 @@ def _add_checks(sub: Any) -> None:
 
     bench = sub.add_parser("bench", help="benchmark strategies, accumulation, Ray overhead and ingest")
     bench.add_argument("--quick", action="store_true", help="small sizes, ~2 minutes")
-    bench.add_argument("--out", default=None, help="JSON results file, a PNG plot beside it "
-                       "(default: benchmarks/bench-<preset>.json, git-ignored)")
+    bench.add_argument("--out", default=None, help="JSON results file; the printed table (.md) and a PNG "
+                       "plot beside it (default: benchmarks/results/<preset>-<date>.json)")
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     bench.set_defaults(func=_cmd_bench)
 

@@ -14,6 +14,7 @@ timings only for being positive and finite.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import tempfile
 from pathlib import Path
@@ -150,9 +151,11 @@ def test_recovery_section_times_the_replicas_cost_per_step(recovery_section):
 
 def test_report_of_the_sections(sections):
     from benchmarks import report
-    from benchmarks.session import meta
+    from benchmarks.session import meta, publish
 
     results = {"meta": meta("smoke", "cpu"), **sections}
+    # what a published run must say to be read on another machine (benchmarks/results/README.md)
+    assert all(results["meta"][key] for key in ("date", "commit", "command", "cpu_count", "torch", "ray"))
     results["targets"] = report.verdicts(results)
     text = report.markdown(results)
     assert "| variant |" in text and "**Targets**" in text
@@ -165,6 +168,9 @@ def test_report_of_the_sections(sections):
     with tempfile.TemporaryDirectory() as tmp:
         png = report.plot(results, Path(tmp) / "bench.png")
         assert Path(png).stat().st_size > 1000
+        md = publish(results, Path(tmp) / "smoke-x.json", text)  # the JSON and, beside it, the printed table
+        assert json.loads((Path(tmp) / "smoke-x.json").read_text())["meta"] == json.loads(json.dumps(results["meta"]))
+        assert md.read_text().endswith(text.strip() + "\n") and results["meta"]["commit"] in md.read_text()
 
 
 @pytest.mark.distributed

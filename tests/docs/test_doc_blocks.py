@@ -220,7 +220,7 @@ def test_relative_links_resolve():
     assert not problems, "\n".join(problems)
 
 
-# The README's "Tour of the code" table and the package tree agree, both ways. While the
+# docs/code-tour.md's table and the package tree agree, both ways. While the
 # layout moves, these known differences are allowed; delete each one as it is resolved.
 TOUR_PENDING_MISSING: set[str] = set()  # files the tour may name before they land
 TOUR_PENDING_UNLISTED: set[str] = set()  # files that may exist before the tour names them
@@ -230,11 +230,8 @@ TOUR_NOT_LISTED = {"__main__.py"}  # and every subpackage's __init__.py
 def _tour_paths() -> set[str]:
     """Paths under raytrain_ddp/ named in the first column of the tour table; in a cell such as
     `parallel/naive.py`, `bucketed.py`, later names share the first one's folder."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Tour of the code"):]
-    section = section[:section.index("\n## ", 5)]
     paths = set()
-    for line in section.splitlines():
+    for line in (ROOT / "docs" / "code-tour.md").read_text().splitlines():
         if not line.startswith("| `"):
             continue
         folder = None
@@ -259,7 +256,7 @@ def test_code_tour_matches_the_tree():
         if rel not in covered and not any(rel.startswith(c + "/") for c in covered):
             unlisted.append(rel)
     assert not missing and not unlisted, (
-        f"README's tour of the code names files that do not exist: {missing}; "
+        f"docs/code-tour.md names files that do not exist: {missing}; "
         f"modules it does not mention: {unlisted}")
 
 
