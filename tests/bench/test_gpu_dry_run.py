@@ -1,7 +1,7 @@
 """`benchmarks/gpu.sh --dry-run` on a machine made to look like the GPU machine (issue #41).
 
 As there: `import ray` fails, and pydantic is missing until gpu.sh installs it from the
-carried wheels (here: this venv's own, repacked offline by `raytrain_ddp.testing.wheels`;
+carried wheels (here: this venv's own, repacked offline by `tests/_wheels.py`;
 `--prepare` fetches the GPU machine's). The run must write its four files into the `--out`
 folder, install pydantic from the wheels, mark the Ray section "not run: no Ray on this
 machine", and finish with its table. On a loaded machine later sections may be cut by the
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ddp.testing.wheels import repack
+from _wheels import repack
 
 REPO = Path(__file__).resolve().parents[2]
-SHIM = REPO / "raytrain_ddp" / "testing" / "device_like"
+SHIM = REPO / "tests" / "device_like"
 HIDE = "ray,pydantic,pydantic_core,annotated_types,typing_inspection"
 WHEELS = ("pydantic", "pydantic_core", "annotated_types", "typing_inspection", "typing_extensions")
 
@@ -35,7 +35,7 @@ def test_gpu_sh_dry_run_without_ray_and_pydantic(tmp_path):
     for name in WHEELS:
         repack(name, wheels)
     env = {**os.environ, "PYTHON": sys.executable, "GPU_WHEELS": str(wheels), "GPU_SITE": str(tmp_path / "site"),
-           "PYTHONPATH": str(SHIM), "RAYTRAIN_DDP_HIDE": HIDE, "GPU_DEADLINE_S": "240", "TMPDIR": str(tmp_path)}
+           "PYTHONPATH": f"{SHIM}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "RAYTRAIN_DDP_HIDE": HIDE, "GPU_DEADLINE_S": "240", "TMPDIR": str(tmp_path)}
     for module in ("ray", "pydantic"):  # as on the GPU machine, before gpu.sh
         probe = subprocess.run([sys.executable, "-c", f"import {module}"], env=env, capture_output=True, text=True)
         assert probe.returncode != 0 and "hidden: as on the GPU machine" in probe.stderr
