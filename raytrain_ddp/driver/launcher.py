@@ -341,21 +341,6 @@ def _finish_outside_fit(recorder: Recorder, total_steps: int) -> None:
     recorder.close(status)
 
 
-def process_group_timeout_s(collective_timeout_s: float, use_gpu: bool) -> int:
-    """The timeout Ray Train gives the process group (`TorchConfig.timeout_s`).
-
-    gloo: `parallel.collective_timeout_s` itself -- a gloo wait that outlives it raises
-    `CollectiveTimeoutError` naming the operation. NCCL: above it (10%, at least 30 s):
-    the step never waits on the host for a collective, so NCCL's watchdog enforces the
-    timeout by ending the process, and the wrappers' watch (`parallel.base.CollectiveWatch`)
-    must name the stuck collective first, at `collective_timeout_s`. With the two equal
-    the watchdog and the name would race (Ray sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1).
-    """
-    if not use_gpu:
-        return int(math.ceil(collective_timeout_s))
-    return int(math.ceil(collective_timeout_s + max(30.0, 0.1 * collective_timeout_s)))
-
-
 def nccl_env(use_gpu: bool, environ: Any) -> dict[str, str]:
     """The NCCL flight-recorder settings for the workers (GPU runs only; set values win)."""
     if not use_gpu:
@@ -442,6 +427,7 @@ def build_trainer(cfg: Config, run_dir: Location, job: Job, prepared: Any) -> An
     from raytrain_ddp.driver.node_loss import NodeLossWatch
     from raytrain_ddp.driver.startup import StartupStamps
     from raytrain_ddp.recovery import table
+    from raytrain_ddp.parallel.watch import process_group_timeout_s
 
     pg_timeout_s = process_group_timeout_s(cfg.parallel.collective_timeout_s, cfg.scaling.use_gpu)
     env_vars = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}

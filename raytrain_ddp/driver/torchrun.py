@@ -274,7 +274,7 @@ def rank_main(payload: str, stamps: Optional[dict[str, float]] = None) -> None:
     import torch
     import torch.distributed as dist
 
-    from raytrain_ddp.driver.launcher import process_group_timeout_s
+    from raytrain_ddp.parallel.watch import process_group_timeout_s
     from raytrain_ddp.worker.context import Rank, quiet_worker_console
     from raytrain_ddp.worker.loop import train_loop_per_worker
     from raytrain_ddp.worker.optim import preload_optimizer_imports
