@@ -44,7 +44,7 @@ def cross_field(cfg: "Config") -> None:
 
 
 def _check_launcher(cfg: "Config") -> None:
-    """scaling.launcher=torchrun: a fixed worker count of this machine, in-memory data."""
+    """scaling.launcher=torchrun: a fixed worker count of this machine, in-memory data, no Ray."""
     if cfg.scaling.launcher != "torchrun":
         return
     if cfg.scaling.elastic or cfg.scaling.local:
@@ -53,6 +53,9 @@ def _check_launcher(cfg: "Config") -> None:
     if cfg.data.sharding != "exact":
         raise ValueError(f"scaling.launcher=torchrun reads the data in memory: data.sharding={cfg.data.sharding!r} "
                          "reads through Ray Data; use data.sharding=exact")
+    if cfg.data.source == "datasets":
+        raise ValueError("scaling.launcher=torchrun runs without Ray: Ray Datasets given from Python need it; write "
+                         "them to parquet (data.source=parquet), or use scaling.launcher=ray")
 
 
 def _check_parallel(cfg: "Config") -> None:

@@ -64,7 +64,8 @@ def test_fp16_is_allowed_with_sharded_optimizer_state_on_gpu():
 def test_torchrun_launcher_needs_a_fixed_count_and_exact_data():
     for overrides, needle in ((["scaling.num_workers=[1,2]"], "scaling.num_workers"),
                               (["scaling.num_workers=0"], "scaling.num_workers"),
-                              (["data.sharding=streaming"], "data.sharding=exact")):
+                              (["data.sharding=streaming"], "data.sharding=exact"),
+                              (["data.source=datasets"], "launcher=torchrun runs without Ray: Ray Datasets")):
         with pytest.raises(ConfigError, match=needle):
             load_config(None, ["scaling.launcher=torchrun", "train.global_batch_size=64", *overrides])
     assert load_config(None, ["scaling.launcher=torchrun"]).scaling.launcher == "torchrun"
