@@ -71,6 +71,7 @@ from raytrain_ddp.driver.console import ProgressPrinter
 from raytrain_ddp.driver.fit import already_complete, prepare, report, root_message
 from raytrain_ddp.driver import hold, ray_console
 from raytrain_ddp.driver.interrupt import Interrupt
+from raytrain_ddp.launch import table as launchers
 from raytrain_ddp.ray_compat import (
     CONTROLLER_POLL_ENV, abort_controller, install_sigint_handler, job_config,
     lean_trainer, local_instance_kwargs, preemption_grace, started_here, startup_timed_out,
@@ -166,17 +167,10 @@ def run_training(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, 
             return already_complete(cfg, start.run_dir, start.resume_from)  # the same command: exit 0, before Ray
         check_loggers(cfg)
         start.timeline.mark("cli")
-        if cfg.scaling.local:  # scaling.num_workers: 0 -- this process, no Ray (driver/local.py)
-            from raytrain_ddp.driver.local import run_local
-
-            summary = run_local(cfg, start.run_dir, start.fit_id, start.resume_from, start.checked, start.code,
-                                timeline=start.timeline)
-            return summary
-        if cfg.scaling.launcher == "torchrun":  # this machine's processes, no Ray (driver/torchrun.py)
-            from raytrain_ddp.driver.torchrun import run_torchrun
-
-            summary = run_torchrun(cfg, start.run_dir, start.fit_id, start.resume_from, start.checked, start.code,
-                                   timeline=start.timeline, launch=launch)
+        row = launchers.of(cfg)
+        if row.run:  # no Ray: this process (driver/local.py) or this machine's torchrun (driver/torchrun.py)
+            summary = row.run_fit()(cfg, start.run_dir, start.fit_id, start.resume_from, start.checked, start.code,
+                                    timeline=start.timeline, launch=launch)
             return summary
         started_here = connect_user_code(cfg, start.code)
         warn_local_storage(cfg)

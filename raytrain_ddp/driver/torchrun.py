@@ -155,7 +155,9 @@ class TorchrunLaunch:
 
 def start_early(cfg: Config) -> Optional[TorchrunLaunch]:
     """torchrun for `cfg`, started before the driver imports torch, if it launches with torchrun."""
-    return TorchrunLaunch(cfg) if cfg.scaling.launcher == "torchrun" and not cfg.scaling.local else None
+    from raytrain_ddp.launch import table as launchers
+
+    return TorchrunLaunch(cfg) if launchers.of(cfg).early_start else None
 
 
 def run_torchrun(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, checked: Any, code: Any,

@@ -7,7 +7,8 @@ the extras named there) and itself, never the checkout (`benchmarks/`, `tests/`:
 machinery lives in tests/, and `worker/hooks.py` loads the tests' hooks by the file named
 in an environment variable, never by an import statement); `parallel` imports only torch
 (numpy) and the standard library, nothing of ours outside itself; `ops` is never imported
-by the product; `data` <- `worker` <- `driver`.
+by the product; `data` <- `worker` <- `driver`; `scaling.local`, `scaling.launcher` and
+`run.recovery` are read only by their tables (launch/table.py, recovery/table.py).
 The CLI (`cli.py`, and `__main__.py` which runs it) is the top entry point: it is
 a node of its own, above `ops`, and it dispatches to `ops` only from inside its command
 handlers, never at module level. Every edge is read with `ast.walk`, so an import inside
@@ -253,6 +254,25 @@ def test_only_the_bench_tier_imports_the_benchmarks():
                      [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
             bad += [f"{path.relative_to(tests.parent)}:{node.lineno}: imports {n}" for n in names
                     if n.split(".")[0] == "benchmarks"]
+    assert not bad, "\n".join(bad)
+
+
+# The keys only their table reads (the one place each value is compared): each row says what
+# the value means, so nothing else branches on it. (The schema defines them.)
+TABLE_KEYS = {("scaling", "local"): "raytrain_ddp/launch/table.py",
+              ("scaling", "launcher"): "raytrain_ddp/launch/table.py",
+              ("run", "recovery"): "raytrain_ddp/recovery/table.py"}
+
+
+def test_launcher_and_recovery_keys_are_read_only_by_their_tables():
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute):
+                owner = TABLE_KEYS.get((node.value.attr, node.attr))
+                if owner is not None and rel not in (owner, "raytrain_ddp/config/schema.py"):
+                    bad.append(f"{rel}:{node.lineno}: reads {node.value.attr}.{node.attr} (ask {owner})")
     assert not bad, "\n".join(bad)
 
 
