@@ -3,8 +3,8 @@
 Owns nothing itself: it re-exports the public names of its modules, so that
 `from raytrain_ddp.config import X` works everywhere. `schema.py` is the typed tree,
 `checks.py` the cross-field checks, `load.py` YAML + overrides, `reference.py` the
-docs/configuration.md table (`sweep.py` its sweep: section and the page). Must not touch: Ray, torch (`import raytrain_ddp.config`
-stays light; a test enforces it).
+docs/configuration.md table (`sweep.py` its sweep: section and the page). Must not touch:
+Ray, torch (`import raytrain_ddp.config` stays light; a test enforces it).
 """
 
 from raytrain_ddp.config.load import (

@@ -3,8 +3,9 @@
 Owns: `process_group_timeout_s` (the group's timeout, against the watch's), `wait_work` (an
 async collective's wait that becomes a `CollectiveTimeoutError` naming the operation),
 `CollectiveWatch` (one per process: CUDA collectives the step never waits on, named when
-stuck), NCCL's flight-recorder dump, and the host-side timing of gradient all-reduces (`CommClock`, `split_comm_time`, `comm_timing`). Must not touch:
-Ray, anything of ours outside `parallel/`; only torch and torch.distributed.
+stuck), NCCL's flight-recorder dump, and the host-side timing of gradient all-reduces
+(`CommClock`, `split_comm_time`, `comm_timing`). Must not touch: Ray, anything of ours
+outside `parallel/`; only torch and torch.distributed.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ def test_gpu_sh_dry_run_without_ray_and_pydantic(tmp_path):
     for name in WHEELS:
         repack(name, wheels)
     env = {**os.environ, "PYTHON": sys.executable, "GPU_WHEELS": str(wheels), "GPU_SITE": str(tmp_path / "site"),
-           "PYTHONPATH": f"{SHIM}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "RAYTRAIN_DDP_HIDE": HIDE, "GPU_DEADLINE_S": "240", "TMPDIR": str(tmp_path)}
+           "PYTHONPATH": str(SHIM), "RAYTRAIN_DDP_HIDE": HIDE, "GPU_DEADLINE_S": "240", "TMPDIR": str(tmp_path)}
     for module in ("ray", "pydantic"):  # as on the GPU machine, before gpu.sh
         probe = subprocess.run([sys.executable, "-c", f"import {module}"], env=env, capture_output=True, text=True)
         assert probe.returncode != 0 and "hidden: as on the GPU machine" in probe.stderr
