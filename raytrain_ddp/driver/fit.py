@@ -41,7 +41,7 @@ def prepare(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, check
         ray.data.DataContext.get_current().enable_progress_bars = False
         prepared = prepare_datasets(cfg, checked, code, given, fits=check_exact_fits)
     run_dir.mkdir()
-    if launchers.of(cfg).ray:  # local mode writes no Ray history (and does not import Ray)
+    if launchers.of(cfg).ray_history:  # local mode writes none (and does not import Ray)
         forget_earlier_fits(run_dir)  # Ray's checkpoint history must never contradict ours (ray_compat.py)
     record_config(cfg, run_dir, resume_from, fit_id)  # config.yaml + config-history.jsonl (resume.py)
     if resume_from is not None:

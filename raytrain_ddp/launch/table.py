@@ -35,7 +35,7 @@ class Launcher:
     recovery: tuple[str, ...]  # the run.recovery modes it carries out (elsewhere a lost rank ends the fit)
     datasets: bool  # Ray Datasets given from Python (data.source=datasets)
     early_start: bool  # the CLI starts it before it imports torch (its processes import torch meanwhile)
-    ray: bool  # the driver imports Ray (and keeps Ray Train's checkpoint history in line with ours)
+    ray_history: bool  # Ray Train's checkpoint history is kept in line with ours (local mode never imports Ray)
     run: str = ""  # "module:function" running the fit (no Ray); "" for Ray's own path (driver/launcher.py)
 
     def run_fit(self) -> Any:
@@ -47,13 +47,13 @@ _EXACT = ("exact",)
 _TABLE = (
     Launcher("ray", says="scaling.launcher=ray", sizes="one worker or more, or a range", elastic=True,
              in_process=False, sharding=("exact", "streaming", "sharded"), reads="reads through Ray Data",
-             recovery=("checkpoint", "replica", "live"), datasets=True, early_start=False, ray=True),
+             recovery=("checkpoint", "replica", "live"), datasets=True, early_start=False, ray_history=True),
     Launcher("local", says="scaling.num_workers=0 (local mode)", sizes="this process alone", elastic=False,
              in_process=True, sharding=_EXACT, reads="reads the data in this process", recovery=(),
-             datasets=False, early_start=False, ray=False, run="raytrain_ddp.driver.local:run_local"),
+             datasets=False, early_start=False, ray_history=False, run="raytrain_ddp.driver.local:run_local"),
     Launcher("torchrun", says="scaling.launcher=torchrun", sizes="a fixed number of processes", elastic=False,
              in_process=False, sharding=_EXACT, reads="reads the data in memory", recovery=(), datasets=False,
-             early_start=True, ray=True, run="raytrain_ddp.driver.torchrun:run_torchrun"),
+             early_start=True, ray_history=True, run="raytrain_ddp.driver.torchrun:run_torchrun"),
 )
 LAUNCHERS: dict[str, Launcher] = {row.name: row for row in _TABLE}
 
