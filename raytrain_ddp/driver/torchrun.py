@@ -143,9 +143,9 @@ class TorchrunLaunch:
         this launch and no temp dir."""
         if os.path.exists(self.payload):
             _stop(self.proc)  # ranks at work: the agent stops them
-        elif self.proc.poll() is None:  # no job yet (a refusal): nothing to stop gracefully (torchrun's SIGTERM
-            _signal_group(self.proc, signal.SIGKILL)  # handling printed a traceback under the one line); killed,
-        _kill_naming(self.payload, STOP_WAIT_S)  # it starts no more ranks, and each of its own session goes too
+        elif self.proc.poll() is None:  # no job yet (a refusal): nothing to stop gracefully (torchrun's
+            _signal_group(self.proc, signal.SIGKILL)  # SIGTERM handling printed a traceback under the one line)
+        _kill_naming(self.payload, STOP_WAIT_S)  # its ranks, each in a session of its own (the agent starts no more)
         try:
             self.proc.wait(timeout=STOP_WAIT_S)  # killed: reaped at once
         except subprocess.TimeoutExpired:
