@@ -162,3 +162,20 @@ def main(quick: bool, out: Optional[str], device: str) -> int:
         log(f"sections failed: {failed} (see 'error' in the JSON)")
         return 1
     return 0
+
+
+if __name__ == "__main__":  # what `raytrain-ddp bench` runs, from the checkout
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.suite", description="every bench section")
+    parser.add_argument("--quick", action="store_true", help="small sizes, ~2 minutes")
+    parser.add_argument("--out", default=None, help="JSON results file (default: benchmarks/bench-<preset>.json)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    given = parser.parse_args()
+    try:
+        sys.exit(main(quick=given.quick, out=given.out, device=given.device))
+    except UserError as exc:
+        print(f"raytrain-ddp bench: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+

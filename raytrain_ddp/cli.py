@@ -140,16 +140,18 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     """The benchmarks live in the checkout (`benchmarks/`), not in the installed package:
-    they measure this project, so users of a wheel get one line saying where they are."""
+    they measure this project, so they run as the checkout's own process (`python -m
+    benchmarks.suite` there; the package imports nothing of the checkout), and users of a
+    wheel get one line saying where they are."""
+    import subprocess
+
     checkout = Path(__file__).resolve().parents[1]
     if not (checkout / "benchmarks" / "suite.py").is_file():
         raise UserError("raytrain-ddp bench runs from a checkout of raytrain_ddp (its benchmarks/ "
                         "folder is not installed): clone the repository and run `make bench` there")
-    if str(checkout) not in sys.path:
-        sys.path.insert(0, str(checkout))
-    from benchmarks.suite import main as bench_main
-
-    return bench_main(quick=args.quick, out=args.out, device=args.device)
+    out = ["--out", str(Path(args.out).resolve())] if args.out else []  # the caller's directory, not the checkout's
+    return subprocess.call([sys.executable, "-m", "benchmarks.suite", *(["--quick"] if args.quick else []), *out,
+                            "--device", args.device], cwd=checkout)
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:

@@ -7,9 +7,10 @@ no dashboard head nor autoscaler monitor, node bound to 127.0.0.1, workers at th
 niceness.
 
 Test hooks: every run started from this session (in process, or as a child process that
-inherits the environment) loads `raytrain_ddp.testing.hooks:from_env` on its workers, so
-a test injects a fault by setting `RAYTRAIN_DDP_FAULT` / `RAYTRAIN_DDP_PREEMPT`; without
-those the hooks do nothing.
+inherits the environment) loads `tests/_hooks.py:from_env` on its workers (by the file's
+path: Ray's workers and torchrun's ranks need no `sys.path` of ours), so a test injects a
+fault by setting `RAYTRAIN_DDP_FAULT` / `RAYTRAIN_DDP_PREEMPT`; without those the hooks do
+nothing. The test machinery lives here in tests/, never in the package.
 
 `_no_leaked_process_group` (autouse) fails any test that leaves a torch.distributed
 process group initialised in the test process, and tears it down so the next test
@@ -24,7 +25,7 @@ import pytest
 
 # tests/ and the checkout are on sys.path by pyproject.toml's pytest `pythonpath`, set there only.
 
-from raytrain_ddp.testing.hooks import ENABLE as _TEST_HOOKS  # noqa: E402
+from _hooks import ENABLE as _TEST_HOOKS  # noqa: E402
 
 os.environ.update(_TEST_HOOKS)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Optional, Union
 
+from raytrain_ddp.launch import table as launchers
 from raytrain_ddp.parallel import registry
 
 if TYPE_CHECKING:
@@ -34,25 +35,15 @@ def cross_field(cfg: "Config") -> None:
             "(each rank reads whole chunks)"
         )
     _check_parallel(cfg)
-    _check_launcher(cfg)
+    refused = launchers.refusal(cfg)  # what the launcher's row does not support
+    if refused:
+        raise ValueError(refused)
     # fp16 with zero1 / fsdp: the scaler's overflow verdict is the same on every rank
     # (zero1 agrees on non-finite shards, FSDP2's DTensor unscale all-reduces found_inf).
     if cfg.train.precision == "fp16" and not cfg.scaling.use_gpu:
         raise ValueError(
             "train.precision='fp16' needs scaling.use_gpu=true (CPU autocast supports bf16 only)"
         )
-
-
-def _check_launcher(cfg: "Config") -> None:
-    """scaling.launcher=torchrun: a fixed worker count of this machine, in-memory data."""
-    if cfg.scaling.launcher != "torchrun":
-        return
-    if cfg.scaling.elastic or cfg.scaling.local:
-        raise ValueError("scaling.launcher=torchrun starts a fixed number of processes: set "
-                         f"scaling.num_workers to a count >= 1, not {cfg.scaling.num_workers}")
-    if cfg.data.sharding != "exact":
-        raise ValueError(f"scaling.launcher=torchrun reads the data in memory: data.sharding={cfg.data.sharding!r} "
-                         "reads through Ray Data; use data.sharding=exact")
 
 
 def _check_parallel(cfg: "Config") -> None:

@@ -2,7 +2,9 @@
 
 Owns: `config_keys` (frozen by a test so the public surface grows on purpose) and the
 table that docs/configuration.md is generated from (`raytrain-ddp config --reference`,
-tests/docs/gen_configuration.py). Must not touch: loading, validation.
+tests/docs/gen_configuration.py; the page itself, with the `sweep:` section's keys, is
+`sweep.reference_markdown`, so this module imports nothing of `sweep.py`, which reads it).
+Must not touch: loading, validation.
 """
 
 from __future__ import annotations
@@ -40,13 +42,3 @@ def reference_table(model: type[BaseModel] = Config, prefix: str = "") -> list[t
         rows.append((f"{prefix}{name}", yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip(),
                      (field.description or "").replace("\n", " ")))
     return rows
-
-
-def reference_markdown() -> str:
-    """Every training key, then the `sweep:` section's (`raytrain-ddp sweep` only; config/sweep.py)."""
-    from raytrain_ddp.config.sweep import SweepConfig
-
-    lines = ["| key | default | meaning |", "| --- | --- | --- |"]
-    lines += [f"| `{key}` | `{default}` | {desc} |"
-              for key, default, desc in reference_table() + reference_table(SweepConfig, "sweep.")]
-    return "\n".join(lines)

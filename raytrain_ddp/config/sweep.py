@@ -23,7 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from raytrain_ddp.config.load import apply_overrides, validate_config
-from raytrain_ddp.config.reference import config_keys
+from raytrain_ddp.config.reference import config_keys, reference_table
 from raytrain_ddp.config.schema import Config, ConfigError
 
 KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
@@ -214,3 +214,11 @@ def planned_trials(sweep: SweepConfig) -> int:
     if sweep.search == "grid":
         return grid_size(sweep)
     return (sweep.num_trials or 10) * grid_size(sweep)
+
+
+def reference_markdown() -> str:
+    """docs/configuration.md's table: every training key, then the `sweep:` section's (`raytrain-ddp sweep` only)."""
+    lines = ["| key | default | meaning |", "| --- | --- | --- |"]
+    lines += [f"| `{key}` | `{default}` | {desc} |"
+              for key, default, desc in reference_table() + reference_table(SweepConfig, "sweep.")]
+    return "\n".join(lines)

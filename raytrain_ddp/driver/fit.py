@@ -21,6 +21,7 @@ from raytrain_ddp.goodput import summary_figures
 from raytrain_ddp.driver.resume import prune_checkpoints, record_config, restore_config_if_untrained
 from raytrain_ddp.driver.stream import Recorder, line_key, tracked_step
 from raytrain_ddp.job import Job
+from raytrain_ddp.launch import table as launchers
 from raytrain_ddp.ray_compat import forget_earlier_fits
 from raytrain_ddp.rundir import (
     ABORT_FILE, ATTEMPTS_FILE, METRICS_FILE, SUMMARY_FILE, JsonlFile, Location, read_jsonl, read_metrics,
@@ -40,7 +41,7 @@ def prepare(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, check
         ray.data.DataContext.get_current().enable_progress_bars = False
         prepared = prepare_datasets(cfg, checked, code, given, fits=check_exact_fits)
     run_dir.mkdir()
-    if not cfg.scaling.local:  # local mode writes no Ray history (and does not import Ray)
+    if launchers.of(cfg).ray_history:  # local mode writes none (and does not import Ray)
         forget_earlier_fits(run_dir)  # Ray's checkpoint history must never contradict ours (ray_compat.py)
     record_config(cfg, run_dir, resume_from, fit_id)  # config.yaml + config-history.jsonl (resume.py)
     if resume_from is not None:

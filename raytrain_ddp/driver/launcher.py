@@ -71,6 +71,7 @@ from raytrain_ddp.driver.console import ProgressPrinter
 from raytrain_ddp.driver.fit import already_complete, prepare, report, root_message
 from raytrain_ddp.driver import hold, ray_console
 from raytrain_ddp.driver.interrupt import Interrupt
+from raytrain_ddp.launch import table as launchers
 from raytrain_ddp.ray_compat import (
     CONTROLLER_POLL_ENV, abort_controller, install_sigint_handler, job_config,
     lean_trainer, local_instance_kwargs, preemption_grace, started_here, startup_timed_out,
@@ -166,17 +167,10 @@ def run_training(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, 
             return already_complete(cfg, start.run_dir, start.resume_from)  # the same command: exit 0, before Ray
         check_loggers(cfg)
         start.timeline.mark("cli")
-        if cfg.scaling.local:  # scaling.num_workers: 0 -- this process, no Ray (driver/local.py)
-            from raytrain_ddp.driver.local import run_local
-
-            summary = run_local(cfg, start.run_dir, start.fit_id, start.resume_from, start.checked, start.code,
-                                timeline=start.timeline)
-            return summary
-        if cfg.scaling.launcher == "torchrun":  # this machine's processes, no Ray (driver/torchrun.py)
-            from raytrain_ddp.driver.torchrun import run_torchrun
-
-            summary = run_torchrun(cfg, start.run_dir, start.fit_id, start.resume_from, start.checked, start.code,
-                                   timeline=start.timeline, launch=launch)
+        row = launchers.of(cfg)
+        if row.run:  # no Ray: this process (driver/local.py) or this machine's torchrun (driver/torchrun.py)
+            summary = row.run_fit()(cfg, start.run_dir, start.fit_id, start.resume_from, start.checked, start.code,
+                                    timeline=start.timeline, launch=launch)
             return summary
         started_here = connect_user_code(cfg, start.code)
         warn_local_storage(cfg)
@@ -341,21 +335,6 @@ def _finish_outside_fit(recorder: Recorder, total_steps: int) -> None:
     recorder.close(status)
 
 
-def process_group_timeout_s(collective_timeout_s: float, use_gpu: bool) -> int:
-    """The timeout Ray Train gives the process group (`TorchConfig.timeout_s`).
-
-    gloo: `parallel.collective_timeout_s` itself -- a gloo wait that outlives it raises
-    `CollectiveTimeoutError` naming the operation. NCCL: above it (10%, at least 30 s):
-    the step never waits on the host for a collective, so NCCL's watchdog enforces the
-    timeout by ending the process, and the wrappers' watch (`parallel.base.CollectiveWatch`)
-    must name the stuck collective first, at `collective_timeout_s`. With the two equal
-    the watchdog and the name would race (Ray sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1).
-    """
-    if not use_gpu:
-        return int(math.ceil(collective_timeout_s))
-    return int(math.ceil(collective_timeout_s + max(30.0, 0.1 * collective_timeout_s)))
-
-
 def nccl_env(use_gpu: bool, environ: Any) -> dict[str, str]:
     """The NCCL flight-recorder settings for the workers (GPU runs only; set values win)."""
     if not use_gpu:
@@ -442,6 +421,7 @@ def build_trainer(cfg: Config, run_dir: Location, job: Job, prepared: Any) -> An
     from raytrain_ddp.driver.node_loss import NodeLossWatch
     from raytrain_ddp.driver.startup import StartupStamps
     from raytrain_ddp.recovery import table
+    from raytrain_ddp.parallel.watch import process_group_timeout_s
 
     pg_timeout_s = process_group_timeout_s(cfg.parallel.collective_timeout_s, cfg.scaling.use_gpu)
     env_vars = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}

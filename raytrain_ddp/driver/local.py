@@ -8,8 +8,9 @@ Must not touch: the loop itself, checkpoints' format, resume decisions (the laun
 What users get (issue #30): the same loop, wrapper (world size 1), checkpoints, resume
 and metrics as a Ray run, without `ray.init`, worker processes or Ray Data tasks, so
 `breakpoint()` in a model's forward stops in the user's terminal and start-up costs
-imports only. What needs Ray is refused with one line: Ray Datasets given from Python,
-and the `streaming` / `sharded` data paths (both read through Ray Data).
+imports only. What needs Ray is refused with one line by the config's checks (its row of
+the launcher table, launch/table.py): Ray Datasets given from Python, and the `streaming` /
+`sharded` data paths (both read through Ray Data).
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from raytrain_ddp.rundir import Location
 
 
 def run_local(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, checked: Any,
-              code: Any, timeline: Any = None) -> dict[str, Any]:
+              code: Any, timeline: Any = None, launch: Any = None) -> dict[str, Any]:
     """Train `cfg` in this process; returns the summary, as `launcher.run_training` does.
-    `timeline`: the fit's start-up timeline (no Ray: `ray` and `datasets` are 0 s)."""
+    `timeline`: the fit's start-up timeline (no Ray: `ray` and `datasets` are 0 s); `launch`:
+    none (nothing starts early: launch/table.py)."""
     import torch
 
     from raytrain_ddp.driver.console import ProgressPrinter
@@ -107,16 +109,10 @@ def _one_process_group(device: Any) -> Iterator[None]:
 
 
 def local_data(cfg: Config, checked: Any, code: Any) -> tuple[dict[str, Any], Any]:
-    """The rows local mode (and torchrun's ranks) read in their processes (`in_memory_shards`),
-    after the one line for what needs Ray."""
+    """The rows local mode (and torchrun's ranks) read in their processes (`in_memory_shards`);
+    what needs Ray was refused by the config's checks (launch/table.py)."""
     from raytrain_ddp.data.in_memory import in_memory_shards
     from raytrain_ddp.user import run_preprocess
 
-    if cfg.data.source == "datasets":
-        raise UserError("scaling.num_workers=0 (local mode) runs without Ray: Ray Datasets given from Python need "
-                        "it; write them to parquet (data.source=parquet), or use scaling.num_workers>=1")
-    if cfg.data.sharding != "exact":
-        raise UserError(f"scaling.num_workers=0 (local mode) reads the data in this process: "
-                        f"data.sharding={cfg.data.sharding!r} reads through Ray Data; use data.sharding=exact")
     preprocess = code.preprocess if code is not None else None
     return in_memory_shards(cfg, checked, (lambda batch: run_preprocess(cfg, preprocess, batch)) if preprocess else None)

@@ -139,18 +139,25 @@ class TorchrunLaunch:
         os.replace(self.payload + ".part", self.payload)
 
     def stop(self) -> None:
+        """Never waits on a stopped process, nor longer than its bounds; leaves no process of
+        this launch and no temp dir."""
         if os.path.exists(self.payload):
             _stop(self.proc)  # ranks at work: the agent stops them
-        elif self.proc.poll() is None:  # no job yet (a refusal): nothing to stop gracefully, and torchrun's
-            os.killpg(self.proc.pid, signal.SIGSTOP)  # SIGTERM handling printed a traceback under the one line;
-            _kill_naming(self.payload, STOP_WAIT_S)  # stopped, it starts no more ranks: it and they are killed
-            self.proc.wait()
+        elif self.proc.poll() is None:  # no job yet (a refusal): nothing to stop gracefully (torchrun's
+            _signal_group(self.proc, signal.SIGKILL)  # SIGTERM handling printed a traceback under the one line)
+        _kill_naming(self.payload, STOP_WAIT_S)  # its ranks, each in a session of its own (the agent starts no more)
+        try:
+            self.proc.wait(timeout=STOP_WAIT_S)  # killed: reaped at once
+        except subprocess.TimeoutExpired:
+            pass
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def start_early(cfg: Config) -> Optional[TorchrunLaunch]:
     """torchrun for `cfg`, started before the driver imports torch, if it launches with torchrun."""
-    return TorchrunLaunch(cfg) if cfg.scaling.launcher == "torchrun" and not cfg.scaling.local else None
+    from raytrain_ddp.launch import table as launchers
+
+    return TorchrunLaunch(cfg) if launchers.of(cfg).early_start else None
 
 
 def run_torchrun(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, checked: Any, code: Any,
@@ -234,14 +241,22 @@ def _cmdline(pid: int) -> bytes:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """torchrun's session, stopped (its agent stops its ranks) if it still runs."""
+    """torchrun's session, stopped (its agent stops its ranks) if it still runs: SIGTERM (and
+    SIGCONT, so a stopped agent takes it), then SIGKILL after 30 s."""
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
+        _signal_group(proc, signal.SIGTERM)
+        _signal_group(proc, signal.SIGCONT)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            _signal_group(proc, signal.SIGKILL)
+
+
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+    try:
+        os.killpg(proc.pid, signum)
+    except ProcessLookupError:  # the group is gone already
+        pass
 
 
 def torchrun_command(cfg: Config, payload: str, log_dir: Optional[str] = None) -> list[str]:
@@ -274,7 +289,7 @@ def rank_main(payload: str, stamps: Optional[dict[str, float]] = None) -> None:
     import torch
     import torch.distributed as dist
 
-    from raytrain_ddp.driver.launcher import process_group_timeout_s
+    from raytrain_ddp.parallel.watch import process_group_timeout_s
     from raytrain_ddp.worker.context import Rank, quiet_worker_console
     from raytrain_ddp.worker.loop import train_loop_per_worker
     from raytrain_ddp.worker.optim import preload_optimizer_imports

@@ -132,7 +132,7 @@ def fsdp_comm_classes() -> tuple[type, type]:
 
 def device_constructors() -> set[Any]:
     """The tensor factories that take `device=` (`torch.utils._device._device_constructors`):
-    the test-only shadow device (`testing/shadow_device.py`) flags those called without one."""
+    the test-only shadow device (`tests/_shadow_device.py`) flags those called without one."""
     from torch.utils._device import _device_constructors
 
     return _device_constructors()

@@ -1,16 +1,18 @@
 """Waiting on the wrappers' collectives, and timing them.
 
-Owns: `wait_work` (an async collective's wait that becomes a `CollectiveTimeoutError`
-naming the operation), `CollectiveWatch` (one per process: CUDA collectives the step
-never waits on, named when stuck), NCCL's flight-recorder dump, and the host-side timing
-of gradient all-reduces (`CommClock`, `split_comm_time`, `comm_timing`). Must not touch:
-Ray, anything of ours outside `parallel/`; only torch and torch.distributed.
+Owns: `process_group_timeout_s` (the group's timeout, against the watch's), `wait_work` (an
+async collective's wait that becomes a `CollectiveTimeoutError` naming the operation),
+`CollectiveWatch` (one per process: CUDA collectives the step never waits on, named when
+stuck), NCCL's flight-recorder dump, and the host-side timing of gradient all-reduces
+(`CommClock`, `split_comm_time`, `comm_timing`). Must not touch: Ray, anything of ours
+outside `parallel/`; only torch and torch.distributed.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -24,6 +26,21 @@ import torch.distributed as dist
 
 from raytrain_ddp.parallel import torch_compat
 from raytrain_ddp.parallel.errors import CollectiveTimeoutError
+
+
+def process_group_timeout_s(collective_timeout_s: float, use_gpu: bool) -> int:
+    """The timeout Ray Train gives the process group (`TorchConfig.timeout_s`).
+
+    gloo: `parallel.collective_timeout_s` itself -- a gloo wait that outlives it raises
+    `CollectiveTimeoutError` naming the operation. NCCL: above it (10%, at least 30 s):
+    the step never waits on the host for a collective, so NCCL's watchdog enforces the
+    timeout by ending the process, and the wrappers' watch (`CollectiveWatch`, below)
+    must name the stuck collective first, at `collective_timeout_s`. With the two equal
+    the watchdog and the name would race (Ray sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1).
+    """
+    if not use_gpu:
+        return int(math.ceil(collective_timeout_s))
+    return int(math.ceil(collective_timeout_s + max(30.0, 0.1 * collective_timeout_s)))
 
 
 def split_comm_time(backward_end: float, spans: list[tuple[float, float]]) -> tuple[float, float]:

@@ -22,6 +22,7 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from raytrain_ddp.launch import table as launchers
 from raytrain_ddp.parallel import registry
 
 if TYPE_CHECKING:
@@ -65,8 +66,8 @@ def of(cfg: "Config") -> Recovery:
 
 
 def is_live(cfg: "Config") -> bool:
-    """Whether the run asks for live recovery on Ray (local mode has no replica groups)."""
-    return of(cfg).live and not cfg.scaling.local
+    """Whether the run asks for live recovery and its launcher carries it out (Ray's; launch/table.py)."""
+    return of(cfg).live and cfg.run.recovery in launchers.of(cfg).recovery
 
 
 def survivors_copy(cfg: "Config") -> bool:
@@ -94,7 +95,7 @@ def driver_half(cfg: "Config") -> Any:
 
 
 def worker_half(cfg: "Config") -> Any:
-    """The worker half's class of the run's mode (local mode: live's is the steady one)."""
+    """The worker half's class of the run's mode (where the launcher does not carry live out: the steady one)."""
     return of(cfg).load_worker() if (is_live(cfg) or not of(cfg).live) else _load(_STEADY)
 
 

@@ -1,17 +1,20 @@
 """The one seam for code that is not the product: a hooks object, a no-op by default.
 
 Owns: the `Hooks` interface the loop calls at fixed points, and loading an
-implementation named by an import path in `RAYTRAIN_DDP_HOOKS` ("package.module:factory",
-forwarded to workers with every other `RAYTRAIN_DDP_*` variable). Must not touch: any
-particular implementation. Tests supply theirs from `raytrain_ddp.testing.hooks`
-(fault plans, a simulated preemption signal); production runs leave the variable unset
-and get `Hooks()`, whose methods do nothing.
+implementation named in `RAYTRAIN_DDP_HOOKS` ("package.module:factory", or "/path/to/file.py:factory"
+for one outside every process's import path), forwarded to workers with every other
+`RAYTRAIN_DDP_*` variable. Must not touch: any particular implementation. The tests supply
+theirs by file (`tests/_hooks.py`: fault plans, a simulated preemption signal; not in the
+package), so Ray's workers and torchrun's ranks load it whatever their `sys.path`; production
+runs leave the variable unset and get `Hooks()`, whose methods do nothing.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
+import sys
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
@@ -46,8 +49,20 @@ def load_hooks() -> Hooks:
     if not spec:
         return Hooks()
     module_name, _, attr = spec.partition(":")
-    factory = getattr(importlib.import_module(module_name), attr or "from_env")
+    factory = getattr(_module(module_name), attr or "from_env")
     hooks = factory()
     if not isinstance(hooks, Hooks):
         raise TypeError(f"{HOOKS_ENV}={spec!r} returned {type(hooks).__name__}, not a raytrain_ddp Hooks")
     return hooks
+
+
+def _module(name: str) -> Any:
+    """A module by import path, or by file (registered under its file's stem, once per process)."""
+    if not name.endswith(".py"):
+        return importlib.import_module(name)
+    stem = os.path.basename(name)[:-3]
+    if stem not in sys.modules:
+        spec = importlib.util.spec_from_file_location(stem, name)
+        sys.modules[stem] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules[stem]

@@ -40,7 +40,7 @@ step, and the answer only changes every 5 s anyway. So:
   step it stopped at in storage: nothing trained is thrown away.
 
 Tests replace the signal through the hooks object (`Hooks.preemption_source`; see
-`raytrain_ddp.testing.hooks`), which may also poll every step so the checkpoint step is
+`tests/_hooks.py`), which may also poll every step so the checkpoint step is
 deterministic.
 """
 

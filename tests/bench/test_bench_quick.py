@@ -218,3 +218,63 @@ def test_suite_without_ray_records_the_ray_sections_and_goes_on(monkeypatch):
     results: dict = {}
     suite._with_ray(results, ("ingest",), lambda: 0.0, lambda _: pytest.fail("ran without Ray"))
     assert results["ingest"]["error"].startswith("Ray unavailable: ModuleNotFoundError")
+
+
+# The bench's own helpers (moved here from tests/parallel and tests/unit: only this tier imports
+# benchmarks/, tests/unit/test_layering.py checks it).
+
+
+def test_the_bench_models_buckets_are_cut_as_torch_ddp_cuts_them():
+    """The bench models: torch DDP's buckets after its rebuild (`_get_ddp_logging_data()`'s
+    rebuilt_bucket_sizes with default options), byte for byte."""
+    from benchmarks.strategies import build_model
+    from raytrain_ddp.parallel.bucketed import assign_buckets
+
+    for name, torch_sizes in (("mlp", [1049600, 8396800]), ("gpt", [1187840, 694272])):
+        params = list(reversed(list(build_model(name).parameters())))
+        buckets = assign_buckets(params, cap_bytes=25 * 2**20)
+        assert [sum(params[i].numel() * 4 for i in b) for b in buckets] == torch_sizes, name
+
+
+def test_paired_ratio_compares_within_rounds_and_ignores_a_disturbed_round():
+    """The bench's #19 verdict: per-round medians, then the median over rounds."""
+    from benchmarks.strategies import paired_ratio
+
+    # round 2 ran under load: both variants slower, a's ratio within every round stays 0.9
+    a = [9.0, 9.0, 9.5, 18.0, 18.0, 19.0, 9.0, 9.0, 9.0]
+    b = [10.0, 10.0, 10.5, 20.0, 20.0, 21.0, 10.0, 10.0, 10.0]
+    assert paired_ratio(a, b, 3) == pytest.approx(0.9)
+    assert paired_ratio(a + [1e6], b + [1.0], 3) == pytest.approx(0.9)  # a partial round is left out
+    assert paired_ratio(a, [10.0, 10.0, 10.0] * 2 + [100.0] * 3, 3) == pytest.approx(0.9)  # one bad round
+    assert math.isnan(paired_ratio([1.0], [1.0], 3))
+
+
+def test_launch_interval_is_a_t_interval_of_the_log_ratios():
+    from benchmarks.strategies import launch_interval
+
+    mean, low, high = launch_interval([1.02, 1.02, 1.02])
+    assert mean == pytest.approx(1.02) and low == pytest.approx(1.02) and high == pytest.approx(1.02)
+    mean, low, high = launch_interval([0.98, 1.03, 1.01, 1.04])
+    assert mean == pytest.approx((0.98 * 1.03 * 1.01 * 1.04) ** 0.25)
+    assert low < 1.0 < high and low * high == pytest.approx(mean * mean)  # symmetric in logs
+    wide = launch_interval([0.98, 1.03])  # two launches: the t quantile is 12.7
+    assert wide[1] < low and wide[2] > high
+    one = launch_interval([1.05])
+    assert one[0] == pytest.approx(1.05) and math.isnan(one[1]) and math.isnan(one[2])
+    ratio = 3.6607714669911773  # exp(log(r)) is 3.660771466991177: one launch's ratio is returned as it is
+    assert launch_interval([ratio])[0] == ratio
+
+
+def test_outputs_never_land_in_the_current_directory_by_surprise():
+    import time
+
+    from benchmarks.suite import default_out
+
+    # bench results are published where the docs cite them, named by preset and date
+    assert default_out("quick") == Path(f"benchmarks/results/quick-{time.strftime('%Y-%m-%d', time.gmtime())}.json")
+    outputs = ["data/digits.parquet"]
+    if not (REPO / ".git").exists():  # a copy without history: the rules must still be there
+        assert "/data/" in (REPO / ".gitignore").read_text().split()
+        return
+    ignored = subprocess.run(["git", "check-ignore", *outputs], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert ignored.stdout.split() == outputs, ignored.stderr

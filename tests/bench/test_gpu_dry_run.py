@@ -1,7 +1,7 @@
 """`benchmarks/gpu.sh --dry-run` on a machine made to look like the GPU machine (issue #41).
 
 As there: `import ray` fails, and pydantic is missing until gpu.sh installs it from the
-carried wheels (here: this venv's own, repacked offline by `raytrain_ddp.testing.wheels`;
+carried wheels (here: this venv's own, repacked offline by `tests/_wheels.py`;
 `--prepare` fetches the GPU machine's). The run must write its four files into the `--out`
 folder, install pydantic from the wheels, mark the Ray section "not run: no Ray on this
 machine", and finish with its table. On a loaded machine later sections may be cut by the
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ddp.testing.wheels import repack
+from _wheels import repack
 
 REPO = Path(__file__).resolve().parents[2]
-SHIM = REPO / "raytrain_ddp" / "testing" / "device_like"
+SHIM = REPO / "tests" / "device_like"
 HIDE = "ray,pydantic,pydantic_core,annotated_types,typing_inspection"
 WHEELS = ("pydantic", "pydantic_core", "annotated_types", "typing_inspection", "typing_extensions")
 

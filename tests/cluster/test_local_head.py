@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.recovery import two_node_env
+from _two_node import two_node_env
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
 

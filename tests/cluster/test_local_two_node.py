@@ -46,9 +46,9 @@ import pytest
 
 from _moto import s3_bucket
 from raytrain_ddp import checkpoint as ckpt
-from benchmarks.recovery import follow_to_resume, two_node_env, wait_for_step
+from _two_node import follow_to_resume, two_node_env, wait_for_step
 from raytrain_ddp.rundir import Location, read_jsonl, read_metrics
-from raytrain_ddp.testing.hooks import ENABLE
+from _hooks import ENABLE
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
 

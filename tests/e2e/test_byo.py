@@ -183,9 +183,44 @@ def test_python_api_snippets_of_the_docs_train(ray_cluster, tmp_path, monkeypatc
             assert summary["final_metrics"]["val_accuracy"] > 0.8, summary
             config = (Path(summary["run_dir"]) / "config.yaml").read_text()
             assert "name: __main__:make_model" in config and "source: datasets" in config
+            _torchrun_refuses_ray_datasets(scope, tmp_path, monkeypatch)
         else:
             result = scope["result"]
             assert result.error is None and result.checkpoint is not None
+
+
+def _torchrun_refuses_ray_datasets(scope: dict, tmp_path: Path, monkeypatch) -> None:
+    """The snippet's call with its Ray Datasets under scaling.launcher=torchrun: refused in one
+    line naming that launcher before anything starts, 20 times in a row (it once hung in a stop
+    of torchrun's agent, or said local mode's line), each in seconds, leaving no process and
+    no temp dir of a launch."""
+    import tempfile
+    import time
+
+    from raytrain_ddp.config import ConfigError
+
+    import raytrain_ddp
+
+    temp = tmp_path / "tmp"  # where a launch would put its job and torchrun's logs
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    for i in range(20):
+        started = time.monotonic()
+        with pytest.raises(ConfigError) as refused:
+            raytrain_ddp.train({"name": "byo-torchrun", "run": {"storage_path": str(tmp_path / "runs")}},
+                               model=scope["make_model"], loss=scope["loss"], preprocess=scope["scale"],
+                               datasets={"train": scope["train"]}, overrides=["scaling.launcher=torchrun"])
+        assert time.monotonic() - started < 5, i
+        line = str(refused.value)
+        assert "\n" not in line and "scaling.launcher=torchrun runs without Ray: Ray Datasets" in line, line
+    launched = []  # a torchrun agent or rank names its job's path, under `temp`
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            launched += [proc.name] if str(temp).encode() in (proc / "cmdline").read_bytes() else []
+        except OSError:
+            pass
+    assert launched == [] and list(temp.iterdir()) == []
+    assert not (tmp_path / "runs" / "byo-torchrun").exists()  # nothing started: not even the run directory
 
 
 @pytest.mark.timeout(600)  # transformers is imported by the driver, two workers and the data tasks

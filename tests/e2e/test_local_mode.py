@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from raytrain_ddp.rundir import read_metrics
-from raytrain_ddp.testing.timeline_checks import timeline_problems
+from _timeline import timeline_problems
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -27,12 +27,12 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.recovery import two_node_env
+from _two_node import two_node_env
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.driver.hold import held_live
 from raytrain_ddp.rundir import Location, read_jsonl, read_metrics
 from raytrain_ddp.sweep.report import read_trials
-from raytrain_ddp.testing.hooks import ENABLE, STEP_DELAY_ENV
+from _hooks import ENABLE, STEP_DELAY_ENV
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(2400)]
 
@@ -43,7 +43,7 @@ HEAD = REPO / "cluster" / "local-head.sh"
 # A checkpoint every 2 steps: a trial is past its first one moments after its workers start.
 SMALL = ["train.epochs=2", "run.log_every_steps=5", "run.checkpoint_every_steps=2", "sweep.max_concurrent_trials=2"]
 HEAD_CPUS = "5"  # what the embedded instance of this sweep would hold: 2 trials, the trial processes, the data
-# Every worker the head starts sleeps this long after each step (testing/hooks.py), so an
+# Every worker the head starts sleeps this long after each step (tests/_hooks.py), so an
 # epoch outlasts the way of ASHA's stop to the workers: a stopped trial stops mid-fit.
 STEP_DELAY_S = "0.1"
 

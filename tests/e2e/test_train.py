@@ -23,7 +23,7 @@ from raytrain_ddp.driver.launcher import run_training
 from raytrain_ddp.driver.resume import ResumeError
 from raytrain_ddp.rundir import read_metrics
 from raytrain_ddp.ops.plot import plot_run
-from raytrain_ddp.testing.timeline_checks import timeline_problems
+from _timeline import timeline_problems
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 

@@ -17,7 +17,7 @@ import pytest
 from _elastic import ATOL, STEPS, elastic_cfg, max_difference, states_by_step
 from raytrain_ddp.driver.launcher import run_training
 from raytrain_ddp.rundir import read_metrics
-from raytrain_ddp.testing.hooks import PREEMPT_ENV as SIMULATE_ENV, SimulatedPreemption
+from _hooks import PREEMPT_ENV as SIMULATE_ENV, SimulatedPreemption
 from raytrain_ddp.worker.preemption import PreemptionGuard, Signal
 from raytrain_ddp.rundir import read_jsonl
 

@@ -3,7 +3,7 @@ worker count, and an uninterrupted run (issue #14).
 
 Two fits of the elastic config (digits MLP, global batch 64 = micro 16 x workers x
 accumulation, 12 steps, a checkpoint every 6) with sharded data and the sample log of
-`raytrain_ddp.testing.hooks` (`RAYTRAIN_DDP_SAMPLE_LOG`: each rank records a digest of
+`tests/_hooks.py` (`RAYTRAIN_DDP_SAMPLE_LOG`: each rank records a digest of
 every row it trained on, per step):
 
 * the reference: 1 worker, uninterrupted;
@@ -26,7 +26,7 @@ import pytest
 from _elastic import ATOL, STEPS, elastic_cfg, max_difference, states_by_step
 from raytrain_ddp.driver.launcher import run_training
 from raytrain_ddp.rundir import read_metrics
-from raytrain_ddp.testing.hooks import SAMPLE_LOG_ENV
+from _hooks import SAMPLE_LOG_ENV
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(480)]
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raytrain_ddp.driver.launcher import nccl_env, process_group_timeout_s
+from raytrain_ddp.driver.launcher import nccl_env
+from raytrain_ddp.parallel.watch import process_group_timeout_s
 from raytrain_ddp.parallel import base, watch as watch_module
 from raytrain_ddp.parallel.base import CollectiveTimeoutError, CollectiveWatch, wait_work
 from _clock import FakeClock

@@ -1,7 +1,7 @@
 """One train_step per strategy with the model "on a device" that host tensors must not meet.
 
 The fake-CUDA check of issue 41, in the form this machine allows: `FakeTensorMode` cannot
-run a backward on CUDA without a GPU (`raytrain_ddp/testing/shadow_device.py` says exactly
+run a backward on CUDA without a GPU (`tests/_shadow_device.py` says exactly
 why), so `ShadowDevice` tracks host tensors on the CPU instead. Each strategy (naive,
 bucketed, native, zero1, fsdp) runs three `train_step`s of the quickstart and the GPT
 preset on 2 gloo ranks (torch's fake process group cannot serve `native`: DDP's comm hook
@@ -21,7 +21,7 @@ import torch
 from _spawn import run_ranks
 from raytrain_ddp.job import Job
 from raytrain_ddp.parallel import STRATEGIES
-from raytrain_ddp.testing.shadow_device import DeviceMismatch, ShadowDevice
+from _shadow_device import DeviceMismatch, ShadowDevice
 from raytrain_ddp.worker.context import Rank
 from raytrain_ddp.worker.state import build_state
 from raytrain_ddp.worker.step import train_step

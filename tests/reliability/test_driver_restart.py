@@ -26,7 +26,7 @@ from _harness import TINY, tiny, train_lines, wait_for
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.driver.resume import ResumeError, resolve_resume
 from raytrain_ddp.rundir import run_dir_of
-from raytrain_ddp.testing.hooks import ENABLE
+from _hooks import ENABLE
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
 

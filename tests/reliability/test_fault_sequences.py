@@ -60,8 +60,8 @@ from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import load_config
 from raytrain_ddp.driver.launcher import run_training
 from raytrain_ddp.rundir import read_jsonl, read_metrics
-from raytrain_ddp.testing.hooks import ENABLE, FAULT_ENV, SAMPLE_LOG_ENV, STEP_DELAY_ENV
-from benchmarks.recovery import CLUSTER_SCRIPT, two_node_cluster, two_node_env
+from _hooks import ENABLE, FAULT_ENV, SAMPLE_LOG_ENV, STEP_DELAY_ENV
+from _two_node import CLUSTER_SCRIPT, two_node_cluster, two_node_env
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(int(os.environ.get("RAYTRAIN_DDP_SOAK_TIMEOUT_S", "900")))]  # soak: more
 
@@ -260,7 +260,7 @@ def committed_rows(samples: Path) -> dict[int, list[str]]:
 
     A rank's execution is its samples line (written after the step), or, for a rank killed
     between the step's exchange and that line (a lost node: the survivors commit the step),
-    its pending lines of the step (one per forward, testing/hooks.py), whichever is newer."""
+    its pending lines of the step (one per forward, tests/_hooks.py), whichever is newer."""
     def read(pattern: str) -> list[tuple[str, dict]]:  # (file, line): a file is one process
         return [(f.name, json.loads(line)) for f in samples.glob(pattern) for line in f.read_text().splitlines()
                 if line.strip()]

@@ -27,7 +27,7 @@ import pytest
 
 from raytrain_ddp.goodput import report
 from raytrain_ddp.rundir import Location, read_jsonl, read_metrics
-from raytrain_ddp.testing.hooks import ENABLE, FAULT_ENV, SAMPLE_LOG_ENV, STEP_DELAY_ENV
+from _hooks import ENABLE, FAULT_ENV, SAMPLE_LOG_ENV, STEP_DELAY_ENV
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(1500)]
 

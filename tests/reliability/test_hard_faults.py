@@ -1,6 +1,6 @@
 """Real faults in real runs on the session's local Ray (issue #6, items 1, 2, 4, 6).
 
-Faults are injected through the test-only `RAYTRAIN_DDP_FAULT` plan (`raytrain_ddp.testing.hooks`, loaded through the hooks interface):
+Faults are injected through the test-only `RAYTRAIN_DDP_FAULT` plan (`tests/_hooks.py`, loaded through the hooks interface):
 `hang` makes one rank stop taking part in collectives (and write its pid, so this test
 can SIGKILL it from outside), `raise` fails a rank, `nan` poisons one rank's loss. Each
 run is a background thread joined with a deadline: a hang fails the test, never CI.
@@ -21,7 +21,7 @@ from _harness import BackgroundRun, tiny, train_lines, wait_for
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.rundir import read_metrics
 from raytrain_ddp.rundir import read_jsonl
-from raytrain_ddp.testing.timeline_checks import timeline_problems
+from _timeline import timeline_problems
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 

@@ -1,5 +1,7 @@
 """Config: typed, validated, errors name the key; the public key set is frozen."""
 
+import re
+
 import pytest
 
 from raytrain_ddp.config import ConfigError, config_keys, load_config
@@ -64,10 +66,24 @@ def test_fp16_is_allowed_with_sharded_optimizer_state_on_gpu():
 def test_torchrun_launcher_needs_a_fixed_count_and_exact_data():
     for overrides, needle in ((["scaling.num_workers=[1,2]"], "scaling.num_workers"),
                               (["scaling.num_workers=0"], "scaling.num_workers"),
-                              (["data.sharding=streaming"], "data.sharding=exact")):
+                              (["data.sharding=streaming"], "data.sharding=exact"),
+                              (["data.source=datasets"], "launcher=torchrun runs without Ray: Ray Datasets")):
         with pytest.raises(ConfigError, match=needle):
             load_config(None, ["scaling.launcher=torchrun", "train.global_batch_size=64", *overrides])
     assert load_config(None, ["scaling.launcher=torchrun"]).scaling.launcher == "torchrun"
+
+
+def test_local_mode_refuses_what_needs_ray_by_its_launcher_row_before_anything_starts():
+    """The launcher table's `local` row (launch/table.py): exact data read in this process, no
+    Ray Datasets; each row's fit function resolves."""
+    from raytrain_ddp.launch import table as launchers
+
+    for overrides, needle in ((["data.sharding=streaming"], "(local mode) reads the data in this process"),
+                              (["data.source=datasets"], "(local mode) runs without Ray: Ray Datasets")):
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            load_config(None, ["scaling.num_workers=0", *overrides])
+    assert launchers.of(load_config(None, ["scaling.num_workers=0"])).name == "local"
+    assert [callable(row.run_fit()) for row in launchers.LAUNCHERS.values() if row.run] == [True, True]
 
 
 def test_batch_error_suggests_valid_values():

@@ -175,7 +175,7 @@ def test_a_start_fault_kills_only_replacements_of_its_rank_at_the_phases_asked(t
     import signal
     import subprocess
 
-    from raytrain_ddp.testing.hooks import START_FAULT_ENV, StartFault
+    from _hooks import START_FAULT_ENV, StartFault
 
     died, mark = tmp_path / "died_at", tmp_path / "newcomers"
     fault = StartFault(rank=1, after=str(died), mark=str(mark), when=("start", "joined"))
@@ -186,8 +186,8 @@ def test_a_start_fault_kills_only_replacements_of_its_rank_at_the_phases_asked(t
     assert not mark.exists()
     env = {**os.environ, START_FAULT_ENV: f"rank=1,after={died},when=start+joined,mark={mark}"}
     for call in ("on_start(N(world_rank=1))", "on_attempt(N(world_rank=1), 1, None)"):
-        start = ("from types import SimpleNamespace as N; from raytrain_ddp.testing.hooks import from_env; "
-                 f"from_env().{call}")
+        start = ("from types import SimpleNamespace as N; from raytrain_ddp.worker.hooks import load_hooks; "
+                 f"load_hooks().{call}")  # as a worker loads them: by the file named in RAYTRAIN_DDP_HOOKS
         killed = subprocess.run([sys.executable, "-c", start + "; print('alive')"], env=env, capture_output=True,
                                 text=True, timeout=60)
         assert killed.returncode == -signal.SIGKILL and "alive" not in killed.stdout, (call, killed.stderr[-500:])

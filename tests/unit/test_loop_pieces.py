@@ -18,7 +18,7 @@ from raytrain_ddp.config import load_config
 from raytrain_ddp.driver.resume import ResumeError, resolve_resume
 from raytrain_ddp.driver.stream import Mailbox
 from raytrain_ddp.job import DataSpec, Job
-from raytrain_ddp.testing.hooks import FaultPlan, TestHooks
+from _hooks import ENABLE, FaultPlan, TestHooks
 from raytrain_ddp.worker.context import Rank
 from raytrain_ddp.worker.hooks import HOOKS_ENV, Hooks, load_hooks
 from raytrain_ddp.worker.meter import RunLog
@@ -258,7 +258,7 @@ def test_resolve_resume_modes(tmp_path):
 def test_hooks_are_a_no_op_unless_named_and_test_hooks_fire_only_where_asked(monkeypatch):
     monkeypatch.delenv(HOOKS_ENV, raising=False)
     assert type(load_hooks()) is Hooks
-    monkeypatch.setenv(HOOKS_ENV, "raytrain_ddp.testing.hooks:from_env")
+    monkeypatch.setenv(HOOKS_ENV, ENABLE[HOOKS_ENV])
     monkeypatch.delenv("RAYTRAIN_DDP_FAULT", raising=False)
     assert isinstance(load_hooks(), TestHooks) and FaultPlan.from_env() is None
     monkeypatch.setenv("RAYTRAIN_DDP_FAULT", "rank=0,step=3,attempt=2,mode=raise")

@@ -48,7 +48,8 @@ def test_each_file_and_tests_elastic_run_in_one_process_with_one_module_fixture(
     for name in files:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(BODY.format(name=name))
-    shutil.copy(TESTS / "conftest.py", suite / "conftest.py")
+    for helper in ("conftest.py", "_hooks.py"):  # conftest.py enables the test hooks of _hooks.py
+        shutil.copy(TESTS / helper, suite / helper)
     log = tmp_path / "log.jsonl"
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile", "-p",
                            "no:cacheprovider", "--rootdir", str(tmp_path), "tests"], cwd=tmp_path,

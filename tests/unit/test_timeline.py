@@ -13,7 +13,7 @@ import time
 import pytest
 
 from raytrain_ddp.rundir import Location, SUMMARY_FILE
-from raytrain_ddp.testing.timeline_checks import timeline_problems
+from _timeline import timeline_problems
 from raytrain_ddp.timeline import ATTEMPT_PHASES, Timeline, WorkerStamps, format_timeline, process_start_time
 
 pytestmark = pytest.mark.timeout(30)

@@ -98,3 +98,27 @@ def test_the_command_starts_torchrun_before_its_checks_and_a_refusal_stops_it(tm
     assert len(err.strip().splitlines()) == 1, err
     assert any("torch.distributed.run" in cmd for cmd in seen)  # it had started torchrun
     assert _processes_naming(str(payloads)) == [] and _ours(payloads) == []
+
+
+def test_a_stop_at_any_moment_of_the_launch_ends_in_seconds_and_leaves_nothing(tmp_path, monkeypatch):
+    """`TorchrunLaunch.stop` before the job, at moments from at once to while the agent forks
+    its ranks, and on an agent left SIGSTOPped (state `T`: a stop once waited on it for good):
+    each ends within its bounds, with no process of the launch and no temp dir left."""
+    import signal
+
+    from raytrain_ddp.driver.torchrun import STOP_WAIT_S, TorchrunLaunch
+
+    payloads = tmp_path / "tmp"
+    payloads.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(payloads))  # where the launch puts its job and logs
+    cfg = load_config(TINY, [f"run.storage_path={tmp_path}", "name=t", "scaling.launcher=torchrun"])
+    for i in range(20):
+        launch = TorchrunLaunch(cfg)
+        time.sleep((i % 5) * 0.3)  # 0 to 1.2 s: before torchrun runs, while it starts its ranks
+        if i % 4 == 3:
+            os.killpg(launch.proc.pid, signal.SIGSTOP)  # the agent (and a rank it forks) stopped
+        started = time.monotonic()
+        launch.stop()
+        assert time.monotonic() - started < STOP_WAIT_S, f"stop {i} waited {time.monotonic() - started:.1f} s"
+        assert launch.proc.poll() is not None, i
+        assert _processes_naming(str(payloads)) == [] and _ours(payloads) == [], i

@@ -2,7 +2,7 @@
 
 Owns: the fault plans (`RAYTRAIN_DDP_FAULT`, `RAYTRAIN_DDP_FAULT_AT_START`) and the simulated
 preemption signal (`RAYTRAIN_DDP_PREEMPT`), all read on the worker, and `from_env`, the factory a test
-names in `RAYTRAIN_DDP_HOOKS=raytrain_ddp.testing.hooks:from_env`. Must not touch:
+names in `RAYTRAIN_DDP_HOOKS` (by this file's path: `ENABLE`). Must not touch:
 anything but the `Hooks` interface — the product never imports this module.
 
     RAYTRAIN_DDP_FAULT="rank=1,step=3,attempt=1,mode=exit[,pidfile=PATH]"
@@ -63,7 +63,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from raytrain_ddp.testing.envspec import read_env_spec
 from raytrain_ddp.worker.hooks import HOOKS_ENV, Hooks
 from raytrain_ddp.worker.preemption import Signal
 
@@ -75,7 +74,20 @@ START_FAULT_ENV = "RAYTRAIN_DDP_FAULT_AT_START"
 PREEMPT_ENV = "RAYTRAIN_DDP_PREEMPT"
 SAMPLE_LOG_ENV = "RAYTRAIN_DDP_SAMPLE_LOG"
 STEP_DELAY_ENV = "RAYTRAIN_DDP_STEP_DELAY_S"
-ENABLE = {HOOKS_ENV: "raytrain_ddp.testing.hooks:from_env"}  # what a test puts in the driver's env
+ENABLE = {HOOKS_ENV: f"{os.path.abspath(__file__)}:from_env"}  # a test's driver env (by file: any sys.path)
+
+
+def read_env_spec(name: str, required: tuple[str, ...] = ()) -> Optional[dict[str, str]]:
+    """The plan spelled `key=value,key=value` in `$name` as a dict (None when unset), read the
+    same way by every plan here; a missing required key raises."""
+    spec = os.environ.get(name)
+    if not spec:
+        return None
+    fields = dict(item.split("=", 1) for item in spec.split(",") if "=" in item)
+    missing = [key for key in required if key not in fields]
+    if missing:
+        raise ValueError(f"{name}={spec!r}: needs {', '.join(f'{k}=...' for k in missing)}")
+    return fields
 
 
 @dataclass(frozen=True)
@@ -279,5 +291,5 @@ class TestHooks(Hooks):
 
 
 def from_env() -> Hooks:
-    """`RAYTRAIN_DDP_HOOKS=raytrain_ddp.testing.hooks:from_env`: the plans set in the environment."""
+    """`RAYTRAIN_DDP_HOOKS=<this file>:from_env`: the plans set in the environment."""
     return TestHooks(FaultPlan.from_env(), SimulatedPreemption.from_env(), StartFault.from_env())
