@@ -323,6 +323,9 @@ def check_pipeline(cfg: Config, code: UserCode, sample: dict[str, np.ndarray], s
         task, feature_shape = spec_columns(cfg, columns)
         spec = dataclasses.replace(spec, task=task, feature_shape=feature_shape, columns=columns)
     model = _build_model(cfg, code, spec)
+    from raytrain_ddp.models import checkpoint_activations
+
+    checkpoint_activations(model, cfg.model.activation_checkpointing)  # none matching: one line, before workers
     model.train()
     fmt = code.batch_format(cfg)
     tensors = fmt.assemble({name: torch.from_numpy(np.array(a)) for name, a in arrays.items()})
