@@ -16,7 +16,6 @@ from typing import Any, Union
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from torch.utils.checkpoint import checkpoint
 
 from raytrain_ddp.config import Config
@@ -179,7 +178,7 @@ def checkpoint_activations(module: nn.Module, targets: Union[str, list[str], Non
     for name in chosen:
         parent_name, _, child = name.rpartition(".")
         parent = module.get_submodule(parent_name)
-        parent._modules[child] = Checkpointed(parent._modules[child])  # what setattr does, for a ModuleList too
+        setattr(parent, child, Checkpointed(parent.get_submodule(child)))  # a ModuleList's "0" too
     return len(chosen)
 
 

@@ -32,7 +32,7 @@ class CompileClock:
             raise UserError(f"train.compile_backend={backend!r} is not a torch.compile backend "
                             f"(this torch has {', '.join(torch.compiler.list_backends(exclude_tags=()))})")
         self.inner = torch_compat.compile_backend(backend, mode)
-        self.graphs, self.seconds = 0, 0.0
+        self.graphs, self.seconds, self._checked = 0, 0.0, False
 
     def __call__(self, graph: torch.fx.GraphModule, example_inputs: list) -> Any:
         start = time.perf_counter()
@@ -42,8 +42,18 @@ class CompileClock:
             self.graphs += 1
             self.seconds += time.perf_counter() - start
 
+    def first_step_seconds(self, rank: Any) -> float:
+        """After each step: the compile seconds so far; after the first, once, a line from rank 0
+        when torch compiled nothing (dynamo skips a model whose forward is torch's own, such
+        as a bare `nn.Sequential`): the run trains eagerly, and says so."""
+        if not self._checked and not self.graphs:
+            rank.say("warning: train.compile: torch compiled no graph in the first step (a model whose forward is "
+                     "torch's own, such as a bare nn.Sequential, is skipped by dynamo): training runs eagerly")
+        self._checked = True
+        return self.seconds
+
     def __getattr__(self, name: str) -> Any:  # inductor's wrapper answers dynamo's questions (its config)
-        if name == "inner":
+        if name in ("inner", "_checked"):
             raise AttributeError(name)
         return getattr(self.inner, name)
 

@@ -127,3 +127,16 @@ def test_compile_is_its_own_start_up_phase():
     timeline.worker(1, sent[0]["stamps"])
     phases = timeline.summary()["attempts"][0]["phases"]
     assert phases["compile"] == pytest.approx(4.5) and phases["first_step"] == pytest.approx(1.5)
+
+
+def test_a_model_dynamo_skips_is_said_once_not_trained_as_if_compiled(capsys):
+    from raytrain_ddp.worker.context import Rank
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))  # forward: torch's own code
+    clock = CompileClock("aot_eager", None)
+    model.compile(backend=clock)
+    model(torch.randn(2, 4)).sum().backward()
+    rank = Rank(0, 1, 0, torch.device("cpu"))
+    assert clock.first_step_seconds(rank) == 0.0 and clock.first_step_seconds(rank) == 0.0
+    said = capsys.readouterr().out
+    assert said.count("train.compile: torch compiled no graph") == 1, said
