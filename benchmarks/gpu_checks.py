@@ -13,6 +13,9 @@ tiny sizes, numbers meaningless):
   upper bound of the steady step's count);
 - `ranks`: two gloo ranks sharing one GPU with CUDA tensors: every strategy against torch
   DDP, the largest parameter difference after three steps;
+- `compile`, `checkpointing`: `step_options` at world size 1 on the GPU: the GPT preset's eager
+  and compiled (inductor) step per replicated strategy with the compile seconds; its peak
+  memory (`max_memory_allocated`) and step time with and without activation checkpointing;
 - `ingest`: Ray Data's wait in a 1-GPU run (needs Ray; `suite.run_cuda`'s section).
 Must not touch: the sections' order and deadlines (gpu_run), the wrappers.
 
@@ -246,8 +249,30 @@ def ingest(dry: bool) -> dict[str, Any]:
     return section
 
 
+def compile_section(dry: bool) -> dict[str, Any]:
+    from benchmarks import gpu, step_options
+
+    sizes = gpu.DRYRUN_SIZES if dry else gpu.GPU_SIZES
+    section = step_options.run_compile(sizes, world_size=1, backend="aot_eager" if dry else "inductor",
+                                       device=str(_device(dry)), shape=gpu.DRYRUN_GPT if dry else gpu.GPU_GPT,
+                                       log=print)
+    section["figures"] = {f"{x['strategy']} compiled / eager": x["compiled_over_eager"] for x in section["rows"]}
+    section["figures"].update({f"{x['strategy']} compile s": x["compile_s"] for x in section["rows"]})
+    return section
+
+
+def checkpointing(dry: bool) -> dict[str, Any]:
+    from benchmarks import gpu, step_options
+
+    section = step_options.run_checkpointing(gpu.DRYRUN_SIZES if dry else gpu.GPU_SIZES, device=str(_device(dry)),
+                                             shape=gpu.DRYRUN_GPT if dry else gpu.GPU_GPT, log=print)
+    section["figures"] = {"activation checkpointing: memory with / without": section["memory_ratio"],
+                          "activation checkpointing: step with / without": section["step_ratio"]}
+    return section
+
+
 SECTIONS = {"ceilings": ceilings, "strategies": strategies, "gpt": gpt, "local": local, "ranks": ranks,
-            "ingest": ingest}
+            "ingest": ingest, "compile": compile_section, "checkpointing": checkpointing}
 
 
 def main(argv: list[str]) -> int:

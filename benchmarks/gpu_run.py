@@ -29,8 +29,8 @@ from typing import Any
 
 NO_RAY = "not run: no Ray on this machine"
 # (name, cap in seconds on the GPU machine, needs Ray); the dry run shares the deadline.
-SECTIONS = (("ceilings", 40, False), ("strategies", 90, False), ("gpt", 90, False), ("local", 150, False),
-            ("ranks", 60, False), ("ingest", 90, True))
+SECTIONS = (("ceilings", 40, False), ("strategies", 90, False), ("gpt", 90, False), ("checkpointing", 40, False),
+            ("compile", 150, False), ("local", 150, False), ("ranks", 60, False), ("ingest", 90, True))
 RESERVE_S = 20.0  # the last write (a PNG: matplotlib's import) and the table, on a loaded machine
 FILES = ("results-gpu.json", "results-gpu.md", "results-gpu.png", "gpu.log")
 

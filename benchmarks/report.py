@@ -65,6 +65,13 @@ TARGETS = [
     ("sharded / in-memory samples/s (default: inline while reads are quick)",
      lambda r: r["ingest"]["sharded_over_in_memory"], 0.9, ">="),
     ("sharded: an epoch's first batch, pipeline warm (s)", lambda r: r["ingest"]["sharded_first_batch_s"], 0.5, "<="),
+    # issue #55: compile is never a trap; activation checkpointing halves the memory for little time
+    ("native: compiled step / eager step (gpt preset)",
+     lambda r: next(x["compiled_over_eager"] for x in r["compile"]["rows"] if x["strategy"] == "native"), 1.05, "<="),
+    ("activation checkpointing: memory with / without (gpt preset)",
+     lambda r: r["activation_checkpointing"]["memory_ratio"], 0.6, "<="),
+    ("activation checkpointing: step time with / without (gpt preset)",
+     lambda r: r["activation_checkpointing"]["step_ratio"], 1.4, "<="),
 ]
 
 
@@ -312,9 +319,24 @@ def _startup_tables(sec: dict[str, Any]) -> list[str]:
 
 
 # The report's sections, in order: the results' key and its tables.
+def _step_option_tables(sec: dict[str, Any]) -> list[str]:
+    """`compile` (rows per strategy) or `activation_checkpointing` (plain vs checkpointed)."""
+    if "rows" in sec:
+        return [f"\n**torch.compile** ({sec['backend']}, gpt preset, {sec['world_size']} ranks, {sec['device']}; "
+                "compile s: the first step's extra time; backend s: inside the backend)\n",
+                _table(["strategy", "eager ms", "compiled ms", "compiled / eager", "compile s", "backend s", "graphs"],
+                       [[x["strategy"], x["eager_step_ms"], x["compiled_step_ms"], x["compiled_over_eager"],
+                         x["compile_s"], x["backend_compile_s"], x["graphs"]] for x in sec["rows"]])]
+    return [f"\n**Activation checkpointing** (gpt preset, {sec['device']}, memory: {sec['memory_measure']})\n",
+            _table(["", "step ms", sec["memory_measure"]],
+                   [[k, sec[k]["step_ms"], sec[k][sec["memory_measure"]]] for k in ("plain", "checkpointed")]
+                   + [["with / without", sec["step_ratio"], sec["memory_ratio"]]])]
+
+
 _SECTIONS = (("strategies", _strategy_tables), ("accumulation", _accumulation_tables), ("memory", _memory_tables),
              ("ray_overhead", _ray_tables), ("checkpoint", _checkpoint_tables), ("ingest", _ingest_tables),
-             ("recovery", _recovery_tables), ("startup", _startup_tables), ("gpt", _gpt_tables))
+             ("recovery", _recovery_tables), ("startup", _startup_tables), ("gpt", _gpt_tables),
+             ("compile", _step_option_tables), ("activation_checkpointing", _step_option_tables))
 
 
 def markdown(results: dict[str, Any]) -> str:

@@ -9,6 +9,8 @@ ray_overhead / checkpoint / ingest / recovery / gpu).
 Sections (top-level JSON keys): `strategies`, `accumulation`, `memory` (bytes per rank,
 wire bytes and step time of bucketed / zero1 / fsdp), `ray_overhead`,
 `checkpoint` (how long a checkpoint holds the step loop, sync vs async upload), `ingest`,
+`compile` (eager vs torch.compile per replicated strategy, and compile seconds, on the GPT preset),
+`activation_checkpointing` (the GPT step's memory and time with and without it),
 `recovery` (a SIGKILLed worker: steps redone and seconds back to training; the replica's
 per-step cost), `startup` (the first step, wall time and last step -> exit of the quickstart
 beside torchrun + torch DDP and a bare TorchTrainer, issue #39) on CPU; on CUDA `strategies` (world size 1: wrapper overhead, plus DataParallel), `gpt`
@@ -45,13 +47,18 @@ def _section(results: dict, name: str, fn: Callable[[], dict]) -> None:
 
 
 def run_cpu(sizes: Sizes) -> dict[str, Any]:
-    from benchmarks import accumulation, checkpoint, ingest, memory, ray_overhead, recovery, startup, strategies
+    from benchmarks import (accumulation, checkpoint, ingest, memory, ray_overhead, recovery, startup, step_options,
+                            strategies)
 
     results: dict[str, Any] = {}
     _section(results, "strategies", lambda: strategies.run(sizes, log=log))
     _section(results, "accumulation", lambda: accumulation.run(sizes, log=log))
     models = ("mlp",) if sizes.name == "smoke" else ("mlp", "gpt")
     _section(results, "memory", lambda: memory.run(sizes, models=models, log=log))
+    # inductor's first compile takes ~40 s per graph here: the smoke preset checks the section with aot_eager
+    backend = "aot_eager" if sizes.name == "smoke" else "inductor"
+    _section(results, "compile", lambda: step_options.run_compile(sizes, backend=backend, log=log))
+    _section(results, "activation_checkpointing", lambda: step_options.run_checkpointing(sizes, log=log))
 
     def on_ray(ray_init_s: float) -> None:
         rounds = 1 if sizes.name in ("quick", "smoke") else 2

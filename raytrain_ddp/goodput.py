@@ -51,7 +51,8 @@ from raytrain_ddp.rundir import (
 CONFIG_HISTORY_FILE = "config-history.jsonl"  # driver/resume.py's
 BUCKETS = ("productive", "startup", "data_wait", "exposed_comm", "checkpoint_stall", "validation",
            "redone", "recovery", "shutdown", "idle", "other")
-ATTEMPT_PHASES = ("placed", "workers_up", "process_group", "data_ready", "model_built", "state_restored")
+ATTEMPT_PHASES = ("placed", "workers_up", "process_group", "data_ready", "model_built", "state_restored",
+                  "compile")
 FIT_PHASES = ("cli", "ray", "datasets")
 CAUSE_OF_STATUS = {"interrupted": "Ctrl-C", "preempted": "preemption", "failed": "failed", "aborted": "failed",
                    "unschedulable": "failed"}

@@ -1,20 +1,27 @@
 """A small model zoo: the articles' MLP, a CNN for 8x8 digits, a tiny GPT.
 
-Owns: building an `nn.Module` from `cfg.model` and the data's `DataSpec`, and the loss.
+Owns: building an `nn.Module` from `cfg.model` and the data's `DataSpec`, and the loss;
+`model.activation_checkpointing` on any built model (`checkpoint_activations`, `Checkpointed`).
 Must not touch: devices, distribution, data loading. Models are deterministic functions
 of the seed set by the caller before `build_model`.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
+from typing import Any, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from raytrain_ddp.config import Config
+from raytrain_ddp.errors import UserError
 from raytrain_ddp.job import DataSpec
+from raytrain_ddp.parallel import torch_compat
 
 
 class MLP(nn.Module):
@@ -126,3 +133,70 @@ def cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
     return F.cross_entropy(logits.float(), y)
 
+
+class Checkpointed(nn.Module):
+    """`block` whose activations are recomputed in backward instead of kept (non-reentrant
+    `torch.utils.checkpoint`: works with autocast, accumulation and every strategy's hooks).
+
+    It shares the block's own parameter, buffer and child tables (the same dicts, not
+    copies), so its names are the block's; `train()` reaches the block itself too. Why not
+    hold the block as a child, as torch's `checkpoint_wrapper` does (`_checkpoint_wrapped_module.`
+    in every name): parameter names, state_dict and optimizer keys stay as without it, so a
+    checkpoint loads either way, `verify` compares names with torch DDP's, and errors name
+    the user's parameters."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        torch_compat.share_module_tables(self, block)
+        object.__setattr__(self, "block", block)  # not a child: its contents are already ours
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
+
+    def train(self, mode: bool = True) -> "Checkpointed":
+        self.block.training = mode
+        return super().train(mode)
+
+    def extra_repr(self) -> str:
+        return f"checkpointed {type(self.block).__name__}"
+
+
+def checkpoint_activations(module: nn.Module, targets: Union[str, list[str], None]) -> int:
+    """Replace every outermost submodule of `module` whose class `targets` names (a class name,
+    or an import path 'package.module:Class'; `auto`: the built-in gpt's blocks) by a
+    `Checkpointed` of it, in place. Returns how many; a `UserError` when none matched."""
+    if not targets:
+        return 0
+    matches = _matcher(targets)
+    chosen = [name for name, sub in module.named_modules() if name and matches(sub)]
+    chosen = [n for n in chosen if not any(n.startswith(o + ".") for o in chosen if o != n)]  # outermost only
+    if not chosen:
+        what = ("transformer blocks of the built-in gpt (raytrain_ddp.models.Block)" if targets == "auto"
+                else f"submodule of class {', '.join(targets)}")
+        raise UserError(f"model.activation_checkpointing={targets!r}: {type(module).__name__} has no {what}; "
+                        "list the classes of its repeated blocks (a class name or 'package.module:Class')")
+    for name in chosen:
+        parent_name, _, child = name.rpartition(".")
+        parent = module.get_submodule(parent_name)
+        setattr(parent, child, Checkpointed(parent.get_submodule(child)))  # a ModuleList's "0" too
+    return len(chosen)
+
+
+def _matcher(targets: Union[str, list[str]]) -> Any:
+    if targets == "auto":
+        return lambda sub: isinstance(sub, Block)
+    classes, names = [], set()
+    for target in targets:
+        if ":" in target:  # imported as model.name's factory is (the config's directory on sys.path)
+            module_name, _, attr = target.partition(":")
+            try:
+                cls = functools.reduce(getattr, attr.split("."), importlib.import_module(module_name))
+            except Exception as exc:  # noqa: BLE001 - the user's path: one line
+                raise UserError(f"model.activation_checkpointing={target!r}: {type(exc).__name__}: {exc}") from None
+            if not isinstance(cls, type):
+                raise UserError(f"model.activation_checkpointing={target!r} is a {type(cls).__name__}, not a class")
+            classes.append(cls)
+        else:
+            names.add(target)
+    return lambda sub: not isinstance(sub, Checkpointed) and (
+        type(sub).__name__ in names or isinstance(sub, tuple(classes)))

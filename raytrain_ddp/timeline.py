@@ -15,7 +15,9 @@ time to the first step exactly (clock skew between nodes aside). Where the stamp
     process_group                callback): the group's start, its actors up, the process
                                  group formed; `placed` ends at rank 0's process start, so
                                  a reused (prestarted) process shows 0 s placed
-    data_ready .. first_step     rank 0's loop (`WorkerStamps`)
+    data_ready .. first_step     rank 0's loop (`WorkerStamps`); `compile` (train.compile): the
+                                 seconds torch.compile's backend took, which torch spends inside
+                                 the first step, counted from `state_restored` (0 s without it)
 A stamp that never came (local mode has no Ray) is a phase of 0 s.
 """
 
@@ -29,7 +31,7 @@ from typing import Any, Optional
 
 DRIVER_PHASES = ("cli", "ray", "datasets")
 ATTEMPT_PHASES = ("placed", "workers_up", "process_group", "data_ready", "model_built", "state_restored",
-                  "first_step")
+                  "compile", "first_step")
 CONTROLLER_PHASES = ("workers_up", "process_group")
 
 
@@ -64,10 +66,13 @@ class WorkerStamps:
         if self.enabled and phase not in self.stamps:
             self.stamps[phase] = time.time()
 
-    def first_step_done(self, outbox: Any) -> None:
-        """After every step: the first one sends the stamps through rank 0's outbox (`worker/meter.py`)."""
+    def first_step_done(self, outbox: Any, compile_s: float = 0.0) -> None:
+        """After every step: the first one sends the stamps through rank 0's outbox (`worker/meter.py`);
+        `compile_s`: the compilation inside it (`worker/compiled.CompileClock`), its own phase."""
         if not self.enabled or self._sent:
             return
+        if compile_s and "state_restored" in self.stamps:
+            self.stamps["compile"] = self.stamps["state_restored"] + compile_s
         self.mark("first_step")
         self._sent = True
         outbox.send("timeline", source="worker", stamps=dict(self.stamps))

@@ -307,6 +307,7 @@ def check_pipeline(cfg: Config, code: UserCode, sample: dict[str, np.ndarray], s
     import torch
 
     from raytrain_ddp.errors import DataError
+    from raytrain_ddp.models import checkpoint_activations
 
     batch = run_preprocess(cfg, code.preprocess, sample) if code.preprocess else sample
     _require_columns(cfg, code, batch)
@@ -323,6 +324,7 @@ def check_pipeline(cfg: Config, code: UserCode, sample: dict[str, np.ndarray], s
         task, feature_shape = spec_columns(cfg, columns)
         spec = dataclasses.replace(spec, task=task, feature_shape=feature_shape, columns=columns)
     model = _build_model(cfg, code, spec)
+    checkpoint_activations(model, cfg.model.activation_checkpointing)  # none matching: one line, before workers
     model.train()
     fmt = code.batch_format(cfg)
     tensors = fmt.assemble({name: torch.from_numpy(np.array(a)) for name, a in arrays.items()})

@@ -57,6 +57,9 @@ def _check_parallel(cfg: "Config") -> None:
         if getattr(p, key) == "auto" and not spec.tunes:
             raise ValueError(f"parallel.{key}=auto (timed tuning) is supported by parallel.strategy="
                              f"{' or '.join(registry.TUNERS)} only, not {p.strategy!r}; set a value instead")
+    if cfg.train.compile is not False and not spec.compiles:
+        raise ValueError(f"train.compile is not supported with parallel.strategy={p.strategy!r} "
+                         f"({registry.COMPILE_REFUSAL}); use {' or '.join(registry.COMPILERS)}, or train.compile=false")
     if cfg.train.precision not in spec.precision:
         raise ValueError(f"train.precision={cfg.train.precision!r} is not supported by parallel.strategy="
                          f"{p.strategy!r} (it supports {', '.join(spec.precision)})")

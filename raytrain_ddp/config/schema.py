@@ -71,11 +71,29 @@ class ModelConfig(_Section):
     n_layers: int = Field(2, ge=1, description="gpt only: transformer blocks.")
     n_heads: int = Field(4, ge=1, description="gpt only: attention heads; must divide d_model.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability (all models).")
+    activation_checkpointing: Optional[Union[Literal["auto"], list[str]]] = Field(
+        None, description="Recompute the activations of these submodules in backward instead of keeping "
+        "them (torch.utils.checkpoint, non-reentrant): less memory for a longer sequence or a bigger "
+        "micro batch, at the cost of one more forward of each. A list of module classes, by class name "
+        "or import path 'package.module:Class' (the outermost matches are wrapped; none matching is an "
+        "error); auto: the built-in gpt's transformer blocks. Every strategy, accumulation and precision.",
+    )
 
     @field_validator("name")
     @classmethod
     def _builtin_or_import_path(cls, value: str) -> str:
         return _import_path_or(value, BUILTIN_MODELS, "factory")
+
+    @field_validator("activation_checkpointing")
+    @classmethod
+    def _classes(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("list at least one module class (or use null, or auto)")
+            for name in value:
+                if not (_IMPORT_PATH.match(name) or re.match(r"^[A-Za-z_]\w*$", name)):
+                    raise ValueError(f"{name!r} is neither a class name nor an import path 'package.module:Class'")
+        return value
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> "ModelConfig":
@@ -188,6 +206,9 @@ class NonFiniteConfig(_Section):
     )
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
 class TrainConfig(_Section):
     epochs: int = Field(10, ge=1, description="Passes over the training set (unless max_steps is set).")
     max_steps: Optional[int] = Field(None, ge=1, description="Optimizer steps; overrides epochs when set.")
@@ -233,6 +254,18 @@ class TrainConfig(_Section):
     )
     clip_grad_norm: Optional[float] = Field(None, gt=0.0, description="Global gradient-norm clip.")
     seed: int = Field(0, ge=0, description="Seeds model init, data order and the validation split.")
+    compile: Union[bool, Literal[COMPILE_MODES]] = Field(  # type: ignore[valid-type]
+        False, description="torch.compile the model, as its parallel.strategy needs: native compiles the "
+        "DDP module (torch's DDPOptimizer splits the graph at the buckets), naive/bucketed/zero1 the "
+        "bare module (their gradient hooks run after the compiled backward); fsdp: refused. true, or a "
+        "mode of inductor's (" + ", ".join(COMPILE_MODES) + "). The first step pays the compilation "
+        "(the start-up timeline's compile phase).",
+    )
+    compile_backend: str = Field(
+        "inductor", min_length=1, description="train.compile's backend: inductor (torch's default), or "
+        "any name torch.compiler.list_backends(exclude_tags=()) lists (aot_eager: no code generation, "
+        "fast to compile; for checks).",
+    )
     nonfinite: NonFiniteConfig = Field(default_factory=NonFiniteConfig)
 
     @field_validator("loss")

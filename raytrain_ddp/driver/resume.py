@@ -85,7 +85,8 @@ def resolve_resume(cfg: Config, run_dir: Union[Path, Location]) -> Optional[Unio
 
 
 RESUME_FREE = ("name", "scaling.", "run.", "parallel.", "train.micro_batch_size", "train.epochs",
-               "train.max_steps", "train.nonfinite.", "data.prefetch_batches")
+               "train.max_steps", "train.nonfinite.", "data.prefetch_batches",
+               "train.compile", "model.activation_checkpointing")  # how the step computes, not what
 RESUME_REFUSED = ("model.",)
 RESUME_EPOCH_BOUNDARY = ("data.", "train.global_batch_size", "train.seed")
 
@@ -108,7 +109,7 @@ def check_resume_config(cfg: Config, state: dict[str, Any], path: Any) -> list[s
     def shown(keys: list[str]) -> str:
         return ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys)
 
-    refused = [k for k in changed if k.startswith(RESUME_REFUSED)]
+    refused = [k for k in changed if k.startswith(RESUME_REFUSED) and not k.startswith(RESUME_FREE)]
     if mid_epoch:
         refused += [k for k in changed if k.startswith(RESUME_EPOCH_BOUNDARY)]
     if refused:

@@ -71,11 +71,15 @@ class Finding:
     ms_per_step: float = 0.0
     comm_ms_per_step: Optional[float] = None  # gradient all-reduces in flight (where the wrapper times them)
     exposed_ms_per_step: Optional[float] = None  # ... of which after backward had finished
+    compiled_graphs: Optional[int] = None  # train.compile: graphs torch compiled (rank 0); None: eager
+    checkpointed: int = 0  # model.activation_checkpointing: submodules recomputed in backward
 
     def problems(self) -> list[str]:
         if self.error:
             return [f"{self.strategy}: {self.error}"]
         out = []
+        if self.compiled_graphs == 0:
+            out.append(f"{self.strategy}: train.compile is on but torch compiled no graph (it ran eagerly)")
         for what, found in (("gradient", self.grad), ("parameter", self.param), ("buffer", self.buffer),
                             ("state-dict entry", self.state)):
             diff, where = found or (0.0, "")
@@ -247,6 +251,7 @@ def _merge(cfg: "Config", per_rank: list[dict], kinds: Sequence[str]) -> Report:
                 f.allreduce_bytes_per_step = runs[0]["reduce_scatter_bytes"] / STEPS
                 f.all_gather_bytes_per_step = runs[0]["all_gather_bytes"] / STEPS
             f.ms_per_step = max(run["ms"] for run in runs)
+            f.compiled_graphs, f.checkpointed = runs[0]["compiled_graphs"], runs[0]["checkpointed"]
             if all(run.get("comm_s") is not None for run in runs):  # mean over ranks
                 f.comm_ms_per_step = 1e3 * sum(run["comm_s"] for run in runs) / len(runs) / STEPS
                 f.exposed_ms_per_step = 1e3 * sum(run["exposed_comm_s"] for run in runs) / len(runs) / STEPS
@@ -268,6 +273,14 @@ def _comm_columns(f: Finding) -> str:
     comm, exposed = f.comm_ms_per_step, f.exposed_ms_per_step or 0.0
     hidden = f"{1.0 - exposed / comm:.0%}" if comm > 0 else "-"
     return f"{comm:>7.2f} {exposed:>7.2f} {hidden:>6}"
+
+
+def _fmt_graphs(report: Report) -> str:
+    """Graphs torch compiled per strategy (torch DDP, the reference, runs eagerly)."""
+    eager = [f.strategy for f in report.findings if f.strategy not in (REFERENCE, *registry.COMPILERS)]
+    return ("graphs " + ", ".join(f"{f.strategy} {f.compiled_graphs}" for f in report.findings
+                                  if f.compiled_graphs is not None)
+            + "; eager: torch DDP" + "".join(f", {k} (refused: {registry.COMPILE_REFUSAL})" for k in eager))
 
 
 def _fmt_unused(unused: dict[str, list[int]], limit: int = 4) -> str:
@@ -293,7 +306,10 @@ def _render(cfg: "Config", path: Optional[str], report: Report, rank0: dict, sou
         f"  options   bucket_cap_mb {p.bucket_cap_mb if p.bucket_cap_mb == 'auto' else format(p.bucket_cap_mb, 'g')} "
         f"(first {p.first_bucket_mb:g}), broadcast_buffers {str(p.broadcast_buffers).lower()}, "
         f"find_unused_parameters {str(report.find_unused or bool(report.unused)).lower()}"
-        + (", compress off (bf16 is lossy by design)" if p.compress else ""),
+        + (", compress off (bf16 is lossy by design)" if p.compress else "")
+        + (f", compiled ({cfg.train.compile_backend}; {_fmt_graphs(report)})" if cfg.train.compile is not False else "")
+        + (f", activation checkpointing {cfg.model.activation_checkpointing} "
+           f"({max(f.checkpointed for f in report.findings)} modules)" if cfg.model.activation_checkpointing else ""),
         f"  found     unused: {_fmt_unused(report.unused) if report.unused else 'none'} | "
         f"frozen: {_fmt_names(report.frozen)} | tied: "
         + ("; ".join(" = ".join(group) for group in report.tied) if report.tied else "none"),

@@ -3,7 +3,8 @@
 Owns: the run's shape (`STEPS` x `MICRO_STEPS` micro-batches of `ROWS_PER_MICRO` rows on
 `WORLD` ranks), building each rank's float64 model and micro-batches from the rows the
 driver side sent, training one strategy (or torch DDP, `REFERENCE`) on a fresh process
-group, and the per-rank differences the driver side (`ops/verify.py`) merges and prints.
+group (compiled and with activation checkpointing where the config says, as training
+applies them; torch DDP stays eager), and the per-rank differences the driver side (`ops/verify.py`) merges and prints.
 Which strategies tune their layout or shard their parameters comes from
 `parallel/registry.py`. Must not touch: Ray, the run directory, the wrappers' internals.
 """
@@ -107,6 +108,8 @@ def _compare(kind: str, run: dict, ref: dict, single: Any, world_rank: int) -> d
         "comm_s": stats.get("comm_s"),
         "exposed_comm_s": stats.get("exposed_comm_s"),
         "ms": run["ms"],
+        "compiled_graphs": run["compiled_graphs"],
+        "checkpointed": run["checkpointed"],
     }
 
 
@@ -212,11 +215,17 @@ def _run(kind: str, build, micro, loss_of, world_rank: int, cfg: "Config", find_
     """Train STEPS steps with one strategy (or torch DDP) on a fresh group; its state after each."""
     import torch.distributed as dist
 
+    from raytrain_ddp.models import checkpoint_activations
+    from raytrain_ddp.worker.compiled import compile_wrapper
+
     pg = dist.new_group()  # a run that fails cannot derail the next one's collectives
     try:
         module = build()
-        model, opt = _wrap(kind, module, pg, cfg, find_unused)
         ref, sharded = kind == REFERENCE, kind in registry.SHARDED
+        # train.compile and model.activation_checkpointing as training applies them; torch DDP stays eager
+        checkpointed = 0 if ref else checkpoint_activations(module, cfg.model.activation_checkpointing)
+        model, opt = _wrap(kind, module, pg, cfg, find_unused)
+        compiler = None if ref or kind not in registry.COMPILERS else compile_wrapper(model, cfg)
         gathers = not ref and registry.STRATEGIES[kind].shards_parameters
         grads, steps, full, times = [], [], [], []
         counts = {"broadcast": 0, "summon": 0, "not_training": {}}  # the last: reading full state dicts
@@ -239,6 +248,7 @@ def _run(kind: str, build, micro, loss_of, world_rank: int, cfg: "Config", find_
             _record(model, module, opt, ref, gathers, steps, full, counts)
         out = {"steps": steps, "full": full, "grads": None if sharded else grads, "ms": statistics.median(times) * 1e3}
         out["stats"] = _sent(model, module, ref, counts)
+        out.update(compiled_graphs=None if compiler is None else compiler.graphs, checkpointed=checkpointed)
         return out
     except Exception as exc:  # noqa: BLE001 - reported in the table, named
         return {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"}
@@ -318,7 +328,8 @@ def _max_diff(a: dict, b: dict) -> tuple[float, str]:
             return float("inf"), f"{name} (grad None in one, not the other)"
         if t.shape != u.shape:
             return float("inf"), f"{name} (shape {tuple(t.shape)} vs {tuple(u.shape)})"
-        d = (t.double() - u.double()).abs().max().item() if t.numel() else 0.0
+        t, u = t.double(), u.double()
+        d = (t - u).abs().masked_fill(t == u, 0.0).max().item() if t.numel() else 0.0  # -inf == -inf (a mask)
         if d != d or d > worst[0]:
             worst = (float("inf") if d != d else d, name)
     return worst

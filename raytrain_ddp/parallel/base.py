@@ -145,6 +145,14 @@ class WrappedModel(nn.Module):
     def close(self) -> None:
         """Stop synchronising (remove hooks). Called automatically when the module is re-wrapped."""
 
+    def compile(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        """`torch.compile` (its keywords) applied where this strategy needs it, in place: here the
+        bare module (names and hooks unchanged). The gradient hooks of the from-scratch
+        strategies run in autograd's AccumulateGrad, outside the compiled backward: their
+        syncs start once that backward has produced every gradient (no overlap with it), and
+        are exactly as without compile (`raytrain-ddp verify -o train.compile=true`)."""
+        self.module.compile(*args, **kwargs)
+
     # -- the optimizer: replicas hold it whole; sharded strategies (zero1, fsdp) override --
     def make_optimizer(self, factory: Callable[[list], torch.optim.Optimizer]) -> Any:
         """`factory(trainable parameters)`; a sharded strategy returns an optimizer that steps

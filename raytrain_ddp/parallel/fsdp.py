@@ -273,6 +273,11 @@ class FullyShardedDP(WrappedModel):
         self._buffers_due = synced
         return out
 
+    def compile(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        """Refused (`registry.COMPILE_REFUSAL`): compiling the root or each unit in place, as
+        torchtitan compiles per block, compiled no graph here (torch 2.13, gloo)."""
+        raise ValueError(f"train.compile: not with strategy {self.strategy!r}: {registry.COMPILE_REFUSAL}")
+
     @contextlib.contextmanager
     def summon_full_params(self) -> Iterator[None]:
         """Every unit gathered once (a collective), kept through any number of forwards."""

@@ -62,7 +62,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from raytrain_ddp.parallel import registry
+from raytrain_ddp.parallel import registry, torch_compat
 from raytrain_ddp.parallel.base import (
     CollectiveTimeoutError,
     RequiresGradChangeError,
@@ -265,6 +265,16 @@ class NativeDDP(WrappedModel):
 
     def no_sync(self):
         return self.ddp.no_sync()
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        """The DDP module compiled, as torch documents: dynamo's DDPOptimizer splits the graph at
+        DDP's bucket boundaries, so each bucket's all-reduce still overlaps backward."""
+        first = torch_compat.ddp_first_bucket_bytes()
+        if self.ddp.bucket_bytes_cap < first:
+            raise ValueError(f"bucket_cap_mb={self.ddp.bucket_bytes_cap / 2**20:g} is below torch's first bucket "
+                             f"({first / 2**20:g} MB), which torch.compile's DDPOptimizer "
+                             "refuses: use a larger bucket_cap_mb with compile")
+        self.ddp.compile(*args, **kwargs)
 
     @property
     def comm_stats(self) -> dict[str, Any]:

@@ -4,7 +4,7 @@ Owns: every strategy name, and for each its wrapper class (an import path, loade
 first use), whether it is replicated or sharded, the `wrap_model` options it accepts
 beyond the common ones (the same names as the `parallel.*` config keys where one
 exists), whether it tunes its layout (`bucket_cap_mb` / `compress` = "auto"), and the
-`train.precision` values it supports. `wrap_model`, the config's checks, survivors'
+`train.precision` values it supports, whether `train.compile` compiles it. `wrap_model`, the config's checks, survivors'
 recovery (`worker/replica.py`) and `raytrain-ddp verify` all read it; a test fails on a
 strategy name written anywhere else in the package. Adding a strategy: one row here and
 its own module.
@@ -45,6 +45,8 @@ class Strategy:
     # without find_unused_parameters, a trainable parameter no gradient reached is an error
     # (`UnusedParameterError`), as in torch DDP; FSDP2 reduce-scatters zeros for it instead
     requires_all_used: bool = True
+    # train.compile (`WrappedModel.compile`): False where torch.compile would compile nothing
+    compiles: bool = True
 
     @property
     def replicated(self) -> bool:
@@ -70,7 +72,7 @@ _TABLE = (
              options=("bucket_cap_mb", "compress", "first_bucket_mb")),
     Strategy("fsdp", "raytrain_ddp.parallel.fsdp:FullyShardedDP", "sharded",
              options=("bucket_cap_mb", "compress", "param_dtype"), shards_parameters=True,
-             requires_all_used=False),
+             requires_all_used=False, compiles=False),
 )
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in _TABLE}
 NAMES: tuple[str, ...] = tuple(STRATEGIES)
@@ -78,6 +80,9 @@ DEFAULT: str = "bucketed"  # parallel.strategy's default
 REPLICATED: tuple[str, ...] = tuple(s.name for s in _TABLE if s.replicated)
 SHARDED: tuple[str, ...] = tuple(s.name for s in _TABLE if not s.replicated)
 TUNERS: tuple[str, ...] = tuple(s.name for s in _TABLE if s.tunes)
+COMPILERS: tuple[str, ...] = tuple(s.name for s in _TABLE if s.compiles)
+COMPILE_REFUSAL = ("dynamo skips the modules FSDP2 manages (their forward runs in torch.distributed), so "
+                   "compiling them compiles no graph")
 
 
 def get(name: str, key: str = "strategy") -> Strategy:

@@ -100,6 +100,38 @@ def forget_unscaled(scaler: torch.amp.GradScaler) -> None:
     scaler._per_optimizer_states.clear()
 
 
+# -- nn.Module --------------------------------------------------------------------------
+
+MODULE_TABLES = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+
+
+def share_module_tables(into: torch.nn.Module, source: torch.nn.Module) -> None:
+    """`into` holds `source`'s own parameters, buffers and children under the same names: the same
+    tables (`nn.Module._parameters`, `_buffers`, `_modules`, `_non_persistent_buffers_set`), not copies."""
+    into.__dict__.update({name: getattr(source, name) for name in MODULE_TABLES})
+
+
+# -- torch.compile ---------------------------------------------------------------------
+
+
+def compile_backend(name: str, mode: Optional[str]) -> Callable[..., Any]:
+    """The callable `torch.compile(backend=name, mode=mode)` would use: inductor's with its mode
+    (`torch._TorchCompileInductorWrapper`), any other by name (`torch._dynamo.lookup_backend`)."""
+    if name == "inductor":
+        return torch._TorchCompileInductorWrapper(mode, None, None)
+    from torch._dynamo import lookup_backend
+
+    return lookup_backend(name)
+
+
+def ddp_first_bucket_bytes() -> int:
+    """torch DDP's first bucket cap, which torch.compile's DDPOptimizer assumes
+    (`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`)."""
+    import torch.distributed as dist
+
+    return dist._DEFAULT_FIRST_BUCKET_BYTES
+
+
 # -- autograd and the profiler ---------------------------------------------------------
 
 

@@ -286,11 +286,13 @@ class LiveSession:
     def _rewrap(self, state: "TrainState") -> None:
         """After a reconfiguration every member wraps afresh on the new group (the newcomer
         does it in `build_state`): the wrappers' per-run state is the same on every rank."""
+        from raytrain_ddp.worker.compiled import compile_wrapper
         from raytrain_ddp.worker.state import wrap
 
         if hasattr(state.wrapper, "close"):
             state.wrapper.close()
         state.wrapper = wrap(state.module, self.cfg, self.rank, self.wrapper_group())
+        state.compiler = compile_wrapper(state.wrapper, self.cfg) or state.compiler  # native: a new DDP module
         self.wrapped_quorum = quorum_id(self.manager)
         if self.log is not None:  # the new wrapper counts its all-reduces from zero
             self.log.meter.count_comm_from(state.wrapper.comm_stats)

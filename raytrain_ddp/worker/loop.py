@@ -88,7 +88,7 @@ def _train(job: Job, cfg: "Config", rank: "Rank", hooks: Hooks, recovery: Union[
                     result = recovery.train_step(state, window, data.accumulation_steps, cfg.train, rank)  # counts it
                     hooks.after_step(progress.step)
                     log.step(result, progress.epoch_ended(data.steps_per_epoch))  # the step's end (its time)
-                    stamps.first_step_done(log.outbox)  # after it: the send is the next step's time
+                    stamps.first_step_done(log.outbox, state.compiler.first_step_seconds(rank) if state.compiler else 0.0)
                     if progress.step >= total_steps:
                         break
                     if checkpointer.after_step(progress.epoch_ended(data.steps_per_epoch)):

@@ -1,7 +1,7 @@
 """Everything a checkpoint holds, as components that each own `state_dict` / `load_state_dict`.
 
-Owns: building the model (the user's factory or a built-in, wrapped by
-`raytrain_ddp.parallel`), the batch format with its loss, optimizer, LR schedule, grad
+Owns: building the model (the user's factory or a built-in, its activations checkpointed,
+wrapped by `raytrain_ddp.parallel` and compiled as `worker/compiled.py` says), the batch format with its loss, optimizer, LR schedule, grad
 scaler and autocast for one rank; `Progress` (the step and the data position in
 the epoch); the RNG streams; and the checkpoint's shape, `{name: component.state_dict()}`
 plus a `run` record (world size, config, fit id).
@@ -27,6 +27,8 @@ import torch
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.batch import BatchFormat
 from raytrain_ddp.job import Job
+from raytrain_ddp.models import checkpoint_activations
+from raytrain_ddp.worker.compiled import compile_wrapper
 from raytrain_ddp.worker.context import Rank
 from raytrain_ddp.worker.optim import build_optimizer, build_schedule
 from raytrain_ddp.recovery import table as recovery_table
@@ -103,6 +105,7 @@ class TrainState:
     rng: Any = None
     run: dict = field(default_factory=dict)  # world size, config and fit id, for the driver
     last_step: Optional[LastStep] = None  # run.recovery=replica: what a survivor writes (replica.py)
+    compiler: Any = None  # train.compile: what torch compiled, and how long it took (worker/compiled.py)
     lock: threading.Lock = field(default_factory=threading.Lock)  # see `updating`
 
     @property
@@ -199,7 +202,9 @@ def build_state(job: Job, rank: Rank, total_steps: int, process_group: Any = Non
     # broadcast (and `parallel.verify_init` checks exactly that).
     seed_everything(cfg.train.seed)
     module = code.build_model(cfg, job.spec).to(rank.device)
+    checkpoint_activations(module, cfg.model.activation_checkpointing)
     wrapper = wrap(module, cfg, rank, process_group)
+    compiler = compile_wrapper(wrapper, cfg)
     optimizer = wrapper.make_optimizer(lambda trainable: build_optimizer(trainable, cfg.train)
                                        if code.optimizer is None else code.build_optimizer(cfg, wrapper.module))
     schedule = build_schedule(optimizer, cfg, total_steps, code)
@@ -217,5 +222,5 @@ def build_state(job: Job, rank: Rank, total_steps: int, process_group: Any = Non
                       progress=progress, rng=RngStreams(rank, progress),
                       run={"world_size": rank.world_size, "config": cfg.to_yaml(), "fit_id": job.fit_id,
                            "spec": job.spec.state_dict()},
-                      last_step=LastStep(wrapper.module) if survivors_copy else None)
+                      last_step=LastStep(wrapper.module) if survivors_copy else None, compiler=compiler)
 

@@ -72,11 +72,32 @@ def recovery_section() -> dict:
     return recovery.run(TOY, log=_quiet, with_kill=False)
 
 
+@pytest.fixture(scope="module")
+def step_option_sections() -> dict:
+    """issue #55: compile (native alone at toy size, aot_eager) and activation checkpointing."""
+    from benchmarks import step_options
+
+    return {"compile": step_options.run_compile(TOY, backend="aot_eager", strategies=("native",), log=_quiet),
+            "activation_checkpointing": step_options.run_checkpointing(TOY, log=_quiet)}
+
+
 @pytest.fixture
-def sections(strategies_section, accumulation_section, memory_section, recovery_section) -> dict:
+def sections(strategies_section, accumulation_section, memory_section, recovery_section,
+             step_option_sections) -> dict:
     """The torch-only sections as `raytrain-ddp bench` runs them in its smoke preset."""
     return {"strategies": strategies_section, "accumulation": accumulation_section, "memory": memory_section,
-            "recovery": recovery_section}
+            "recovery": recovery_section, **step_option_sections}
+
+
+@pytest.mark.distributed
+def test_compile_and_activation_checkpointing_sections(step_option_sections):
+    row = step_option_sections["compile"]["rows"][0]
+    assert row["strategy"] == "native" and row["graphs"] >= 2  # DDPOptimizer: a graph per bucket group at least
+    for key in ("eager_step_ms", "compiled_step_ms", "compiled_over_eager", "backend_compile_s"):
+        assert _positive(row[key]), (key, row)
+    ac = step_option_sections["activation_checkpointing"]
+    assert ac["memory_measure"] == "saved_for_backward_bytes" and ac["memory_ratio"] < 0.6, ac  # counts, not time
+    assert _positive(ac["step_ratio"])
 
 
 @pytest.mark.distributed
@@ -165,6 +186,8 @@ def test_report_of_the_sections(sections):
     assert "**Keeping the replica" in text
     names = {v["target"] for v in results["targets"]}
     assert "replica's cost per step, % of step time (quickstart)" in names
+    assert "**torch.compile** (aot_eager" in text and "**Activation checkpointing**" in text
+    assert "native: compiled step / eager step (gpt preset)" in names
     with tempfile.TemporaryDirectory() as tmp:
         png = report.plot(results, Path(tmp) / "bench.png")
         assert Path(png).stat().st_size > 1000

@@ -50,7 +50,7 @@ def test_gpu_sh_dry_run_without_ray_and_pydantic(tmp_path):
     results = json.loads((out / "results-gpu.json").read_text())
     meta, sections = results["meta"], results["sections"]
     assert meta["dry_run"] and meta["ray"] == "absent" and meta["pydantic"] == "importable"
-    assert list(sections) == ["ceilings", "strategies", "gpt", "local", "ranks", "ingest"]
+    assert list(sections) == ["ceilings", "strategies", "gpt", "checkpointing", "compile", "local", "ranks", "ingest"]
     assert sections["ingest"] == {"not_run": "not run: no Ray on this machine"}
     assert "not run: no Ray on this machine" in (out / "gpu.log").read_text()
     for name, data in sections.items():  # ran, or cut by the deadline on a loaded machine

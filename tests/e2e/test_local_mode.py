@@ -102,14 +102,20 @@ def test_local_mode_trains_without_ray_stops_in_your_debugger_and_resumes(tmp_pa
     assert timeline_problems(run_dir, summary) == []  # the start-up timeline, without Ray (issue #39)
     assert summary["startup"]["attempts"][0]["phases"]["ray"] == 0
 
-    again = subprocess.run([*command[:-2], "train.max_steps=40", "run.log_every_steps=1"], cwd=tmp_path,
+    # resumed compiled and with activation checkpointing (issue #55): the checkpoint of the plain
+    # model loads (same names), compiling is the start-up's own phase, and training goes on
+    again = subprocess.run([*command[:-2], "train.max_steps=40", "run.log_every_steps=1", "train.compile=true",
+                            "train.compile_backend=aot_eager", "model.activation_checkpointing=[Sequential]"],
+                           cwd=tmp_path,
                            env={**env, "PYTHONBREAKPOINT": "0"},  # this time without stopping
                            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=240)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "(step 30)" in again.stdout and not any(ray_tmp.iterdir())
     lines = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in lines] == list(range(1, 41))
-    assert json.loads((run_dir / "summary.json").read_text())["final_metrics"]["val_accuracy"] > 0.5
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_metrics"]["val_accuracy"] > 0.5
+    assert summary["startup"]["attempts"][0]["phases"]["compile"] > 0 and timeline_problems(run_dir, summary) == []
 
 
 def test_local_mode_never_imports_ray(tmp_path):

@@ -161,3 +161,17 @@ def test_verify_takes_the_text_examples_preprocess_and_loss(tmp_path):
     assert "data.preprocess stdlib_corpus:blocks" in proc.stdout and len(_rows_of(proc.stdout)) == 5, proc.stdout
     bad = _verify("examples/text/config.yaml", *overrides, "data.inputs=[tokens]")
     assert bad.returncode == 2 and "'tokens'" in bad.stderr and "data.inputs" in bad.stderr, bad.stderr[-2000:]
+
+
+def test_compiled_and_checkpointed_strategies_verify_against_eager_torch_ddp():
+    """train.compile (aot_eager) and model.activation_checkpointing=auto on the gpt, every strategy
+    against eager torch DDP rank by rank in float64; fsdp is refused compile and runs eagerly, named."""
+    proc = _verify(QUICKSTART, "model.name=gpt", "data.source=synthetic", "data.synthetic.rows=64",
+                   "data.synthetic.num_classes=64", "data.synthetic.seq_len=16", "model.d_model=32",
+                   "train.compile=true", "train.compile_backend=aot_eager", "model.activation_checkpointing=auto")
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-3000:]}"
+    options = next(line for line in proc.stdout.splitlines() if line.strip().startswith("options"))
+    graphs = dict(re.findall(r"(naive|bucketed|native|zero1) (\d+)", options.split("graphs", 1)[1]))
+    assert set(graphs) == {"naive", "bucketed", "native", "zero1"} and min(map(int, graphs.values())) >= 1, options
+    assert "eager: torch DDP, fsdp (refused" in options and "activation checkpointing auto (2 modules)" in options
+    assert "verdict: OK" in proc.stdout

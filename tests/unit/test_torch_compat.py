@@ -139,6 +139,21 @@ def test_device_constructors_and_tree_leaves():
     assert torch_compat.tree_leaves({"a": [t, (1, t)]}) == [t, 1, t]
 
 
+def test_module_tables_compile_backend_and_ddp_first_bucket():
+    _attr("compile_backend", "torch:_TorchCompileInductorWrapper")
+    _attr("compile_backend", "torch._dynamo:lookup_backend")
+    _attr("ddp_first_bucket_bytes", "torch.distributed:_DEFAULT_FIRST_BUCKET_BYTES")
+    block, holder = torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.nn.Module()
+    for name in torch_compat.MODULE_TABLES:
+        if not hasattr(block, name):
+            pytest.fail(_gone("share_module_tables", f"nn.Module.{name}"))
+    torch_compat.share_module_tables(holder, block)
+    assert list(holder.state_dict()) == list(block.state_dict()) == ["0.weight", "0.bias"]
+    assert callable(torch_compat.compile_backend("aot_eager", None))
+    assert callable(torch_compat.compile_backend("inductor", "max-autotune"))
+    assert torch_compat.ddp_first_bucket_bytes() == 2**20
+
+
 # ------------------------------------------------------------------ nobody else spells a private name
 
 _OWNERS = re.compile(r"^(torch|torchft|c10d|dist)\b")

@@ -1,0 +1,133 @@
+"""What `train.compile` and `model.activation_checkpointing` buy on the GPT preset (issue #55).
+
+The GPT preset: `strategies.GPT_SHAPE` on the CPU, `gpu.GPU_GPT` on a GPU (`gpu_checks`).
+
+Owns: the `compile` section (per replicated strategy on gloo ranks: the eager step beside the
+compiled one, and the seconds compiling took: the backend's, `CompileClock`, and the first
+step's wall time) and the `activation_checkpointing` section (one process: a step's
+activation memory and time with and without checkpointing the blocks). Must not touch: Ray,
+the wrappers' internals (it calls `wrap_model`, `WrappedModel.compile` and
+`models.checkpoint_activations`, as training does).
+
+Memory: on CUDA the step's peak allocation (`torch.cuda.max_memory_allocated`, parameters and
+optimizer state included); on the CPU, which keeps no such counter, the bytes autograd kept
+for backward at the end of the forward (`saved_tensors_hooks`), what checkpointing removes.
+Targets (issue #55): compiled native <= 1.05x eager; checkpointed peak <= 0.6x, step <= 1.4x.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import torch
+
+from benchmarks.common import Sizes, run_ranks, stats
+from benchmarks.strategies import build_model, make_batch
+from raytrain_ddp.models import checkpoint_activations, cross_entropy
+from raytrain_ddp.parallel import registry
+
+STRATEGIES = tuple(s for s in registry.REPLICATED if s in registry.COMPILERS)
+
+
+def _steps(model: Any, batch: tuple, steps: int) -> list[float]:
+    """Seconds of each forward + backward + SGD step (the first, warm-up or compiling, included)."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    out = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        cross_entropy(model(batch[0]), batch[1]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if batch[0].is_cuda:
+            torch.cuda.synchronize()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def compile_rank(world_rank: int, world_size: int, sizes: Sizes, backend: str, device: str,
+                 shape: Optional[dict], strategies: tuple[str, ...]) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from raytrain_ddp.parallel import wrap_model
+    from raytrain_ddp.worker.compiled import CompileClock
+
+    dev = torch.device(device)
+    batch = make_batch(build_model("gpt", shape), "gpt", sizes.gpt_batch, seed=11 + world_rank, device=dev)
+    rows = []
+    steps = sizes.warmup_steps + sizes.steps_per_round * sizes.rounds
+    for strategy in strategies:
+        row: dict[str, Any] = {"strategy": strategy}
+        for compiled in (False, True):
+            torch.compiler.reset()  # each compiled run pays its own compilation
+            model = wrap_model(build_model("gpt", shape).to(dev), strategy)
+            clock = CompileClock(backend, None) if compiled else None
+            if clock is not None:
+                model.compile(backend=clock)
+            dist.barrier()
+            times = _steps(model, batch, 1 + steps)
+            key = "compiled" if compiled else "eager"
+            row[f"{key}_first_step_s"] = times[0]
+            row[f"{key}_step_ms"] = [t * 1e3 for t in times[1 + sizes.warmup_steps:]]
+            if clock is not None:
+                row["backend_compile_s"], row["graphs"] = clock.seconds, clock.graphs
+            model.close()
+        rows.append(row)
+    return {"rows": rows}
+
+
+def run_compile(sizes: Sizes, world_size: int = 2, backend: str = "inductor", device: str = "cpu",
+                shape: Optional[dict] = None, strategies: tuple[str, ...] = STRATEGIES, log=print) -> dict[str, Any]:
+    log(f"  compile: eager vs torch.compile ({backend}) of the gpt preset, {list(strategies)} "
+        f"on {world_size} gloo ranks ...")
+    results = run_ranks(compile_rank, world_size, sizes, backend, device, shape, strategies, timeout_s=1200,
+                        backend="nccl" if device.startswith("cuda") else "gloo")
+    rows = []
+    for i, row in enumerate(results[0]["rows"]):
+        out = {"strategy": row["strategy"], "graphs": row["graphs"]}
+        for key in ("eager", "compiled"):
+            slowest = [max(r["rows"][i][f"{key}_step_ms"][j] for r in results)
+                       for j in range(len(row[f"{key}_step_ms"]))]
+            out[f"{key}_step_ms"] = stats(slowest)["median"]
+            out[f"{key}_first_step_s"] = max(r["rows"][i][f"{key}_first_step_s"] for r in results)
+        out["compiled_over_eager"] = out["compiled_step_ms"] / out["eager_step_ms"]
+        out["backend_compile_s"] = max(r["rows"][i]["backend_compile_s"] for r in results)
+        # what compiling added to the first step (tracing, the backend, a lazy backward compile)
+        out["compile_s"] = out["compiled_first_step_s"] - out["eager_first_step_s"]
+        rows.append(out)
+    return {"model": "gpt", "backend": backend, "world_size": world_size, "device": device, "rows": rows,
+            "target": "native compiled <= 1.05x eager"}
+
+
+def run_checkpointing(sizes: Sizes, device: str = "cpu", shape: Optional[dict] = None, log=print) -> dict[str, Any]:
+    log("  activation_checkpointing: the gpt preset's step, blocks checkpointed or not ...")
+    dev = torch.device(device)
+    steps = sizes.warmup_steps + sizes.steps_per_round * sizes.rounds
+    out: dict[str, Any] = {"model": "gpt", "device": device, "micro_batch": sizes.gpt_batch}
+    for label, targets in (("plain", None), ("checkpointed", "auto")):
+        torch.manual_seed(0)
+        model = build_model("gpt", shape).to(dev)
+        checkpoint_activations(model, targets)
+        batch = make_batch(model, "gpt", sizes.gpt_batch, seed=5, device=dev)
+        times = _steps(model, batch, 1 + steps)
+        kept = [0]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            kept[0] += t.numel() * t.element_size()
+            return t
+
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = cross_entropy(model(batch[0]), batch[1])
+        loss.backward()
+        out[label] = {"step_ms": stats([t * 1e3 for t in times[1 + sizes.warmup_steps:]])["median"],
+                      "saved_for_backward_bytes": kept[0],
+                      "peak_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None}
+    plain, ckpt = out["plain"], out["checkpointed"]
+    memory = "peak_bytes" if dev.type == "cuda" else "saved_for_backward_bytes"
+    out["memory_measure"] = memory
+    out["memory_ratio"] = ckpt[memory] / plain[memory]
+    out["step_ratio"] = ckpt["step_ms"] / plain["step_ms"]
+    out["targets"] = "memory_ratio <= 0.6, step_ratio <= 1.4"
+    return out
