@@ -23,7 +23,7 @@ from typing import Any, Literal, Optional
 import numpy as np
 import pyarrow as pa
 
-from raytrain_ddp.config import Config
+from raytrain_ddp.config import BUILTIN_MODELS, Config
 from raytrain_ddp.data.columns import TRAIN, VAL, uses_own_data
 from raytrain_ddp.errors import DataError, UserError
 from raytrain_ddp.job import DataSpec
@@ -57,6 +57,13 @@ def check_source(cfg: Config, given: Optional[dict[str, Any]] = None) -> Optiona
                check_parquet(cfg.data.val_path, cfg.data.features, cfg.data.label,
                              lm=cfg.model.name == "gpt", key="data.val_path"))
         info = dataclasses.replace(info, val=val)
+    if not own and info.task == "other" and cfg.model.name in BUILTIN_MODELS:
+        raise DataError(f"{cfg.data.path}: column {cfg.data.label!r} (data.label) holds a float or vector target "
+                        f"(regression); model.name={cfg.model.name!r} is a classifier: give your own model "
+                        "('package.module:factory') and train.loss (docs/byo.md)")
+    if info.val is not None and info.val.task != info.task:
+        raise DataError(f"{cfg.data.val_path}: column {cfg.data.label!r} (data.label) is a {info.val.task} target, "
+                        f"{cfg.data.path}'s a {info.task} one; data.val_path must hold the same kind of labels")
     if not own:  # a preprocess may change the row counts: checked once it has run
         val_rows = info.val.rows if info.val else int(round(info.rows * cfg.data.val_fraction))
         check_row_counts(cfg, info.rows - (0 if info.val else val_rows), val_rows, str(cfg.data.path))
@@ -260,8 +267,16 @@ def check_parquet(path: Optional[str], features: str, label: str, *, lm: bool = 
         max_label = max(max_label, _check_label_column(file, label, table.column(label), lm, pc))
     if rows == 0:
         raise DataError(f"{path}: parquet input has zero rows")
-    task: Literal["classification", "lm"] = "lm" if lm else "classification"
-    return ParquetInfo(files, rows, (int(width or 1),), max_label + 1, task)
+    return ParquetInfo(files, rows, (int(width or 1),), max_label + 1, task_of(first_schema.field(label).type, lm))
+
+
+def task_of(label_type: pa.DataType, lm: bool = False) -> Literal["classification", "lm", "other"]:
+    """The one rule of every route (parquet as Ray Datasets given from Python, `user.spec_columns`):
+    integer labels are class ids (token ids: lm); any other numbers -- a float, a vector -- are
+    a target the loss takes as they are ("other": regression, multi-target)."""
+    if lm:
+        return "lm"
+    return "classification" if pa.types.is_integer(label_type) else "other"
 
 
 def parquet_bytes(files: list[str]) -> int:
@@ -325,14 +340,20 @@ def _check_label_column(file: str, name: str, column: pa.ChunkedArray, lm: bool,
     if lm and (pa.types.is_list(kind) or pa.types.is_fixed_size_list(kind) or pa.types.is_large_list(kind)):
         kind = kind.value_type
         values = pc.list_flatten(column)
-    if not pa.types.is_integer(kind):
-        hint = ("; to train on a float target (regression), name the model's inputs with data.inputs "
-                "(e.g. data.inputs=[x]) and give a train.loss of your own: the batch then reaches the model and the "
-                "loss as named columns, any dtype (docs/usage.md)") if pa.types.is_floating(kind) else ""
-        raise DataError(f"{file}: column {name!r} (data.label) has type {column.type}; labels must be integers"
-                        f"{hint}")
+    elif not lm and (pa.types.is_list(kind) or pa.types.is_fixed_size_list(kind) or pa.types.is_large_list(kind)):
+        kind = kind.value_type  # a vector target: numbers, one per output
+    if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)) or (lm and not pa.types.is_integer(kind)):
+        need = "integer token ids" if lm else "numbers: integer class ids, or a float / vector target"
+        raise DataError(f"{file}: column {name!r} (data.label) has type {column.type}; it must hold {need}")
     if column.null_count:
         raise DataError(f"{file}: column {name!r} (data.label) has {column.null_count} null values")
+    if task_of(column.type, lm) == "other":  # a regression target: no classes; a vector, one length
+        if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+            lengths = set(pc.unique(pc.list_value_length(column)).to_pylist())
+            if len(lengths) != 1:
+                raise DataError(f"{file}: column {name!r} (data.label) has rows of different lengths "
+                                f"{sorted(lengths, key=str)[:5]}; every target must have the same length")
+        return -1
     bounds = pc.min_max(values)
     if bounds["min"].as_py() is not None and bounds["min"].as_py() < 0:
         raise DataError(f"{file}: column {name!r} (data.label) has negative values ({bounds['min'].as_py()})")

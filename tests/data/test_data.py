@@ -54,8 +54,9 @@ def test_digits_export_roundtrip(tmp_path):
         ({"x": pa.array([[1.0, 2.0]] * 4), "label": pa.array([0, 1, 0, 1])}, "column 'y' (data.label) not found"),
         ({"x": pa.array([[1.0, 2.0]] * 4), "y": pa.array([0, None, 0, 1])}, "'y' (data.label) has 1 null"),
         ({"x": pa.array(["a", "b", "c", "d"]), "y": pa.array([0, 1, 0, 1])}, "'x' (data.features) has type string"),
-        ({"x": pa.array([[1.0, 2.0]] * 4), "y": pa.array([0.5, 1.0, 0.0, 1.0])}, "labels must be integers; to train on a "
-                                                                            "float target (regression), name the model's inputs with data.inputs"),
+        ({"x": pa.array([[1.0, 2.0]] * 4), "y": pa.array(["a", "b", "a", "b"])},
+         "'y' (data.label) has type string; it must hold numbers: integer class ids, or a float / vector target"),
+        ({"x": pa.array([[1.0, 2.0]] * 4), "y": pa.array([[0.5], [1.0, 2.0], [0.0], [1.0]])}, "different lengths"),
         ({"x": pa.array([[1.0, 2.0], [1.0], [1.0, 2.0], [3.0, 4.0]]), "y": pa.array([0, 1, 0, 1])}, "different lengths"),
         ({"x": pa.array([[1.0, 2.0]] * 4), "y": pa.array([0, -1, 0, 1])}, "negative"),
         ({"x": pa.array([], pa.list_(pa.float32())), "y": pa.array([], pa.int64())}, "zero rows"),
@@ -68,6 +69,27 @@ def test_bad_parquet_named(tmp_path, columns, needle):
     assert needle in str(err.value)
     if "zero rows" not in needle:
         assert "bad.parquet" in str(err.value)
+
+
+def test_any_target_type_from_parquet_as_from_python(tmp_path):
+    """#57: integer labels are classes, floats and vectors a regression target, on every route:
+    parquet's check (`task_of`), the columns the model gets, and the Python route's `spec_columns`."""
+    from raytrain_ddp.data.columns import column_arrays
+    from raytrain_ddp.user import spec_columns
+
+    cfg = load_config(None, ["model.name=my.mod:factory", "train.loss=my.mod:mse"])
+    x = pa.array([[1.0, 2.0]] * 4)
+    for name, label, task, shape in (("int", pa.array([0, 1, 2, 1]), "classification", ()),
+                                     ("float", pa.array([0.5, 1.0, 0.0, 1.5]), "other", ()),
+                                     ("vector", pa.array([[0.5, 1.0]] * 4), "other", (2,)),
+                                     ("one", pa.array([[0.5]] * 4, pa.list_(pa.float64())), "other", (1,))):
+        info = check_parquet(_write(tmp_path / f"{name}.parquet", x=x, y=label), "x", "y")
+        assert info.task == task and info.num_classes == (3 if task == "classification" else 0), name
+        spec = DataSpec(info.task, (2,), info.num_classes, 4, 0, "t")
+        batch = {"x": np.stack(x.to_numpy(zero_copy_only=False)), "y": np.array(label.to_pylist())}
+        y = column_arrays(batch, cfg, spec)["y"]
+        assert y.dtype == (np.int64 if task == "classification" else np.float32) and y.shape == (4, *shape), name
+        assert spec_columns(cfg, {"x": ((2,), "float32"), "y": (shape, str(y.dtype))})[0] == task, name
 
 
 def test_schemas_must_agree_across_files(tmp_path):

@@ -51,6 +51,14 @@ def test_bad_values_name_the_key(override, needle):
     assert needle in str(err.value)
 
 
+def test_one_checkpoint_cadence_at_a_time():
+    assert load_config(None, ["run.checkpoint_every_epochs=5"]).run.checkpoint_every_epochs == 5
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["run.checkpoint_every_epochs=5", "run.checkpoint_every_steps=20"])
+    assert str(err.value).splitlines() == ["invalid configuration in <overrides>: run: run.checkpoint_every_epochs=5 and run.checkpoint_every_steps=20 "
+                                           "are two cadences: set one of the two"], str(err.value)
+
+
 def test_fp16_is_allowed_with_sharded_optimizer_state_on_gpu():
     """zero1 agrees on non-finite shards and FSDP2 on found_inf (docs/parallel.md, audit item 4)."""
     for strategy in ("zero1", "fsdp"):
@@ -106,7 +114,9 @@ def test_public_key_set_is_frozen():
         "scaling.launcher",
         # issue #39: the embedded instance's dashboard, off unless asked
         "run.dashboard",
+        # issue #57: "save every N epochs"
+        "run.checkpoint_every_epochs",
     }
     keys = set(config_keys())
     assert contract <= keys
-    assert len(keys) == 79, sorted(keys - contract)
+    assert len(keys) == 80, sorted(keys - contract)

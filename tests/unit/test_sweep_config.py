@@ -47,6 +47,18 @@ def test_typo_in_a_search_key_exits_2_within_2_s_naming_it(tmp_path):
     assert elapsed < 2.0, f"{elapsed:.2f} s"
 
 
+def test_a_metric_no_trial_can_report_is_refused_before_ray(tmp_path):
+    """#57: `sweep.metric: val_loss` with nothing held out ran every trial to no ranking."""
+    out = subprocess.run([sys.executable, "-m", "raytrain_ddp", "sweep", str(SWEEP), "data.val_fraction=0.0",
+                          f"run.storage_path={tmp_path / 'runs'}"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == ("raytrain-ddp: error: sweep.metric: val_loss comes from validation, but data.val_fraction=0 "
+                          "and no data.val_path hold out any rows, so no trial could ever be ranked; set "
+                          "data.val_fraction (e.g. 0.2) or data.val_path\n"), out.stderr
+    assert not (tmp_path / "runs").exists()  # no trial, no Ray, nothing written
+    load_sweep(SWEEP, ["data.val_fraction=0.0", 'sweep.space={"data.val_fraction": {"choice": [0.0, 0.2]}}'])
+
+
 @pytest.mark.parametrize("space, named", [
     ({"train.lr": {"choice": [0.1, -1]}}, "the value -1 is refused"),
     ({"train.lr": {"loguniform": [0, 0.1]}}, "loguniform needs low > 0"),
