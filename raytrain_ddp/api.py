@@ -27,8 +27,10 @@ def train(config: ConfigLike = None, *, model: Optional[Callable] = None, loss: 
     config: a YAML file, a dict of keys, a `Config`, or None for the defaults; `overrides`
     are `key.sub=value` strings applied on top. model: `factory(spec, **model.kwargs) ->
     nn.Module`; loss: `(output, batch) -> scalar`; preprocess: a Ray Data batch function
-    (dict of numpy arrays in and out); datasets: `{"train": ray.data.Dataset, "val": ...}`
-    (without "val", data.val_fraction of "train" is held out); optimizer: `fn(model, **train.optimizer_kwargs)
+    (dict of numpy arrays in and out); datasets: `{"train": ds, "val": ...}`, each a
+    `ray.data.Dataset` or a map-style `torch.utils.data.Dataset` as it is (samples `(x, y)` or
+    dicts; read once here, then sharded exactly by us: no DistributedSampler) (without "val",
+    data.val_fraction of "train" is held out); optimizer: `fn(model, **train.optimizer_kwargs)
     -> Optimizer`; schedule: `fn(optimizer, total_steps, **train.schedule_kwargs) -> LRScheduler`;
     metrics: `fn(output, batch) -> {name: mean | (sum, count)}`, reported as `val_<name>`.
     Each replaces what the config names; `docs/byo.md` shows a whole run. The console shows
@@ -125,4 +127,8 @@ def _resolve(config: ConfigLike, overrides: Sequence[str], given: dict[str, Any]
         path = Path(config) if config is not None else None
         cfg = load_config(path, overrides)
     cfg, code = resolve(cfg, config_path=path, **given)
+    if datasets is not None:  # map-style torch Datasets read here, once, before Ray (data/sources.py)
+        from raytrain_ddp.data.sources import read_map_style
+
+        datasets = read_map_style(datasets, cfg)
     return cfg, code, datasets

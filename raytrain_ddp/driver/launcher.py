@@ -115,7 +115,7 @@ def _start(cfg: Config, code: Any, datasets: Optional[dict[str, Any]], *, prefli
     """The preamble `run_training` and `prepare_job` share: the user's code resolved, the
     preflight (once: the CLI runs it before importing torch and Ray, and says so), the run
     directory held, the resume decision, the data checked. The hold is released if a step fails."""
-    from raytrain_ddp.driver.preflight import precheck
+    from raytrain_ddp.driver.preflight import in_process, precheck
     from raytrain_ddp.user import resolve
 
     if code is None:
@@ -129,8 +129,8 @@ def _start(cfg: Config, code: Any, datasets: Optional[dict[str, Any]], *, prefli
     try:
         resume_from = resolve_resume(cfg, run_dir)
         # Bad parquet or user code fails here, before Ray or any worker starts (Ray Datasets
-        # given from Python are sampled through Ray, once connected: `_checked`).
-        checked = precheck(cfg, code) if datasets is None else None
+        # given from Python are sampled through Ray, once connected: `_checked`; torch ones are read).
+        checked = precheck(cfg, code, datasets) if datasets is None or in_process(datasets) else None
     except BaseException:
         held.release()
         raise

@@ -112,9 +112,10 @@ def local_data(cfg: Config, checked: Any, code: Any) -> tuple[dict[str, Any], An
     from raytrain_ddp.data.in_memory import in_memory_shards
     from raytrain_ddp.user import run_preprocess
 
-    if cfg.data.source == "datasets":
-        raise UserError("scaling.num_workers=0 (local mode) runs without Ray: Ray Datasets given from Python need "
-                        "it; write them to parquet (data.source=parquet), or use scaling.num_workers>=1")
+    if cfg.data.source == "datasets" and (checked is None or checked.tables is None):
+        raise UserError(f"{'scaling.num_workers=0 (local mode)' if cfg.scaling.local else 'scaling.launcher=torchrun'} "
+                        "runs without Ray: Ray Datasets given from Python need it; give torch Datasets, write them to "
+                        "parquet (data.source=parquet), or use Ray's workers")
     if cfg.data.sharding != "exact":
         raise UserError(f"scaling.num_workers=0 (local mode) reads the data in this process: "
                         f"data.sharding={cfg.data.sharding!r} reads through Ray Data; use data.sharding=exact")
