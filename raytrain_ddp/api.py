@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -38,8 +39,10 @@ def train(config: ConfigLike = None, *, model: Optional[Callable] = None, loss: 
     Ctrl-C saves the step training is at, writes summary.json (status `interrupted`), then
     raises `KeyboardInterrupt` (the CLI exits 130); the same call continues from there.
     """
+    first = "raytrain_ddp.driver.launcher" not in sys.modules  # this process's first fit: imported below
     from raytrain_ddp.driver.launcher import run_training
     from raytrain_ddp.driver.ray_console import VERBOSE_ENV
+    from raytrain_ddp.timeline import process_start_time
 
     code_given = dict(model=model, loss=loss, preprocess=preprocess, optimizer=optimizer, schedule=schedule,
                       metrics=metrics)
@@ -48,7 +51,9 @@ def train(config: ConfigLike = None, *, model: Optional[Callable] = None, loss: 
     if verbose:
         os.environ[VERBOSE_ENV] = "1"
     try:
-        summary = run_training(cfg, code=code, datasets=datasets)
+        # The first fit's timeline starts at the process's start: its `imports` phase holds the
+        # script's imports and its own work before train(), as the CLI's holds its own.
+        summary = run_training(cfg, code=code, datasets=datasets, started_at=process_start_time() if first else None)
     finally:
         if verbose:
             os.environ.pop(VERBOSE_ENV) if before is None else os.environ.__setitem__(VERBOSE_ENV, before)
