@@ -93,9 +93,10 @@ def sweep(config: ConfigLike = None, *, overrides: Sequence[str] = (), verbose: 
 
     path = None
     if isinstance(config, dict):
+        from raytrain_ddp.config.sweep import check_space, paths_from_here
+
         data, sweep_cfg = split_sweep(apply_overrides(copy.deepcopy(config), list(overrides)), "<dict>")
-        base = validate_config(data, "<dict>")
-        from raytrain_ddp.config.sweep import check_space
+        base = validate_config(paths_from_here(data), "<dict>")
 
         check_space(base.model_dump(mode="json"), sweep_cfg)
     else:

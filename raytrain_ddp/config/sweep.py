@@ -115,12 +115,12 @@ def load_sweep(path: Optional[Union[str, Path]], overrides: list[str] = ()) -> t
     data = apply_overrides(copy.deepcopy(data), list(overrides))
     source = str(path) if path is not None else "<overrides>"
     base_data, sweep = split_sweep(data, source)
-    base = _with_storage_env(_paths_from_here(base_data), source)
+    base = _with_storage_env(paths_from_here(base_data), source)
     check_space(base.model_dump(mode="json"), sweep)
     return base, base.model_dump(mode="json"), sweep
 
 
-def _paths_from_here(data: dict[str, Any]) -> dict[str, Any]:
+def paths_from_here(data: dict[str, Any]) -> dict[str, Any]:
     """`data.path` and `data.val_path` relative to where the command ran, as `train` reads them:
     a trial runs in Tune's own working directory, so each gets the absolute path."""
     section = data.get("data") or {}

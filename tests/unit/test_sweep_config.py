@@ -114,7 +114,7 @@ def _trial(root: Path, trial_id: str, values: dict, val_losses: list, status: st
 
 
 def test_report_ranks_names_stopped_and_writes_a_best_config_train_takes(tmp_path, capsys):
-    from raytrain_ddp.sweep.report import print_report
+    from raytrain_ddp.sweep.report import named, print_report
 
     root = tmp_path / "runs" / "sw"
     _trial(root, "t0", {"train.lr": 0.01}, [1.0, 0.5], "ok")
@@ -126,7 +126,8 @@ def test_report_ranks_names_stopped_and_writes_a_best_config_train_takes(tmp_pat
     out = capsys.readouterr().out
     assert [r["trial"] for r in rows] == ["t2", "t0", "t1", "t3"]
     assert [r["status"] for r in rows] == ["finished", "finished", "stopped early", "failed: boom"]
-    assert "stopped early (t1)" in out and (root / "curves.png").stat().st_size > 0
+    assert "stopped early (lr=0.001)" in out and (root / "curves.png").stat().st_size > 0  # named as the legend
+    assert [named(r) for r in rows] == ["lr=0.1", "lr=0.01", "lr=0.001", "lr=1"]
     best = load_config(root / "best.yaml")  # `train` takes it as it is
     assert best.name == "sw-best" and best.run.storage_path == str(tmp_path / "runs")
 
@@ -154,6 +155,7 @@ def test_a_stopped_trial_asks_its_workers_to_stop_without_a_controller(capsys):
     interrupt.press()
     interrupt.press()
     assert mailbox.request_stop.calls == 1 and interrupt.fired
+    assert capsys.readouterr().err == ""  # the report says which trials were stopped (#57)
 
 
 def test_a_trial_hands_tune_its_validation_lines_only():
@@ -191,3 +193,12 @@ def test_a_swallowed_ctrl_c_is_raised_again_until_the_sweep_gives_it_back():
         raise AssertionError("the swallowed Ctrl-C was not raised again")
     assert swallowed == 1 and guard.seen.is_set()
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_relative_data_path_is_read_from_where_the_command_ran(tmp_path, monkeypatch):
+    """#57: `data.path: tut.parquet` trained, and failed in every trial (Tune's working directory)."""
+    monkeypatch.chdir(tmp_path)
+    base, data, _ = load_sweep(SWEEP, ["data.source=parquet", "data.path=tut.parquet", "data.val_path=sub/v.parquet"])
+    assert base.data.path == str(tmp_path / "tut.parquet") == data["data"]["path"]
+    assert base.data.val_path == str(tmp_path / "sub" / "v.parquet")
+    assert load_sweep(SWEEP, ["data.source=parquet", "data.path=s3://b/tut.parquet"])[0].data.path == "s3://b/tut.parquet"
