@@ -377,12 +377,16 @@ def _check_metrics(cfg: Config, fn: Callable[[Any, Any], Any], output: Any, batc
 
 def spec_columns(cfg: Config, columns: dict[str, tuple[tuple[int, ...], str]]) -> tuple[str, tuple[int, ...]]:
     """(task, feature_shape) of a user pipeline, from its processed columns."""
+    from raytrain_ddp.data.sources import task_set
+
     label = columns.get(cfg.data.label)
     first = cfg.data.inputs[0] if cfg.data.inputs else cfg.data.features
     feature_shape = columns[first][0] if first in columns else ()
     if label is None or not np.dtype(label[1]).kind in "iu":
-        return "other", feature_shape
-    return ("classification" if label[0] == () else "lm"), feature_shape
+        inferred = "other"
+    else:
+        inferred = "classification" if label[0] == () else "lm"
+    return task_set(cfg, inferred, "the data"), feature_shape
 
 
 def _require_columns(cfg: Config, code: UserCode, batch: dict[str, Any]) -> None:

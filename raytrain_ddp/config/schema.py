@@ -111,6 +111,11 @@ class DataConfig(_Section):
     )
     features: str = Field("x", min_length=1, description="Column holding the inputs (list / tensor).")
     label: str = Field("y", min_length=1, description="Column holding the target (integer for cross_entropy).")
+    task: Optional[Literal["classification", "regression"]] = Field(
+        None, description="null: from data.label's type, on every route (integer class ids: classification; "
+        "floats or vectors: regression, a target your loss takes as it is, as float32); set it to say so, e.g. "
+        "regression for integer counts.",
+    )
     inputs: Optional[list[str]] = Field(
         None, description="null: batches are (x, y) = (data.features, data.label) and the model "
         "is called as model(x); a list of columns: batches are dicts of named tensors (every "

@@ -52,13 +52,14 @@ def column_arrays(batch: dict[str, np.ndarray], cfg: Config, spec: DataSpec) -> 
 def user_column_arrays(batch: dict[str, np.ndarray], cfg: Config) -> dict[str, np.ndarray]:
     """A user pipeline's columns (after `data.preprocess`): `data.features` and `data.label`
     for (x, y) batches, every column for dict batches; each keeps its dtype, except float64,
-    which becomes float32 (the dtype of the model's parameters)."""
+    which becomes float32 (the dtype of the model's parameters), and the label of
+    `data.task: regression`, float32 whatever its type."""
     names = list(batch) if cfg.data.inputs else [cfg.data.features, cfg.data.label]
     out = {}
     for name in names:
         array = stack_column(np.asarray(batch[name]))
-        if array.dtype == np.float64:
-            array = array.astype(np.float32)
+        if array.dtype == np.float64 or (name == cfg.data.label and cfg.data.task == "regression"):
+            array = array.astype(np.float32)  # data.task regression: integer targets too
         if array.dtype.kind not in "biuf":
             raise DataError(
                 f"column {name!r} holds {array.dtype} values; every column of a batch must be numeric "

@@ -58,6 +58,8 @@ def check_source(cfg: Config, given: Optional[dict[str, Any]] = None) -> Optiona
                check_parquet(cfg.data.val_path, cfg.data.features, cfg.data.label,
                              lm=cfg.model.name == "gpt", key="data.val_path"))
         info = dataclasses.replace(info, val=val)
+    if not own:  # a user pipeline's task comes from its processed columns (`user.spec_columns`)
+        info = dataclasses.replace(info, task=task_set(cfg, info.task, str(cfg.data.path)))
     if not own and info.task == "other" and cfg.model.name in BUILTIN_MODELS:
         raise DataError(f"{cfg.data.path}: column {cfg.data.label!r} (data.label) holds a float or vector target "
                         f"(regression); model.name={cfg.model.name!r} is a classifier: give your own model "
@@ -327,10 +329,22 @@ def check_parquet(path: Optional[str], features: str, label: str, *, lm: bool = 
 def task_of(label_type: pa.DataType, lm: bool = False) -> Literal["classification", "lm", "other"]:
     """The one rule of every route (parquet as Ray Datasets given from Python, `user.spec_columns`):
     integer labels are class ids (token ids: lm); any other numbers -- a float, a vector -- are
-    a target the loss takes as they are ("other": regression, multi-target)."""
+    a target the loss takes as they are ("other": regression, multi-target). `data.task` decides
+    over it: `task_set`."""
     if lm:
         return "lm"
     return "classification" if pa.types.is_integer(label_type) else "other"
+
+
+def task_set(cfg: Config, inferred: str, where: str) -> str:
+    """`data.task` over what the labels say: regression takes any numbers ("other"),
+    classification integer class ids only (one line naming the key otherwise)."""
+    if cfg.data.task is None or inferred == "lm":
+        return inferred
+    if cfg.data.task == "classification" and inferred != "classification":
+        raise DataError(f"data.task=classification: column {cfg.data.label!r} (data.label) of {where} does not hold "
+                        "integer class ids; leave data.task unset (regression), or make the labels integers")
+    return "classification" if cfg.data.task == "classification" else "other"
 
 
 def parquet_bytes(files: list[str]) -> int:

@@ -74,7 +74,8 @@ def test_bad_parquet_named(tmp_path, columns, needle):
 def test_any_target_type_from_parquet_as_from_python(tmp_path):
     """#57: integer labels are classes, floats and vectors a regression target, on every route:
     parquet's check (`task_of`), the columns the model gets, and the Python route's `spec_columns`."""
-    from raytrain_ddp.data.columns import column_arrays
+    from raytrain_ddp.data.columns import column_arrays, user_column_arrays
+    from raytrain_ddp.data.sources import check_source
     from raytrain_ddp.user import spec_columns
 
     cfg = load_config(None, ["model.name=my.mod:factory", "train.loss=my.mod:mse"])
@@ -90,6 +91,19 @@ def test_any_target_type_from_parquet_as_from_python(tmp_path):
         y = column_arrays(batch, cfg, spec)["y"]
         assert y.dtype == (np.int64 if task == "classification" else np.float32) and y.shape == (4, *shape), name
         assert spec_columns(cfg, {"x": ((2,), "float32"), "y": (shape, str(y.dtype))})[0] == task, name
+    # data.task set: integer counts as a regression target, float32 on both routes; classification refuses floats
+    counts = _write(tmp_path / "counts.parquet", x=x, y=pa.array([3, 0, 7, 1]))
+    regression = load_config(None, ["model.name=my.mod:factory", "train.loss=my.mod:mse", "data.task=regression",
+                                    "data.source=parquet", f"data.path={counts}", "data.val_fraction=0",
+                                    "train.global_batch_size=4", "train.micro_batch_size=2", "scaling.num_workers=1"])
+    info = check_source(regression)
+    assert info.task == "other" and spec_columns(regression, {"y": ((), "int64")})[0] == "other"
+    assert user_column_arrays({"x": np.ones((4, 2)), "y": np.arange(4)}, regression)["y"].dtype == np.float32
+    classify = load_config(None, ["data.task=classification", "data.source=parquet",
+                                  f"data.path={tmp_path / 'float.parquet'}"])
+    with pytest.raises(DataError, match="data.task=classification: column 'y' \\(data.label\\) of .*float.parquet "
+                                        "does not hold integer class ids"):
+        check_source(classify)
 
 
 def test_schemas_must_agree_across_files(tmp_path):

@@ -114,9 +114,9 @@ def test_public_key_set_is_frozen():
         "scaling.launcher",
         # issue #39: the embedded instance's dashboard, off unless asked
         "run.dashboard",
-        # issue #57: "save every N epochs"
-        "run.checkpoint_every_epochs",
+        # issue #57: "save every N epochs"; the task a target is, inferred or set
+        "run.checkpoint_every_epochs", "data.task",
     }
     keys = set(config_keys())
     assert contract <= keys
-    assert len(keys) == 80, sorted(keys - contract)
+    assert len(keys) == 81, sorted(keys - contract)
