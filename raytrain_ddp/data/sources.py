@@ -4,8 +4,9 @@ Owns: the parquet scan and its checks (`check_parquet` for the built-in columns,
 `scan_parquet` for a user pipeline's raw files; every message names the file, the column
 and its key), the row counts a run needs (`check_row_counts`), the bundled sources
 (scikit-learn's digits, read without importing scikit-learn; seeded synthetic rows) as
-arrays and tables with their seeded hold-out split (`bundled_tables`), the model's input
-shape (`model_shape`), and what the driver's precheck needs of the data (`check_source`,
+arrays and tables with their seeded hold-out split (`bundled_tables`), a map-style torch
+Dataset's samples as a table (`map_style_table`), what task a label makes (`task_of`,
+`task_set`: one rule for every route), the model's input shape (`model_shape`), and what the driver's precheck needs of the data (`check_source`,
 `sample_and_spec`; the precheck itself, which also runs the user's pipeline, is the
 driver's: `driver/preflight.precheck`). Must not touch: Ray's cluster APIs (a few rows of
 given Ray Datasets are read through Ray Data), models, user code, training; building the
@@ -160,9 +161,10 @@ def map_style_table(name: str, ds: Any, cfg: Config) -> pa.Table:
         if isinstance(sample, (tuple, list)) and len(sample) == 2:
             sample = {cfg.data.features: sample[0], cfg.data.label: sample[1]}
         if not isinstance(sample, dict) or (columns and list(sample) != list(columns)):
-            got = f"{len(sample)} values" if isinstance(sample, (tuple, list)) else type(sample).__name__
-            raise UserError(f"{where}[{i}] is {'a ' * (not isinstance(sample, dict))}{got}; every sample must be "
-                            f"(x, y) (data.features, data.label) or a dict of the same named columns")
+            got = (f"of {len(sample)} values" if isinstance(sample, (tuple, list)) else
+                   f"of columns {sorted(sample)}, not {sorted(columns)}" if isinstance(sample, dict) else "")
+            raise UserError(f"{where}[{i}] is a {type(sample).__name__} {got}".rstrip() + "; every sample must be "
+                            "(x, y) (data.features, data.label) or a dict of the same named columns")
         for column, value in sample.items():
             columns.setdefault(column, []).append(np.asarray(value))
     if not columns:

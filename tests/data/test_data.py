@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -205,3 +207,27 @@ def test_articles_mlp_shape():
     model = build_model(cfg, DataSpec("classification", (1024,), 256, 10, 0, "t"))
     shapes = [tuple(p.shape) for p in model.parameters() if p.dim() == 2]
     assert shapes == [(1024, 1024), (1024, 1024), (256, 1024)]
+
+
+def test_a_map_style_torch_dataset_becomes_the_rows_ray_data_would_make():
+    """#57: `datasets={"train": ds}` takes a torch Dataset as it is: (x, y) or dict samples, any
+    shapes (images keep theirs), read in index order; what cannot be rows is one line naming it."""
+    from ray.data.block import BlockAccessor
+
+    from raytrain_ddp.data.sources import check_given, read_map_style
+    from raytrain_ddp.errors import UserError
+
+    cfg = load_config(None)
+    images = torch.utils.data.TensorDataset(torch.arange(48.0).reshape(4, 1, 3, 4), torch.tensor([0.5, 1.0, 1.5, 2.0]))
+    given = read_map_style({"train": images, "val": [{"x": torch.ones(2), "y": 1}, {"x": torch.zeros(2), "y": 0}]}, cfg)
+    check_given(given)
+    train = BlockAccessor.for_block(given["train"]).to_batch_format("numpy")
+    assert train["x"].shape == (4, 1, 3, 4) and np.array_equal(train["x"][2], images[2][0].numpy())
+    assert train["y"].dtype == np.float32 and list(train["y"]) == [0.5, 1.0, 1.5, 2.0]
+    assert given["val"].column("y").to_pylist() == [1, 0]
+    for bad, says in (([(torch.ones(2), 1, 2)], "datasets['train'] (list)[0] is a tuple of 3 values; every sample must be (x, y)"),
+                      ([torch.ones(2)], "datasets['train'] (list)[0] is a Tensor; every sample"),
+                      ([{"x": 1}, {"z": 2}], "[1] is a dict of columns ['z'], not ['x']; every sample"),
+                      ([(torch.ones(2), 1), (torch.ones(3), 1)], "column 'x' has samples of different shapes")):
+        with pytest.raises(UserError, match=re.escape(says)):
+            read_map_style({"train": bad}, cfg)
