@@ -110,7 +110,7 @@ def test_a_torch_dataset_as_is_trains_on_two_workers_and_resumes_after_ctrl_c_ev
         seen = [r for step in range(epoch * steps_per_epoch + 1, (epoch + 1) * steps_per_epoch + 1) for r in rows[step]]
         assert len(seen) == steps_per_epoch * 32 and len(set(seen)) == len(seen), epoch
     assert first["steps"] < steps_per_epoch  # the Ctrl-C landed mid-epoch: the resume was at a sample, not an epoch
-    kept = sorted(int(p.name.split("_")[1]) for p in (runs / "tutorial").glob("checkpoint_*"))
+    kept = sorted(int(p.name.split("_")[1]) for p in (runs / "tutorial").glob("checkpoint_[0-9]*"))
     assert kept == [first["steps"], total], kept  # checkpoint_every_epochs 5: none at epoch 1's end; the last step's
     phases = summary["startup"]["attempts"][0]["phases"]  # the timeline starts at the process's start
     assert list(phases)[0] == "imports" and phases["imports"] > 0, phases
