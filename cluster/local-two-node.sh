@@ -321,7 +321,7 @@ write_start_commands() {
   export RAY_health_check_timeout_ms="${RAY_health_check_timeout_ms:-1000}"
   export RAY_health_check_failure_threshold="${RAY_health_check_failure_threshold:-3}"
   cat > "$dir/env" <<EOF
-# source this file to talk to the $WHAT
+# source this file to talk to the ${WHAT:-local two-node cluster}
 export RAY_ADDRESS=127.0.0.1:$GCS
 export RAY_AUTH_MODE=token
 export RAY_AUTH_TOKEN_PATH=$dir/auth_token

@@ -134,7 +134,7 @@ def _resolve(config: ConfigLike, overrides: Sequence[str], given: dict[str, Any]
         cfg = load_config(path, overrides)
     cfg, code = resolve(cfg, config_path=path, **given)
     if datasets is not None:  # map-style torch Datasets read here, once, before Ray (data/sources.py)
-        from raytrain_ddp.data.sources import read_map_style
+        from raytrain_ddp.data.given import read_map_style
 
         datasets = read_map_style(datasets, cfg)
     return cfg, code, datasets

@@ -382,11 +382,8 @@ def spec_columns(cfg: Config, columns: dict[str, tuple[tuple[int, ...], str]]) -
     label = columns.get(cfg.data.label)
     first = cfg.data.inputs[0] if cfg.data.inputs else cfg.data.features
     feature_shape = columns[first][0] if first in columns else ()
-    if label is None or not np.dtype(label[1]).kind in "iu":
-        inferred = "other"
-    else:
-        inferred = "classification" if label[0] == () else "lm"
-    return task_set(cfg, inferred, "the data"), feature_shape
+    ints = label is not None and np.dtype(label[1]).kind in "iu"
+    return task_set(cfg, ("classification" if label[0] == () else "lm") if ints else "other", "the data"), feature_shape
 
 
 def _require_columns(cfg: Config, code: UserCode, batch: dict[str, Any]) -> None:
@@ -428,13 +425,11 @@ def _check_cross_entropy_shapes(cfg: Config, output: Any, target: Any) -> None:
 
 
 def _checked_loss(cfg: Config, fmt: Any, output: Any, tensors: Any) -> Any:
-    """The loss on the sample batch; one that raises, or that torch warns would broadcast the
-    output against a target of another shape (mse_loss, l1_loss, ...), is one line naming both shapes."""
+    """The loss on the sample batch; one that raises, or that torch warns would broadcast (mse_loss, l1_loss, ...)."""
     import warnings
 
-    target = fmt.target(tensors)
     shapes = (f"the model's output {_shape(output)} and label column {cfg.data.label!r} (data.label) "
-              f"{_shape(target)}")
+              f"{_shape(fmt.target(tensors))}")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:

@@ -5,7 +5,7 @@ Owns: the parquet scan and its checks (`check_parquet` for the built-in columns,
 and its key), the row counts a run needs (`check_row_counts`), the bundled sources
 (scikit-learn's digits, read without importing scikit-learn; seeded synthetic rows) as
 arrays and tables with their seeded hold-out split (`bundled_tables`), a map-style torch
-Dataset's samples as a table (`map_style_table`), what task a label makes (`task_of`,
+Dataset's samples as a table (`given.py`), what task a label makes (`task_of`,
 `task_set`: one rule for every route), the model's input shape (`model_shape`), and what the driver's precheck needs of the data (`check_source`,
 `sample_and_spec`; the precheck itself, which also runs the user's pipeline, is the
 driver's: `driver/preflight.precheck`). Must not touch: Ray's cluster APIs (a few rows of
@@ -26,6 +26,7 @@ import pyarrow as pa
 
 from raytrain_ddp.config import BUILTIN_MODELS, Config
 from raytrain_ddp.data.columns import TRAIN, VAL, uses_own_data
+from raytrain_ddp.data.given import check_given
 from raytrain_ddp.errors import DataError, UserError
 from raytrain_ddp.job import DataSpec
 
@@ -36,7 +37,7 @@ class Prechecked:
 
     parquet: Optional["ParquetInfo"] = None  # data.path's files (source: parquet)
     pipeline: Any = None  # `user.Checked` (spec without row counts, parameters) when user code runs
-    tables: Optional[dict[str, pa.Table]] = None  # map-style torch Datasets' rows (`map_style_table`): no Ray needed
+    tables: Optional[dict[str, pa.Table]] = None  # map-style torch Datasets' rows (`given.py`): no Ray needed
 
 
 def check_source(cfg: Config, given: Optional[dict[str, Any]] = None) -> Optional["ParquetInfo"]:
@@ -112,72 +113,13 @@ def sample_and_spec(cfg: Config, info: Optional["ParquetInfo"], given: Optional[
 
 def dataset_table(ds: Any) -> pa.Table:
     """A Ray Dataset's rows as one Arrow table, in block order (its blocks read through Ray);
-    a torch Dataset's table (`map_style_table`) as it is."""
+    a torch Dataset's table (`given.py`) as it is."""
     import ray
 
     if isinstance(ds, pa.Table):
         return ds
     blocks = [b for b in ray.get(list(ds.to_arrow_refs())) if b.num_rows]
     return pa.concat_tables(blocks) if blocks else ds.schema().base_schema.empty_table()
-
-
-def check_given(given: dict[str, Any]) -> None:
-    """`raytrain_ddp.train(datasets=...)`: a dict of a 'train' (and maybe a 'val') Ray Dataset,
-    or torch Datasets read already (`read_map_style`)."""
-    if not isinstance(given, dict) or TRAIN not in given or set(given) - {TRAIN, VAL}:
-        found = sorted(given) if isinstance(given, dict) else type(given).__name__
-        raise UserError(f"datasets: expected {{'train': Dataset}} and optionally 'val', got {found}")
-    for name, ds in given.items():
-        if not hasattr(ds, "map_batches") and not isinstance(ds, pa.Table):
-            raise UserError(f"datasets[{name!r}] is a {type(ds).__name__}, not a ray.data.Dataset or a map-style "
-                            "torch.utils.data.Dataset (__len__ and __getitem__)")
-
-
-def read_map_style(given: Any, cfg: Config) -> Any:
-    """`datasets=` with each map-style torch Dataset read into its table (`map_style_table`);
-    Ray Datasets (and anything else, for `check_given` to name) as they are."""
-    if not isinstance(given, dict):
-        return given
-    return {name: map_style_table(name, ds, cfg) if _map_style(ds) else ds for name, ds in given.items()}
-
-
-def _map_style(ds: Any) -> bool:
-    return not hasattr(ds, "map_batches") and hasattr(ds, "__getitem__") and hasattr(ds, "__len__") \
-        and not isinstance(ds, (pa.Table, dict, str, bytes))
-
-
-def map_style_table(name: str, ds: Any, cfg: Config) -> pa.Table:
-    """A map-style torch Dataset, read once on the driver in index order, as the Arrow table Ray
-    Data makes of the same samples (its converter, no Ray started): an `(x, y)` sample becomes
-    the columns `data.features` and `data.label`, a dict sample its own columns. From here it is
-    the rows of `datasets=` given from Python: the seeded hold-out, exact sharding and resume at
-    the exact sample, on every launcher (no DistributedSampler: each rank's slice is ours)."""
-    from ray.data.block import BlockAccessor
-
-    where = f"datasets[{name!r}] ({type(ds).__name__})"
-    columns: dict[str, list[np.ndarray]] = {}
-    for i in range(len(ds)):
-        sample = ds[i]
-        if isinstance(sample, (tuple, list)) and len(sample) == 2:
-            sample = {cfg.data.features: sample[0], cfg.data.label: sample[1]}
-        if not isinstance(sample, dict) or (columns and list(sample) != list(columns)):
-            got = (f"of {len(sample)} values" if isinstance(sample, (tuple, list)) else
-                   f"of columns {sorted(sample)}, not {sorted(columns)}" if isinstance(sample, dict) else "")
-            raise UserError(f"{where}[{i}] is a {type(sample).__name__} {got}".rstrip() + "; every sample must be "
-                            "(x, y) (data.features, data.label) or a dict of the same named columns")
-        for column, value in sample.items():
-            columns.setdefault(column, []).append(np.asarray(value))
-    if not columns:
-        raise UserError(f"{where} is empty")
-    batch = {}
-    for column, values in columns.items():
-        try:
-            batch[column] = np.stack(values)
-        except ValueError:
-            shapes = sorted({v.shape for v in values}, key=str)[:3]
-            raise UserError(f"{where}: column {column!r} has samples of different shapes {shapes}; "
-                            "every sample's must be the same") from None
-    return BlockAccessor.batch_to_block(batch)
 
 
 @dataclass(frozen=True)

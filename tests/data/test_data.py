@@ -214,7 +214,7 @@ def test_a_map_style_torch_dataset_becomes_the_rows_ray_data_would_make():
     shapes (images keep theirs), read in index order; what cannot be rows is one line naming it."""
     from ray.data.block import BlockAccessor
 
-    from raytrain_ddp.data.sources import check_given, read_map_style
+    from raytrain_ddp.data.given import check_given, read_map_style
     from raytrain_ddp.errors import UserError
 
     cfg = load_config(None)
