@@ -133,7 +133,7 @@ def _resolve(config: ConfigLike, overrides: Sequence[str], given: dict[str, Any]
         path = Path(config) if config is not None else None
         cfg = load_config(path, overrides)
     cfg, code = resolve(cfg, config_path=path, **given)
-    if datasets is not None:  # map-style torch Datasets read here, once, before Ray (data/sources.py)
+    if datasets is not None:  # map-style torch Datasets read here, once, before Ray (data/given.py)
         from raytrain_ddp.data.given import read_map_style
 
         datasets = read_map_style(datasets, cfg)

@@ -183,7 +183,8 @@ def _prepare_user_data(cfg: Config, checked: Prechecked, code: Any, given: Optio
     if cfg.data.sharding == "exact" and (code is None or code.preprocess is None):
         return _user_rows_in_memory(cfg, checked, given, fits)
     if given is not None:  # torch Datasets' tables through Ray Data as well (streaming, sharded, a preprocess)
-        train, val = (ray.data.from_arrow(ds) if isinstance(ds, pa.Table) else ds for ds in (given[TRAIN], given.get(VAL)))
+        train, val = (ray.data.from_arrow(ds) if isinstance(ds, pa.Table) else ds
+                      for ds in (given[TRAIN], given.get(VAL)))
     elif info is not None:
         train = ray.data.read_parquet(info.files)
         val = ray.data.read_parquet(info.val.files) if info.val else None

@@ -4,9 +4,9 @@ Owns: the parquet scan and its checks (`check_parquet` for the built-in columns,
 `scan_parquet` for a user pipeline's raw files; every message names the file, the column
 and its key), the row counts a run needs (`check_row_counts`), the bundled sources
 (scikit-learn's digits, read without importing scikit-learn; seeded synthetic rows) as
-arrays and tables with their seeded hold-out split (`bundled_tables`), a map-style torch
-Dataset's samples as a table (`given.py`), what task a label makes (`task_of`,
-`task_set`: one rule for every route), the model's input shape (`model_shape`), and what the driver's precheck needs of the data (`check_source`,
+arrays and tables with their seeded hold-out split (`bundled_tables`), what task a label
+makes (`task_of`, `task_set`: one rule for every route), the model's input shape
+(`model_shape`), and what the driver's precheck needs of the data (`check_source`,
 `sample_and_spec`; the precheck itself, which also runs the user's pipeline, is the
 driver's: `driver/preflight.precheck`). Must not touch: Ray's cluster APIs (a few rows of
 given Ray Datasets are read through Ray Data), models, user code, training; building the
@@ -114,10 +114,10 @@ def sample_and_spec(cfg: Config, info: Optional["ParquetInfo"], given: Optional[
 def dataset_table(ds: Any) -> pa.Table:
     """A Ray Dataset's rows as one Arrow table, in block order (its blocks read through Ray);
     a torch Dataset's table (`given.py`) as it is."""
-    import ray
-
     if isinstance(ds, pa.Table):
         return ds
+    import ray
+
     blocks = [b for b in ray.get(list(ds.to_arrow_refs())) if b.num_rows]
     return pa.concat_tables(blocks) if blocks else ds.schema().base_schema.empty_table()
 
