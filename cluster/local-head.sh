@@ -13,7 +13,7 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 case "${1:-}" in
-  start) exec "$here/local-two-node.sh" head ;;
+  start) RT2N_STOP_CMD="$0 stop" exec "$here/local-two-node.sh" head ;;
   stop) exec "$here/local-two-node.sh" down "${2:-${RT2N_DIR:-}}" ;;
   *) sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
 esac

@@ -321,7 +321,7 @@ write_start_commands() {
   export RAY_health_check_timeout_ms="${RAY_health_check_timeout_ms:-1000}"
   export RAY_health_check_failure_threshold="${RAY_health_check_failure_threshold:-3}"
   cat > "$dir/env" <<EOF
-# source this file to talk to the local two-node cluster
+# source this file to talk to the ${WHAT:-local two-node cluster}
 export RAY_ADDRESS=127.0.0.1:$GCS
 export RAY_AUTH_MODE=token
 export RAY_AUTH_TOKEN_PATH=$dir/auth_token
@@ -347,6 +347,7 @@ port_taken() {
 
 cmd_up() {
   local nodes="${1:-2}" dir
+  WHAT="local two-node cluster"; (( nodes == 1 )) && WHAT="local one-node head"  # the env file names it
   # Short path: Ray puts unix sockets under the temp dir, and those are limited to ~107 bytes.
   dir="$(mktemp -d /tmp/rt2n-XXXX)"
   touch "$dir/rt2n"
@@ -376,7 +377,8 @@ cmd_up() {
   else
     echo "local-two-node: up. Use it with:  source $dir/env" >&2
   fi
-  echo "local-two-node: stop it with:     $0 down $dir" >&2
+  # local-head.sh sets RT2N_STOP_CMD: the hint names the command its user ran (docs/cluster.md)
+  echo "local-two-node: stop it with:     ${RT2N_STOP_CMD:-$0 down} $dir" >&2
   echo "$dir"
 }
 

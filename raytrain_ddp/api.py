@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
 from raytrain_ddp.config import Config, apply_overrides, load_config, validate_config
+from raytrain_ddp.errors import UserError
 
 ConfigLike = Union[str, os.PathLike, dict, Config, None]
 
@@ -27,8 +29,10 @@ def train(config: ConfigLike = None, *, model: Optional[Callable] = None, loss: 
     config: a YAML file, a dict of keys, a `Config`, or None for the defaults; `overrides`
     are `key.sub=value` strings applied on top. model: `factory(spec, **model.kwargs) ->
     nn.Module`; loss: `(output, batch) -> scalar`; preprocess: a Ray Data batch function
-    (dict of numpy arrays in and out); datasets: `{"train": ray.data.Dataset, "val": ...}`
-    (without "val", data.val_fraction of "train" is held out); optimizer: `fn(model, **train.optimizer_kwargs)
+    (dict of numpy arrays in and out); datasets: `{"train": ds, "val": ...}`, each a
+    `ray.data.Dataset` or a map-style `torch.utils.data.Dataset` as it is (samples `(x, y)` or
+    dicts; read once here, then sharded exactly by us: no DistributedSampler) (without "val",
+    data.val_fraction of "train" is held out); optimizer: `fn(model, **train.optimizer_kwargs)
     -> Optimizer`; schedule: `fn(optimizer, total_steps, **train.schedule_kwargs) -> LRScheduler`;
     metrics: `fn(output, batch) -> {name: mean | (sum, count)}`, reported as `val_<name>`.
     Each replaces what the config names; `docs/byo.md` shows a whole run. The console shows
@@ -36,8 +40,10 @@ def train(config: ConfigLike = None, *, model: Optional[Callable] = None, loss: 
     Ctrl-C saves the step training is at, writes summary.json (status `interrupted`), then
     raises `KeyboardInterrupt` (the CLI exits 130); the same call continues from there.
     """
+    first = "raytrain_ddp.driver.launcher" not in sys.modules  # this process's first fit: imported below
     from raytrain_ddp.driver.launcher import run_training
     from raytrain_ddp.driver.ray_console import VERBOSE_ENV
+    from raytrain_ddp.timeline import process_start_time
 
     code_given = dict(model=model, loss=loss, preprocess=preprocess, optimizer=optimizer, schedule=schedule,
                       metrics=metrics)
@@ -46,7 +52,9 @@ def train(config: ConfigLike = None, *, model: Optional[Callable] = None, loss: 
     if verbose:
         os.environ[VERBOSE_ENV] = "1"
     try:
-        summary = run_training(cfg, code=code, datasets=datasets)
+        # The first fit's timeline starts at the process's start: its `imports` phase holds the
+        # script's imports and its own work before train(), as the CLI's holds its own.
+        summary = run_training(cfg, code=code, datasets=datasets, started_at=process_start_time() if first else None)
     finally:
         if verbose:
             os.environ.pop(VERBOSE_ENV) if before is None else os.environ.__setitem__(VERBOSE_ENV, before)
@@ -86,9 +94,10 @@ def sweep(config: ConfigLike = None, *, overrides: Sequence[str] = (), verbose: 
 
     path = None
     if isinstance(config, dict):
+        from raytrain_ddp.config.sweep import check_space, paths_from_here
+
         data, sweep_cfg = split_sweep(apply_overrides(copy.deepcopy(config), list(overrides)), "<dict>")
-        base = validate_config(data, "<dict>")
-        from raytrain_ddp.config.sweep import check_space
+        base = validate_config(paths_from_here(data), "<dict>")
 
         check_space(base.model_dump(mode="json"), sweep_cfg)
     else:
@@ -125,4 +134,11 @@ def _resolve(config: ConfigLike, overrides: Sequence[str], given: dict[str, Any]
         path = Path(config) if config is not None else None
         cfg = load_config(path, overrides)
     cfg, code = resolve(cfg, config_path=path, **given)
+    if datasets is not None:  # map-style torch Datasets read here, once, before Ray (data/given.py)
+        from raytrain_ddp.data.given import read_map_style
+        from raytrain_ddp.launch.table import given_refusal
+
+        if isinstance(datasets, dict) and given_refusal(cfg, datasets):
+            raise UserError(given_refusal(cfg, datasets))
+        datasets = read_map_style(datasets, cfg)
     return cfg, code, datasets

@@ -53,7 +53,7 @@ BUCKETS = ("productive", "startup", "data_wait", "exposed_comm", "checkpoint_sta
            "redone", "recovery", "shutdown", "idle", "other")
 ATTEMPT_PHASES = ("placed", "workers_up", "process_group", "data_ready", "model_built", "state_restored",
                   "compile")
-FIT_PHASES = ("cli", "ray", "datasets")
+FIT_PHASES = ("imports", "cli", "ray", "datasets")
 CAUSE_OF_STATUS = {"interrupted": "Ctrl-C", "preempted": "preemption", "failed": "failed", "aborted": "failed",
                    "unschedulable": "failed"}
 WORKER_LOST, PREEMPTION = "worker lost", "preemption"  # a restart's cause: a just-in-time save before it says which

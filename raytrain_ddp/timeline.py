@@ -10,6 +10,9 @@ training, the record stream's order (`driver/stream.py` hands stamps on as they 
 Every phase is measured, not estimated: its `t` is the wall clock when it ended, its
 `seconds` the time since the previous phase's end, so one start's phases add up to its
 time to the first step exactly (clock skew between nodes aside). Where the stamps come from:
+    imports                      the process's start -> the launcher's entry (the CLI's parse and
+                                 imports; a script's imports, its own work, and train() reading
+                                 a torch Dataset; 0 s for a later fit of the same process)
     cli, ray, datasets           the driver (`launcher.py`, `driver/local.py`)
     placed, workers_up,          Ray Train's controller (`driver/startup.py`, a worker-group
     process_group                callback): the group's start, its actors up, the process
@@ -29,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-DRIVER_PHASES = ("cli", "ray", "datasets")
+DRIVER_PHASES = ("imports", "cli", "ray", "datasets")
 ATTEMPT_PHASES = ("placed", "workers_up", "process_group", "data_ready", "model_built", "state_restored",
                   "compile", "first_step")
 CONTROLLER_PHASES = ("workers_up", "process_group")
@@ -83,9 +86,11 @@ class Timeline:
     rank 0's stamps as they arrive (`controller`, `worker`), `attach` the run directory
     once it exists (rows made before wait in memory), `end` with the fit's status."""
 
-    def __init__(self, fit_id: str, started: Optional[float] = None) -> None:
+    def __init__(self, fit_id: str, started: Optional[float] = None, entered: Optional[float] = None) -> None:
+        """`started`: the process's start (default `entered`); `entered`: the launcher's entry (default now)."""
         self.fit_id = fit_id
-        self.started = float(started if started is not None else time.time())
+        entered = float(entered if entered is not None else time.time())
+        self.started = float(started if started is not None else entered)
         self.rows: list[dict[str, Any]] = []
         self._file: Any = None
         self._groups: list[dict[str, float]] = []  # the controller's stamps, one per worker-group start
@@ -95,6 +100,8 @@ class Timeline:
         self._driver_end = self.started
         self.last_step_t: Optional[float] = None
         self._row("fit_start", None, self.started, 0.0)
+        self._row("imports", None, max(entered, self.started), max(0.0, entered - self.started))
+        self._driver_end = max(entered, self.started)
 
     # ------------------------------------------------------------ stamps in
 

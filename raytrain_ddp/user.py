@@ -335,10 +335,7 @@ def check_pipeline(cfg: Config, code: UserCode, sample: dict[str, np.ndarray], s
                         f"({_describe(tensors)}) raised {_one_line(exc)}") from None
     if fmt.user_loss is None and cfg.train.loss == "cross_entropy":
         _check_cross_entropy_shapes(cfg, output, fmt.target(tensors))
-    try:
-        loss = fmt.loss(output, tensors)
-    except Exception as exc:  # noqa: BLE001 - the user's loss (or a model without its own loss)
-        raise UserError(f"train.loss={cfg.train.loss!r} raised {_one_line(exc)}") from None
+    loss = _checked_loss(cfg, fmt, output, tensors)
     _check_scalar(cfg, loss)
     _check_backward(cfg, model, loss, require_all_used)
     if code.metrics is not None:
@@ -382,12 +379,13 @@ def _check_metrics(cfg: Config, fn: Callable[[Any, Any], Any], output: Any, batc
 
 def spec_columns(cfg: Config, columns: dict[str, tuple[tuple[int, ...], str]]) -> tuple[str, tuple[int, ...]]:
     """(task, feature_shape) of a user pipeline, from its processed columns."""
+    from raytrain_ddp.data.sources import task_set
+
     label = columns.get(cfg.data.label)
     first = cfg.data.inputs[0] if cfg.data.inputs else cfg.data.features
     feature_shape = columns[first][0] if first in columns else ()
-    if label is None or not np.dtype(label[1]).kind in "iu":
-        return "other", feature_shape
-    return ("classification" if label[0] == () else "lm"), feature_shape
+    ints = label is not None and np.dtype(label[1]).kind in "iu"
+    return task_set(cfg, ("classification" if label[0] == () else "lm") if ints else "other", "the data"), feature_shape
 
 
 def _require_columns(cfg: Config, code: UserCode, batch: dict[str, Any]) -> None:
@@ -426,6 +424,29 @@ def _check_cross_entropy_shapes(cfg: Config, output: Any, target: Any) -> None:
     if target.numel() and (int(target.min()) < 0 or int(target.max()) >= output.shape[-1]):
         raise UserError(f"{key}: label column {cfg.data.label!r} (data.label) holds values up to "
                         f"{int(target.max())} but the model outputs {output.shape[-1]} classes")
+
+
+def _checked_loss(cfg: Config, fmt: Any, output: Any, tensors: Any) -> Any:
+    """The loss on the sample batch; one that raises, or that torch warns would broadcast (mse_loss, l1_loss, ...)."""
+    import warnings
+
+    shapes = (f"the model's output {_shape(output)} and label column {cfg.data.label!r} (data.label) "
+              f"{_shape(fmt.target(tensors))}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            loss = fmt.loss(output, tensors)
+        except Exception as exc:  # noqa: BLE001 - the user's loss (or a model without its own loss)
+            raise UserError(f"train.loss={cfg.train.loss!r} raised {_one_line(exc)} on {shapes}") from None
+    if any("different to the input size" in str(w.message) for w in caught):
+        raise UserError(f"train.loss={cfg.train.loss!r}: {shapes} differ, and the loss would broadcast one "
+                        "against the other; make the model's output the label's shape (or reshape in the loss)")
+    return loss
+
+
+def _shape(value: Any) -> str:
+    shape = getattr(value, "shape", None)
+    return f"of shape {list(shape)}" if shape is not None else f"(a {type(value).__name__})"
 
 
 def _check_scalar(cfg: Config, loss: Any) -> None:

@@ -129,6 +129,11 @@ class DataConfig(_Section):
     )
     features: str = Field("x", min_length=1, description="Column holding the inputs (list / tensor).")
     label: str = Field("y", min_length=1, description="Column holding the target (integer for cross_entropy).")
+    task: Optional[Literal["classification", "regression"]] = Field(
+        None, description="null: from data.label's type, on every route (integer class ids: classification; "
+        "floats or vectors: regression, a target your loss takes as it is, as float32); set it to say so, e.g. "
+        "regression for integer counts.",
+    )
     inputs: Optional[list[str]] = Field(
         None, description="null: batches are (x, y) = (data.features, data.label) and the model "
         "is called as model(x); a list of columns: batches are dicts of named tensors (every "
@@ -454,6 +459,11 @@ class RunConfig(_Section):
         "measured on this run and its observed mean time between interruptions (run.expected_mtbf_s "
         "before there is one), chosen again at every restart and said in one line (docs/usage.md).",
     )
+    checkpoint_every_epochs: int = Field(
+        1, ge=1, description="N: checkpoint at the end of every Nth epoch (and at the run's last step, and "
+        "at an epoch end a preemption signal reached); the cadence in epochs, instead of "
+        "checkpoint_every_steps (set one of the two).",
+    )
     expected_mtbf_s: float = Field(
         3600.0, gt=0.0, description="checkpoint_every_steps auto: the mean time between interruptions "
         "to plan with until this run has observed one (raytrain-ddp goodput shows the observed one).",
@@ -517,6 +527,13 @@ class RunConfig(_Section):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError("must be a number of steps >= 0, or auto")
         return value
+
+    @model_validator(mode="after")
+    def _one_cadence(self) -> "RunConfig":
+        if self.checkpoint_every_epochs > 1 and self.checkpoint_every_steps != 0:
+            raise ValueError(f"run.checkpoint_every_epochs={self.checkpoint_every_epochs} and run.checkpoint_every_"
+                             f"steps={self.checkpoint_every_steps} are two cadences: set one of the two")
+        return self
 
     @field_validator("loggers")
     @classmethod

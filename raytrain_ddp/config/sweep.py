@@ -115,9 +115,20 @@ def load_sweep(path: Optional[Union[str, Path]], overrides: list[str] = ()) -> t
     data = apply_overrides(copy.deepcopy(data), list(overrides))
     source = str(path) if path is not None else "<overrides>"
     base_data, sweep = split_sweep(data, source)
-    base = _with_storage_env(base_data, source)
+    base = _with_storage_env(paths_from_here(base_data), source)
     check_space(base.model_dump(mode="json"), sweep)
     return base, base.model_dump(mode="json"), sweep
+
+
+def paths_from_here(data: dict[str, Any]) -> dict[str, Any]:
+    """`data.path` and `data.val_path` relative to where the command ran, as `train` reads them:
+    a trial runs in Tune's own working directory, so each gets the absolute path."""
+    section = data.get("data") or {}
+    for key in ("path", "val_path"):
+        value = section.get(key)
+        if isinstance(value, str) and value and "://" not in value and not Path(value).expanduser().is_absolute():
+            section = {**section, key: str(Path.cwd() / value)}
+    return {**data, "data": section} if section else data
 
 
 def _with_storage_env(data: dict[str, Any], source: str) -> Config:
@@ -154,6 +165,12 @@ def check_space(base: dict[str, Any], sweep: SweepConfig) -> None:
         kind, values = next(iter(entry.items()))
         for value in _drawable(where, kind, values, sweep.search):
             _accepted(base, key, value, where)
+    data = base.get("data", {})
+    if sweep.metric.startswith("val_") and not data.get("val_fraction") and not data.get("val_path") and not any(
+            value for value in next(iter(sweep.space.get("data.val_fraction", {None: [0]}).values()))):
+        raise ConfigError(f"sweep.metric: {sweep.metric} comes from validation, but data.val_fraction=0 and no "
+                          "data.val_path hold out any rows, so no trial could ever be ranked; set data.val_fraction "
+                          "(e.g. 0.2) or data.val_path")
     if sweep.search == "grid" and sweep.num_trials is not None:
         raise ConfigError("sweep.num_trials: grid search runs every combination of its grid once; leave "
                           "num_trials unset (or use search: random)")

@@ -33,7 +33,8 @@ def column_arrays(batch: dict[str, np.ndarray], cfg: Config, spec: DataSpec) -> 
     """The columns a micro-batch is built from, as arrays the model takes.
 
     Built-in data (`spec.columns` empty): `data.features` as float32 in `spec.feature_shape`
-    (int64 token ids for "lm") and `data.label` as int64. A user pipeline: see
+    (int64 token ids for "lm") and `data.label` as int64 (float32, its shape kept, for a
+    regression target: task "other"). A user pipeline: see
     `user_column_arrays`.
     """
     if spec.columns:
@@ -44,20 +45,21 @@ def column_arrays(batch: dict[str, np.ndarray], cfg: Config, spec: DataSpec) -> 
         x = x.astype(np.int64, copy=not x.flags.writeable)
     else:  # arrays this process owns are not copied again (Ray Data's are read-only views)
         x = x.astype(np.float32, copy=not x.flags.writeable).reshape((len(x),) + spec.feature_shape)
-    y = stack_column(batch[label])
-    return {features: x, label: y.astype(np.int64, copy=not y.flags.writeable)}
+    y = stack_column(batch[label])  # class or token ids as int64; any other target as float32 (sources.task_of)
+    return {features: x, label: y.astype(np.float32 if spec.task == "other" else np.int64, copy=not y.flags.writeable)}
 
 
 def user_column_arrays(batch: dict[str, np.ndarray], cfg: Config) -> dict[str, np.ndarray]:
     """A user pipeline's columns (after `data.preprocess`): `data.features` and `data.label`
     for (x, y) batches, every column for dict batches; each keeps its dtype, except float64,
-    which becomes float32 (the dtype of the model's parameters)."""
+    which becomes float32 (the dtype of the model's parameters), and the label of
+    `data.task: regression`, float32 whatever its type."""
     names = list(batch) if cfg.data.inputs else [cfg.data.features, cfg.data.label]
     out = {}
     for name in names:
         array = stack_column(np.asarray(batch[name]))
-        if array.dtype == np.float64:
-            array = array.astype(np.float32)
+        if array.dtype == np.float64 or (name == cfg.data.label and cfg.data.task == "regression"):
+            array = array.astype(np.float32)  # data.task regression: integer targets too
         if array.dtype.kind not in "biuf":
             raise DataError(
                 f"column {name!r} holds {array.dtype} values; every column of a batch must be numeric "

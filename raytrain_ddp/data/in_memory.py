@@ -46,6 +46,11 @@ def in_memory_shards(cfg: Config, checked: Any, preprocess: Optional[Callable[[d
     if bundled is not None:
         train, val = bundled.train, bundled.val
         shape, classes, task, source = bundled.shape, bundled.classes, bundled.task, bundled.source
+    elif checked.tables is not None:  # torch Datasets given from Python, read on the driver: the same split
+        train, val = checked.tables[TRAIN], checked.tables.get(VAL)
+        if val is None:
+            train, val = split_table(train, cfg)
+        source = checked.pipeline.spec.source
     else:
         info = checked.parquet
         columns = None if own else [cfg.data.features, cfg.data.label]

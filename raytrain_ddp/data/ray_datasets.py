@@ -54,6 +54,8 @@ import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
+import pyarrow as pa
+
 from raytrain_ddp.config import Config
 from raytrain_ddp.data.columns import TRAIN, VAL, uses_own_data
 from raytrain_ddp.data.sources import (Prechecked, arrays_table, bundled_tables, check_row_counts, dataset_table,
@@ -180,8 +182,9 @@ def _prepare_user_data(cfg: Config, checked: Prechecked, code: Any, given: Optio
     split = cfg.data.val_fraction > 0
     if cfg.data.sharding == "exact" and (code is None or code.preprocess is None):
         return _user_rows_in_memory(cfg, checked, given, fits)
-    if given is not None:
-        train, val = given[TRAIN], given.get(VAL)
+    if given is not None:  # torch Datasets' tables through Ray Data as well (streaming, sharded, a preprocess)
+        train, val = (ray.data.from_arrow(ds) if isinstance(ds, pa.Table) else ds
+                      for ds in (given[TRAIN], given.get(VAL)))
     elif info is not None:
         train = ray.data.read_parquet(info.files)
         val = ray.data.read_parquet(info.val.files) if info.val else None

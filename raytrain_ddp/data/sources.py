@@ -4,8 +4,9 @@ Owns: the parquet scan and its checks (`check_parquet` for the built-in columns,
 `scan_parquet` for a user pipeline's raw files; every message names the file, the column
 and its key), the row counts a run needs (`check_row_counts`), the bundled sources
 (scikit-learn's digits, read without importing scikit-learn; seeded synthetic rows) as
-arrays and tables with their seeded hold-out split (`bundled_tables`), the model's input
-shape (`model_shape`), and what the driver's precheck needs of the data (`check_source`,
+arrays and tables with their seeded hold-out split (`bundled_tables`), what task a label
+makes (`task_of`, `task_set`: one rule for every route), the model's input shape
+(`model_shape`), and what the driver's precheck needs of the data (`check_source`,
 `sample_and_spec`; the precheck itself, which also runs the user's pipeline, is the
 driver's: `driver/preflight.precheck`). Must not touch: Ray's cluster APIs (a few rows of
 given Ray Datasets are read through Ray Data), models, user code, training; building the
@@ -23,8 +24,9 @@ from typing import Any, Literal, Optional
 import numpy as np
 import pyarrow as pa
 
-from raytrain_ddp.config import Config
+from raytrain_ddp.config import BUILTIN_MODELS, Config
 from raytrain_ddp.data.columns import TRAIN, VAL, uses_own_data
+from raytrain_ddp.data.given import check_given
 from raytrain_ddp.errors import DataError, UserError
 from raytrain_ddp.job import DataSpec
 
@@ -35,6 +37,7 @@ class Prechecked:
 
     parquet: Optional["ParquetInfo"] = None  # data.path's files (source: parquet)
     pipeline: Any = None  # `user.Checked` (spec without row counts, parameters) when user code runs
+    tables: Optional[dict[str, pa.Table]] = None  # map-style torch Datasets' rows (`given.py`): no Ray needed
 
 
 def check_source(cfg: Config, given: Optional[dict[str, Any]] = None) -> Optional["ParquetInfo"]:
@@ -57,6 +60,15 @@ def check_source(cfg: Config, given: Optional[dict[str, Any]] = None) -> Optiona
                check_parquet(cfg.data.val_path, cfg.data.features, cfg.data.label,
                              lm=cfg.model.name == "gpt", key="data.val_path"))
         info = dataclasses.replace(info, val=val)
+    if not own:  # a user pipeline's task comes from its processed columns (`user.spec_columns`)
+        info = dataclasses.replace(info, task=task_set(cfg, info.task, str(cfg.data.path)))
+    if not own and info.task == "other" and cfg.model.name in BUILTIN_MODELS:
+        raise DataError(f"{cfg.data.path}: column {cfg.data.label!r} (data.label) holds a float or vector target "
+                        f"(regression); model.name={cfg.model.name!r} is a classifier: give your own model "
+                        "('package.module:factory') and train.loss (docs/byo.md)")
+    if info.val is not None and info.val.task != info.task:
+        raise DataError(f"{cfg.data.val_path}: column {cfg.data.label!r} (data.label) is a {info.val.task} target, "
+                        f"{cfg.data.path}'s a {info.task} one; data.val_path must hold the same kind of labels")
     if not own:  # a preprocess may change the row counts: checked once it has run
         val_rows = info.val.rows if info.val else int(round(info.rows * cfg.data.val_fraction))
         check_row_counts(cfg, info.rows - (0 if info.val else val_rows), val_rows, str(cfg.data.path))
@@ -71,7 +83,8 @@ def sample_and_spec(cfg: Config, info: Optional["ParquetInfo"], given: Optional[
     own = uses_own_data(cfg)
     if given is not None:
         check_given(given)
-        whole = dataset_table(given[TRAIN]) if cfg.data.sharding == "exact" else None  # read in memory anyway
+        read = cfg.data.sharding == "exact" or isinstance(given[TRAIN], pa.Table)  # in memory anyway
+        whole = dataset_table(given[TRAIN]) if read else None
         if whole is not None:  # the sample and the classes from the rows: no Ray Data execution
             sample = BlockAccessor.for_block(whole.slice(0, rows)).to_batch_format("numpy")
         else:
@@ -83,7 +96,8 @@ def sample_and_spec(cfg: Config, info: Optional["ParquetInfo"], given: Optional[
 
             top = pc.max(whole.column(cfg.data.label)).as_py() if whole is not None else given[TRAIN].max(cfg.data.label)
             classes = int(top) + 1
-        return sample, DataSpec("other", (), classes, 0, 0, "Ray Datasets given from Python")
+        kind = "torch" if isinstance(given[TRAIN], pa.Table) else "Ray"
+        return sample, DataSpec("other", (), classes, 0, 0, f"{kind} Datasets given from Python")
     if info is not None:
         first = next(f for f in info.files if _rows_in(f))
         table = pa.Table.from_batches([next(_parquet(first).iter_batches(batch_size=rows))])
@@ -98,21 +112,14 @@ def sample_and_spec(cfg: Config, info: Optional["ParquetInfo"], given: Optional[
 
 
 def dataset_table(ds: Any) -> pa.Table:
-    """A Ray Dataset's rows as one Arrow table, in block order (its blocks read through Ray)."""
+    """A Ray Dataset's rows as one Arrow table, in block order (its blocks read through Ray);
+    a torch Dataset's table (`given.py`) as it is."""
+    if isinstance(ds, pa.Table):
+        return ds
     import ray
 
     blocks = [b for b in ray.get(list(ds.to_arrow_refs())) if b.num_rows]
     return pa.concat_tables(blocks) if blocks else ds.schema().base_schema.empty_table()
-
-
-def check_given(given: dict[str, Any]) -> None:
-    """`raytrain_ddp.train(datasets=...)`: a dict of a 'train' (and maybe a 'val') Ray Dataset."""
-    if not isinstance(given, dict) or TRAIN not in given or set(given) - {TRAIN, VAL}:
-        found = sorted(given) if isinstance(given, dict) else type(given).__name__
-        raise UserError(f"datasets: expected {{'train': Dataset}} and optionally 'val', got {found}")
-    for name, ds in given.items():
-        if not hasattr(ds, "map_batches"):
-            raise UserError(f"datasets[{name!r}] is a {type(ds).__name__}, not a ray.data.Dataset")
 
 
 @dataclass(frozen=True)
@@ -260,8 +267,28 @@ def check_parquet(path: Optional[str], features: str, label: str, *, lm: bool = 
         max_label = max(max_label, _check_label_column(file, label, table.column(label), lm, pc))
     if rows == 0:
         raise DataError(f"{path}: parquet input has zero rows")
-    task: Literal["classification", "lm"] = "lm" if lm else "classification"
-    return ParquetInfo(files, rows, (int(width or 1),), max_label + 1, task)
+    return ParquetInfo(files, rows, (int(width or 1),), max_label + 1, task_of(first_schema.field(label).type, lm))
+
+
+def task_of(label_type: pa.DataType, lm: bool = False) -> Literal["classification", "lm", "other"]:
+    """The one rule of every route (parquet as Ray Datasets given from Python, `user.spec_columns`):
+    integer labels are class ids (token ids: lm); any other numbers -- a float, a vector -- are
+    a target the loss takes as they are ("other": regression, multi-target). `data.task` decides
+    over it: `task_set`."""
+    if lm:
+        return "lm"
+    return "classification" if pa.types.is_integer(label_type) else "other"
+
+
+def task_set(cfg: Config, inferred: str, where: str) -> str:
+    """`data.task` over what the labels say: regression takes any numbers ("other"),
+    classification integer class ids only (one line naming the key otherwise)."""
+    if cfg.data.task is None or inferred == "lm":
+        return inferred
+    if cfg.data.task == "classification" and inferred != "classification":
+        raise DataError(f"data.task=classification: column {cfg.data.label!r} (data.label) of {where} does not hold "
+                        "integer class ids; leave data.task unset (regression), or make the labels integers")
+    return "classification" if cfg.data.task == "classification" else "other"
 
 
 def parquet_bytes(files: list[str]) -> int:
@@ -325,14 +352,20 @@ def _check_label_column(file: str, name: str, column: pa.ChunkedArray, lm: bool,
     if lm and (pa.types.is_list(kind) or pa.types.is_fixed_size_list(kind) or pa.types.is_large_list(kind)):
         kind = kind.value_type
         values = pc.list_flatten(column)
-    if not pa.types.is_integer(kind):
-        hint = ("; to train on a float target (regression), name the model's inputs with data.inputs "
-                "(e.g. data.inputs=[x]) and give a train.loss of your own: the batch then reaches the model and the "
-                "loss as named columns, any dtype (docs/usage.md)") if pa.types.is_floating(kind) else ""
-        raise DataError(f"{file}: column {name!r} (data.label) has type {column.type}; labels must be integers"
-                        f"{hint}")
+    elif not lm and (pa.types.is_list(kind) or pa.types.is_fixed_size_list(kind) or pa.types.is_large_list(kind)):
+        kind = kind.value_type  # a vector target: numbers, one per output
+    if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)) or (lm and not pa.types.is_integer(kind)):
+        need = "integer token ids" if lm else "numbers: integer class ids, or a float / vector target"
+        raise DataError(f"{file}: column {name!r} (data.label) has type {column.type}; it must hold {need}")
     if column.null_count:
         raise DataError(f"{file}: column {name!r} (data.label) has {column.null_count} null values")
+    if task_of(column.type, lm) == "other":  # a regression target: no classes; a vector, one length
+        if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+            lengths = set(pc.unique(pc.list_value_length(column)).to_pylist())
+            if len(lengths) != 1:
+                raise DataError(f"{file}: column {name!r} (data.label) has rows of different lengths "
+                                f"{sorted(lengths, key=str)[:5]}; every target must have the same length")
+        return -1
     bounds = pc.min_max(values)
     if bounds["min"].as_py() is not None and bounds["min"].as_py() < 0:
         raise DataError(f"{file}: column {name!r} (data.label) has negative values ({bounds['min'].as_py()})")

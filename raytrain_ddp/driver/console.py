@@ -35,7 +35,7 @@ def print_plan(cfg: Config, spec: Any, run_dir: Path, steps_per_epoch: int, tota
         f"  batch     global {cfg.train.global_batch_size} = {counted(workers, 'worker')} x micro "
         f"{cfg.train.micro_batch_size} x {counted(k, 'accumulation step')}",
         f"  schedule  {steps_per_epoch} steps/epoch, {total_steps} steps, lr {cfg.train.lr:g} "
-        f"(warmup {cfg.train.warmup_steps}, cosine to {cfg.train.min_lr_ratio:g}x)",
+        f"({describe_schedule(cfg.train)})",
         f"  resume    {_describe_resume(resume_from, total_steps)}",
     ]
     if cfg.scaling.elastic:
@@ -45,6 +45,16 @@ def print_plan(cfg: Config, spec: Any, run_dir: Path, steps_per_epoch: int, tota
         lines.insert(3, f"  parallel  {' and '.join(auto)}: the first ~20 synced steps time candidate "
                         "bucket layouts, the fastest is kept on every worker; rank 0 prints the choice")
     print("\n".join(lines), flush=True)
+
+
+def describe_schedule(train: Any) -> str:
+    """The schedule's real name and shape: `warmup 0, cosine to 0.1x`, `warmup 5, then constant`,
+    or your function's import path."""
+    if train.schedule == "constant":
+        return f"warmup {train.warmup_steps}, then constant"
+    if train.schedule in ("cosine", "linear"):
+        return f"warmup {train.warmup_steps}, {train.schedule} to {train.min_lr_ratio:g}x"
+    return f"your schedule {train.schedule}"
 
 
 def parameter_count(cfg: Config, spec: Any) -> int:

@@ -87,9 +87,7 @@ class Interrupt:
         no controller to a fit outside the main thread (a trial's), so the stop request then
         goes to the mailbox here: it holds it for workers not started yet."""
         if not self.presses and self.controller is None and self.mailbox is not None:
-            self.presses = 1  # `fired`: a placement wait ends, as on a Ctrl-C
-            print("raytrain-ddp: stopped: the workers save the step they are at and stop", file=sys.stderr,
-                  flush=True)
+            self.presses = 1  # `fired`: a placement wait ends, as on a Ctrl-C (said by the sweep's report)
             self.mailbox.request_stop.remote()
         elif not self.presses:
             self._handle(signal.SIGINT, None)

@@ -112,11 +112,12 @@ class _Start:
 
 
 def _start(cfg: Config, code: Any, datasets: Optional[dict[str, Any]], *, preflighted: bool = False,
-           before_hold: Optional[Callable[[Location], None]] = None, started_at: Optional[float] = None) -> _Start:
+           before_hold: Optional[Callable[[Location], None]] = None, started_at: Optional[float] = None,
+           entered: Optional[float] = None) -> _Start:
     """The preamble `run_training` and `prepare_job` share: the user's code resolved, the
     preflight (once: the CLI runs it before importing torch and Ray, and says so), the run
     directory held, the resume decision, the data checked. The hold is released if a step fails."""
-    from raytrain_ddp.driver.preflight import precheck
+    from raytrain_ddp.driver.preflight import in_process, precheck
     from raytrain_ddp.user import resolve
 
     if code is None:
@@ -130,12 +131,12 @@ def _start(cfg: Config, code: Any, datasets: Optional[dict[str, Any]], *, prefli
     try:
         resume_from = resolve_resume(cfg, run_dir)
         # Bad parquet or user code fails here, before Ray or any worker starts (Ray Datasets
-        # given from Python are sampled through Ray, once connected: `_checked`).
-        checked = precheck(cfg, code) if datasets is None else None
+        # given from Python are sampled through Ray, once connected: `_checked`; torch ones are read).
+        checked = precheck(cfg, code, datasets) if datasets is None or in_process(datasets) else None
     except BaseException:
         held.release()
         raise
-    return _Start(cfg, code, run_dir, fit_id, held, resume_from, checked, Timeline(fit_id, started_at))
+    return _Start(cfg, code, run_dir, fit_id, held, resume_from, checked, Timeline(fit_id, started_at, entered))
 
 
 def _checked(start: _Start, datasets: Optional[dict[str, Any]]) -> Any:
@@ -153,14 +154,16 @@ def run_training(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, 
     `code`: the user's model, loss and preprocess (`user.resolve`; by default resolved
     from the config's import paths); `datasets`: Ray Datasets given from Python;
     `preflighted`: the caller ran `preflight(cfg)` already (the CLI does, before imports);
-    `started_at`: where the start-up timeline starts (the CLI's process start; default now).
+    `started_at`: where the start-up timeline starts (the process's start: the CLI's, the first
+    `train()` of a script; default now).
     `sinks`: more takers of the metrics lines (`record`/`flush`/`close`, as `driver/sinks.py`'s;
     a sweep's trial reports to Tune through one: `raytrain_ddp/sweep/trial.py`); `stop`: set
     from another thread, the fit stops as on Ctrl-C (a sweep's trial that Tune stops).
     `launch`: torchrun already started for this fit (`driver/torchrun.start_early`; the
     caller stops it if this returns early, e.g. on a refusal).
     """
-    start = _start(cfg, code, datasets, preflighted=preflighted, started_at=started_at)
+    entered = time.time()  # the timeline's `imports` end here, `cli` begins
+    start = _start(cfg, code, datasets, preflighted=preflighted, started_at=started_at, entered=entered)
     cfg, started_here, summary = start.cfg, False, None
     try:
         if check_something_to_train(cfg, start.resume_from):  # another command for a finished run: exit 3

@@ -96,6 +96,26 @@ def check_machine(cfg: Config) -> None:
             f"{wanted:g} CPUs, but this machine has {cores} cores (the local Ray instance allows "
             f"{CPU_OVERSUBSCRIPTION}x, {CPU_OVERSUBSCRIPTION * cores}); lower either, {join}"
         )
+    if wanted > cores:  # runs, but every worker waits for a core: said once, with what fits
+        batch, per = cfg.train.global_batch_size, cfg.train.micro_batch_size
+        fits = max((w for w in range(1, int(cores // s.cpus_per_worker) + 1) if batch % (w * per) == 0), default=1)
+        print(f"raytrain-ddp: warning: scaling.num_workers={_fmt(s.num_workers)} x scaling.cpus_per_worker="
+              f"{s.cpus_per_worker:g} = {wanted:g} CPUs on this machine's {cores} cores: the workers will share them "
+              f"and every step waits; {fits} fit: {command_with(f'scaling.num_workers={fits}')}",
+              file=sys.stderr, flush=True)
+
+
+def command_with(override: str) -> str:
+    """This `raytrain-ddp` command with `override` in place of its key's own (the override alone
+    when this process is not the CLI: a Python script's `train()` takes it as an override)."""
+    import shlex
+
+    key = override.split("=", 1)[0] + "="
+    argv = sys.argv
+    cli = os.path.basename(argv[0]) == "raytrain-ddp" or argv[0].endswith(os.path.join("raytrain_ddp", "__main__.py"))
+    if not cli or len(argv) < 2:
+        return override
+    return shlex.join(["raytrain-ddp", *(a for a in argv[1:] if not a.startswith(key)), override])
 
 
 def wait_for_placement(cfg: Config, out: TextIO = sys.stdout,

@@ -105,7 +105,15 @@ def precheck(cfg: Config, code: Any = None, given: Optional[dict[str, Any]] = No
     if code is None or not (code.custom or uses_own_data(cfg)):
         return Prechecked(info)
     sample, spec = sample_and_spec(cfg, info, given, SAMPLE_ROWS)
-    return Prechecked(info, check_pipeline(cfg, code, sample, spec, require_all_used=require_all_used))
+    return Prechecked(info, check_pipeline(cfg, code, sample, spec, require_all_used=require_all_used),
+                      tables=given if in_process(given) else None)
+
+
+def in_process(given: Optional[dict[str, Any]]) -> bool:
+    """`datasets=` that are torch Datasets read already (tables): checked before Ray, local launchers too."""
+    import pyarrow as pa
+
+    return bool(given) and all(isinstance(ds, pa.Table) for ds in given.values())
 
 
 def _joins_a_cluster(cfg: Config) -> bool:

@@ -20,6 +20,9 @@ By default the console shows the plan, progress, the summary and real warnings:
 * Colour only on a terminal: with `--verbose` Ray's prefixes are left uncoloured when
   stdout is piped (`RAY_COLOR_PREFIX=0`).
 
+A sweep's console (`quiet_sweep`) keeps only its plan line and its report: Tune's box and
+hints and every trial's own lines stay in the logs and the trials' run directories.
+
 `--verbose` (`RAYTRAIN_DDP_VERBOSE=1`) keeps Ray's own handler and INFO lines.
 
 The filter sits on Ray's worker-output dispatcher, an internal interface reached through
@@ -75,16 +78,18 @@ def _drop_notices() -> None:
 
 
 class WorkerLines:
-    """Ray's worker-output handler, narrowed to our lines (printed once, no prefix)."""
+    """Ray's worker-output handler, narrowed to our lines (printed once, no prefix);
+    `ours`: the prefixes that pass (none: a sweep's, whose trials are said by its report)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ours: tuple[str, ...] = OUR_LINES) -> None:
         self._seen: set[str] = set()
         self._lock = threading.Lock()
+        self.ours = ours
 
     def __call__(self, data: dict[str, Any]) -> None:
         for line in data.get("lines", []):
             text = str(line).rstrip()
-            if not text.startswith(OUR_LINES):
+            if not self.ours or not text.startswith(self.ours):
                 continue
             with self._lock:
                 if text in self._seen:
@@ -109,3 +114,21 @@ def after_init() -> None:
         if logging.getLogger(name).getEffectiveLevel() < logging.WARNING:
             logging.getLogger(name).setLevel(logging.WARNING)
     ray_compat.replace_worker_output_handler("raytrain_ddp", WorkerLines())
+
+
+# Tune's own console: its experiment box, "View detailed results", a TensorBoard hint into
+# Ray's session directory (the new output engine prints them at any verbosity; the legacy
+# one at verbose=0 prints nothing), and its "operation took 1.2 s" warnings.
+TUNE_QUIET_ENV = {"RAY_AIR_NEW_OUTPUT": "0"}
+
+
+def quiet_sweep() -> None:
+    """A sweep's console is its plan line and its report: before `Tuner.fit` (after `ray.init`),
+    Tune's lines and every trial's own output (its fit's plan, progress, summary) stay off it,
+    and in Ray's logs and each trial's run directory. `--verbose` keeps them all."""
+    if verbose():
+        return
+    for name, value in TUNE_QUIET_ENV.items():
+        os.environ.setdefault(name, value)
+    logging.getLogger("ray.tune").setLevel(logging.ERROR)
+    ray_compat.replace_worker_output_handler("raytrain_ddp", WorkerLines(ours=()))

@@ -73,7 +73,16 @@ def refusal(cfg: "Config") -> str:
     if data.sharding not in row.sharding:
         return (f"{row.says} {row.reads}: data.sharding={data.sharding!r} reads through Ray Data; "
                 f"use data.sharding={' or '.join(row.sharding)}")
-    if data.source == "datasets" and not row.datasets:
-        return (f"{row.says} runs without Ray: Ray Datasets given from Python need it; write them to parquet "
-                "(data.source=parquet), or train on Ray (scaling.launcher=ray, scaling.num_workers>=1)")
     return ""
+
+
+def given_refusal(cfg: "Config", given: dict) -> str:
+    """Why the launcher of `cfg` cannot take the Ray Datasets in `given` ("" when it can): a
+    map-style torch Dataset is read on the driver into rows every launcher takes, a Ray Dataset
+    needs Ray. Known only where `datasets=` is given (the Python API), so not a config check."""
+    row = of(cfg)
+    if row.datasets or not any(hasattr(ds, "map_batches") for ds in given.values()):
+        return ""
+    return (f"{row.says} runs without Ray: Ray Datasets given from Python need it; give map-style torch "
+            "Datasets, write them to parquet (data.source=parquet), or train on Ray (scaling.launcher=ray, "
+            "scaling.num_workers>=1)")

@@ -73,6 +73,15 @@ def _shown(value: Any) -> str:
     return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
 
 
+def named(row: dict[str, Any]) -> str:
+    """A trial by its drawn values (`lr=0.003, hidden_sizes=[64]`; its id when it drew none)."""
+    values = row["values"]
+    short = {key: key.rsplit(".", 1)[-1] for key in values}
+    if len(set(short.values())) < len(short):  # two keys end alike: their full names
+        short = {key: key for key in values}
+    return ", ".join(f"{short[key]}={_shown(values[key])}" for key in sorted(values)) or row["trial"]
+
+
 def table(rows: list[dict[str, Any]], metric: str) -> str:
     keys = sorted({k for r in rows for k in r["values"]})
     head = ["#", "trial", *keys, f"best {metric}", "steps", "status"]
@@ -96,11 +105,12 @@ def plot(rows: list[dict[str, Any]], metric: str, out: Location) -> None:
     for row in rows:
         if row["curve"]:
             steps, values = zip(*row["curve"])
-            ax.plot(steps, values, marker="o", markersize=3, label=f"{row['trial']} ({row['status'][:14]})")
+            ax.plot(steps, values, marker="o", markersize=3, label=f"{named(row)} ({row['status'][:14]})")
     ax.set_xlabel("step")
     ax.set_ylabel(metric)
     ax.set_title(f"{len(rows)} trials")
-    ax.legend(fontsize=7)
+    if any(row["curve"] for row in rows):
+        ax.legend(fontsize=7)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
     plt.close(fig)
@@ -135,7 +145,7 @@ def print_report(where: Location, metric: Optional[str] = None, mode: Optional[s
         print(f"raytrain-ddp: sweep {outcome.get('status')}: {len(rows)} trials, "
               f"{sum(r['status'] == 'finished' for r in rows)} finished, "
               f"{sum(r['status'] == 'stopped early' for r in rows)} stopped early "
-              f"({', '.join(r['trial'] for r in rows if r['status'] == 'stopped early') or 'none'}), "
+              f"({'; '.join(named(r) for r in rows if r['status'] == 'stopped early') or 'none'}), "
               f"{sum(r['status'].startswith('failed') for r in rows)} failed; "
               f"placement groups left: {outcome.get('placement_groups_left')}"
               + (f" ({outcome['placement_groups_removed']} removed by the sweep)" if outcome.get("placement_groups_removed") else "")

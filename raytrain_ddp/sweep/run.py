@@ -38,6 +38,7 @@ from typing import Any, Optional
 
 from raytrain_ddp.config import Config
 from raytrain_ddp.config.sweep import SweepConfig, planned_trials
+from raytrain_ddp.driver import ray_console
 from raytrain_ddp.rundir import Location
 from raytrain_ddp.sweep.report import SWEEP_FILE
 from raytrain_ddp.sweep.trial import TRIALS_DIR, trainable
@@ -234,6 +235,7 @@ def run_sweep(base: Config, base_data: dict[str, Any], sweep: SweepConfig, code:
         started = time.time()
         for name, value in TUNE_ENV.items():
             os.environ.setdefault(name, value)
+        ray_console.quiet_sweep()  # the plan line above and the report below: our lines only
         ctrl_c = CtrlC()
         try:
             with ctrl_c:

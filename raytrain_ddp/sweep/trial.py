@@ -110,7 +110,7 @@ def run_trial(values: dict[str, Any], *, base: dict[str, Any], sweep_dir: str, t
     except UserError as exc:
         (run_dir / TRIAL_FILE).write_text(json.dumps({**trial, "error": str(exc)}) + "\n")
         raise TrialFailed(str(exc)) from None
-    if stop.is_set():  # Tune stopped it (ASHA, the time budget): said for the report
+    if stop.is_set() and summary.get("status") != "ok":  # Tune stopped it (ASHA, the time budget): for the report
         (run_dir / TRIAL_FILE).write_text(json.dumps({**trial, "stopped_at_step": summary.get("steps")}) + "\n")
         return None
     if summary.get("status") != "ok":

@@ -72,6 +72,8 @@ class Checkpointer:
         self.job, self.rank, self.state, self.log = job, rank, state, log
         self.runtime = runtime or RayTrainRuntime()  # where checkpoints go (worker/runtime.py)
         self.every = job.cfg.run.checkpoint_every_steps  # "auto": chosen in `restore` (`choose_auto`)
+        self.every_epochs = getattr(job.cfg.run, "checkpoint_every_epochs", 1)
+        self._signalled_at_epoch_end = False  # a preemption signal at an epoch's last step: that epoch end saves
         self._probe_from: Optional[tuple[int, float]] = None  # auto, unmeasured: (step, time) the attempt began
         self.upload = getattr(job.cfg.run, "checkpoint_upload", "async")
         self._hooks, self._agree, self._before_report = hooks, agree, before_report
@@ -222,6 +224,7 @@ class Checkpointer:
         probe = self._probe_from is not None and step - self._probe_from[0] >= PROBE_STEPS
         signalled = self.guard.after_step(step)  # a collective: the same answer on every rank
         preempted = signalled and not self.guard.stopping
+        self._signalled_at_epoch_end = signalled and end_of_epoch
         # Never on an epoch's last step: the epoch-end save follows at the same step,
         # right after validation (a stop then waits for the next boundary).
         if (periodic or signalled or probe) and not end_of_epoch:
@@ -235,6 +238,11 @@ class Checkpointer:
                 self.log.stopped(step, self.last_saved)
                 return True
         return False
+
+    def epoch_end_due(self, epoch: int, last: bool) -> bool:
+        """`run.checkpoint_every_epochs`: epoch `epoch` (0-based) has ended; save at every Nth, at
+        the run's last step, and where a signal arrived at the epoch's last step."""
+        return last or self._signalled_at_epoch_end or (epoch + 1) % self.every_epochs == 0
 
     def save(self, metrics: dict[str, Any], durable: bool = False) -> None:
         """Rank 0 writes the checkpoint; every rank reports (Ray's report is a barrier).

@@ -97,6 +97,7 @@ def _train(job: Job, cfg: "Config", rank: "Rank", hooks: Hooks, recovery: Union[
                     progress.next_epoch(epoch)  # exhausted (see the invariants above)
                 with log.paused():
                     val = log.validation(recovery.validate(state, data, rank, job.spec))  # live: a loss skips it
-                checkpointer.save({"loss": log.last_loss, **val})
+                if checkpointer.epoch_end_due(epoch, last=progress.step >= total_steps):
+                    checkpointer.save({"loss": log.last_loss, **val})
         except NonFiniteAbort as exc:
             log.abort(str(exc))

@@ -40,6 +40,8 @@ def test_local_head_takes_a_job_submission_and_its_stop_leaves_nothing(tmp_path)
     assert up.returncode == 0, up.stdout + up.stderr
     state = Path(up.stdout.strip().splitlines()[-1])
     sid = int((state / "head.pgid").read_text())
+    assert f"stop it with:     {SCRIPT} stop {state}" in up.stderr, up.stderr  # the docs' command (#57)
+    assert (state / "env").read_text().startswith("# source this file to talk to the local one-node head\n")
     try:
         assert len(_alive_members(sid)) >= 3  # ray start, the GCS, the raylet, ...
         client = two_node_env(state)

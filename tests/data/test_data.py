@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -54,8 +56,9 @@ def test_digits_export_roundtrip(tmp_path):
         ({"x": pa.array([[1.0, 2.0]] * 4), "label": pa.array([0, 1, 0, 1])}, "column 'y' (data.label) not found"),
         ({"x": pa.array([[1.0, 2.0]] * 4), "y": pa.array([0, None, 0, 1])}, "'y' (data.label) has 1 null"),
         ({"x": pa.array(["a", "b", "c", "d"]), "y": pa.array([0, 1, 0, 1])}, "'x' (data.features) has type string"),
-        ({"x": pa.array([[1.0, 2.0]] * 4), "y": pa.array([0.5, 1.0, 0.0, 1.0])}, "labels must be integers; to train on a "
-                                                                            "float target (regression), name the model's inputs with data.inputs"),
+        ({"x": pa.array([[1.0, 2.0]] * 4), "y": pa.array(["a", "b", "a", "b"])},
+         "'y' (data.label) has type string; it must hold numbers: integer class ids, or a float / vector target"),
+        ({"x": pa.array([[1.0, 2.0]] * 4), "y": pa.array([[0.5], [1.0, 2.0], [0.0], [1.0]])}, "different lengths"),
         ({"x": pa.array([[1.0, 2.0], [1.0], [1.0, 2.0], [3.0, 4.0]]), "y": pa.array([0, 1, 0, 1])}, "different lengths"),
         ({"x": pa.array([[1.0, 2.0]] * 4), "y": pa.array([0, -1, 0, 1])}, "negative"),
         ({"x": pa.array([], pa.list_(pa.float32())), "y": pa.array([], pa.int64())}, "zero rows"),
@@ -68,6 +71,41 @@ def test_bad_parquet_named(tmp_path, columns, needle):
     assert needle in str(err.value)
     if "zero rows" not in needle:
         assert "bad.parquet" in str(err.value)
+
+
+def test_any_target_type_from_parquet_as_from_python(tmp_path):
+    """#57: integer labels are classes, floats and vectors a regression target, on every route:
+    parquet's check (`task_of`), the columns the model gets, and the Python route's `spec_columns`."""
+    from raytrain_ddp.data.columns import column_arrays, user_column_arrays
+    from raytrain_ddp.data.sources import check_source
+    from raytrain_ddp.user import spec_columns
+
+    cfg = load_config(None, ["model.name=my.mod:factory", "train.loss=my.mod:mse"])
+    x = pa.array([[1.0, 2.0]] * 4)
+    for name, label, task, shape in (("int", pa.array([0, 1, 2, 1]), "classification", ()),
+                                     ("float", pa.array([0.5, 1.0, 0.0, 1.5]), "other", ()),
+                                     ("vector", pa.array([[0.5, 1.0]] * 4), "other", (2,)),
+                                     ("one", pa.array([[0.5]] * 4, pa.list_(pa.float64())), "other", (1,))):
+        info = check_parquet(_write(tmp_path / f"{name}.parquet", x=x, y=label), "x", "y")
+        assert info.task == task and info.num_classes == (3 if task == "classification" else 0), name
+        spec = DataSpec(info.task, (2,), info.num_classes, 4, 0, "t")
+        batch = {"x": np.stack(x.to_numpy(zero_copy_only=False)), "y": np.array(label.to_pylist())}
+        y = column_arrays(batch, cfg, spec)["y"]
+        assert y.dtype == (np.int64 if task == "classification" else np.float32) and y.shape == (4, *shape), name
+        assert spec_columns(cfg, {"x": ((2,), "float32"), "y": (shape, str(y.dtype))})[0] == task, name
+    # data.task set: integer counts as a regression target, float32 on both routes; classification refuses floats
+    counts = _write(tmp_path / "counts.parquet", x=x, y=pa.array([3, 0, 7, 1]))
+    regression = load_config(None, ["model.name=my.mod:factory", "train.loss=my.mod:mse", "data.task=regression",
+                                    "data.source=parquet", f"data.path={counts}", "data.val_fraction=0",
+                                    "train.global_batch_size=4", "train.micro_batch_size=2", "scaling.num_workers=1"])
+    info = check_source(regression)
+    assert info.task == "other" and spec_columns(regression, {"y": ((), "int64")})[0] == "other"
+    assert user_column_arrays({"x": np.ones((4, 2)), "y": np.arange(4)}, regression)["y"].dtype == np.float32
+    classify = load_config(None, ["data.task=classification", "data.source=parquet",
+                                  f"data.path={tmp_path / 'float.parquet'}"])
+    with pytest.raises(DataError, match="data.task=classification: column 'y' \\(data.label\\) of .*float.parquet "
+                                        "does not hold integer class ids"):
+        check_source(classify)
 
 
 def test_schemas_must_agree_across_files(tmp_path):
@@ -169,3 +207,27 @@ def test_articles_mlp_shape():
     model = build_model(cfg, DataSpec("classification", (1024,), 256, 10, 0, "t"))
     shapes = [tuple(p.shape) for p in model.parameters() if p.dim() == 2]
     assert shapes == [(1024, 1024), (1024, 1024), (256, 1024)]
+
+
+def test_a_map_style_torch_dataset_becomes_the_rows_ray_data_would_make():
+    """#57: `datasets={"train": ds}` takes a torch Dataset as it is: (x, y) or dict samples, any
+    shapes (images keep theirs), read in index order; what cannot be rows is one line naming it."""
+    from ray.data.block import BlockAccessor
+
+    from raytrain_ddp.data.given import check_given, read_map_style
+    from raytrain_ddp.errors import UserError
+
+    cfg = load_config(None)
+    images = torch.utils.data.TensorDataset(torch.arange(48.0).reshape(4, 1, 3, 4), torch.tensor([0.5, 1.0, 1.5, 2.0]))
+    given = read_map_style({"train": images, "val": [{"x": torch.ones(2), "y": 1}, {"x": torch.zeros(2), "y": 0}]}, cfg)
+    check_given(given)
+    train = BlockAccessor.for_block(given["train"]).to_batch_format("numpy")
+    assert train["x"].shape == (4, 1, 3, 4) and np.array_equal(train["x"][2], images[2][0].numpy())
+    assert train["y"].dtype == np.float32 and list(train["y"]) == [0.5, 1.0, 1.5, 2.0]
+    assert given["val"].column("y").to_pylist() == [1, 0]
+    for bad, says in (([(torch.ones(2), 1, 2)], "datasets['train'] (list)[0] is a tuple of 3 values; every sample must be (x, y)"),
+                      ([torch.ones(2)], "datasets['train'] (list)[0] is a Tensor; every sample"),
+                      ([{"x": 1}, {"z": 2}], "[1] is a dict of columns ['z'], not ['x']; every sample"),
+                      ([(torch.ones(2), 1), (torch.ones(3), 1)], "column 'x' has samples of different shapes")):
+        with pytest.raises(UserError, match=re.escape(says)):
+            read_map_style({"train": bad}, cfg)

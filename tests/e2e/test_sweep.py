@@ -31,7 +31,7 @@ from _two_node import two_node_env
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.driver.hold import held_live
 from raytrain_ddp.rundir import Location, read_jsonl, read_metrics
-from raytrain_ddp.sweep.report import read_trials
+from raytrain_ddp.sweep.report import named, read_trials
 from _hooks import ENABLE, STEP_DELAY_ENV
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(2400)]
@@ -166,9 +166,13 @@ def test_report_ranks_names_the_stopped_and_leaves_no_placement_group(swept):
     assert len(rows) == 6
     best = [r["best"] for r in rows]
     assert best == sorted(best), best
-    stopped = [r["trial"] for r in rows if r["status"] == "stopped early"]
+    stopped = [named(r) for r in rows if r["status"] == "stopped early"]  # by their drawn values (#57)
     assert all(r["status"] in ("finished", "stopped early") for r in rows), [r["status"] for r in rows]
-    assert f"{len(stopped)} stopped early ({', '.join(stopped) or 'none'})" in second.stdout
+    assert f"{len(stopped)} stopped early ({'; '.join(stopped) or 'none'})" in second.stdout
+    # our lines only (#57): no Tune box or TensorBoard hint, no trial's own lines, no stop notices
+    assert not [line for line in second.stdout.splitlines() if line.startswith(("╭", "│", "View detailed", "To visualize",
+                                                                                 "raytrain-ddp: status", "[rank "))]
+    assert "raytrain-ddp: stopped" not in second.stderr
     report = subprocess.run([str(CLI), "sweep", "--report", str(where)], capture_output=True, text=True, timeout=120)
     assert report.returncode == 0 and rows[0]["trial"] in report.stdout.splitlines()[1], report.stdout
     assert (where / "curves.png").stat().st_size > 0

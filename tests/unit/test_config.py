@@ -53,6 +53,14 @@ def test_bad_values_name_the_key(override, needle):
     assert needle in str(err.value)
 
 
+def test_one_checkpoint_cadence_at_a_time():
+    assert load_config(None, ["run.checkpoint_every_epochs=5"]).run.checkpoint_every_epochs == 5
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["run.checkpoint_every_epochs=5", "run.checkpoint_every_steps=20"])
+    assert str(err.value).splitlines() == ["invalid configuration in <overrides>: run: run.checkpoint_every_epochs=5 and run.checkpoint_every_steps=20 "
+                                           "are two cadences: set one of the two"], str(err.value)
+
+
 def test_fp16_is_allowed_with_sharded_optimizer_state_on_gpu():
     """zero1 agrees on non-finite shards and FSDP2 on found_inf (docs/parallel.md, audit item 4)."""
     for strategy in ("zero1", "fsdp"):
@@ -63,13 +71,27 @@ def test_fp16_is_allowed_with_sharded_optimizer_state_on_gpu():
             load_config(None, [f"parallel.strategy={strategy}", "train.precision=fp16"])
 
 
+def _refuses_ray_datasets(overrides: list[str], needle: str) -> None:
+    """Ray Datasets from Python are refused by the launcher's row; map-style torch Datasets are not."""
+    from raytrain_ddp.launch.table import given_refusal
+
+    class RayDatasetLike:
+        def map_batches(self, *a, **k): ...
+
+    cfg = load_config(None, [*overrides, "data.source=datasets"])
+    said = given_refusal(cfg, {"train": RayDatasetLike()})
+    assert needle + ": Ray Datasets given from Python need it" in said and "\n" not in said, said
+    assert given_refusal(cfg, {"train": [(1.0, 2.0)]}) == ""
+    assert given_refusal(load_config(None, ["data.source=datasets"]), {"train": RayDatasetLike()}) == ""
+
+
 def test_torchrun_launcher_needs_a_fixed_count_and_exact_data():
     for overrides, needle in ((["scaling.num_workers=[1,2]"], "scaling.num_workers"),
                               (["scaling.num_workers=0"], "scaling.num_workers"),
-                              (["data.sharding=streaming"], "data.sharding=exact"),
-                              (["data.source=datasets"], "launcher=torchrun runs without Ray: Ray Datasets")):
+                              (["data.sharding=streaming"], "data.sharding=exact")):
         with pytest.raises(ConfigError, match=needle):
             load_config(None, ["scaling.launcher=torchrun", "train.global_batch_size=64", *overrides])
+    _refuses_ray_datasets(["scaling.launcher=torchrun", "train.global_batch_size=64"], "launcher=torchrun runs without Ray")
     assert load_config(None, ["scaling.launcher=torchrun"]).scaling.launcher == "torchrun"
 
 
@@ -78,10 +100,9 @@ def test_local_mode_refuses_what_needs_ray_by_its_launcher_row_before_anything_s
     Ray Datasets; each row's fit function resolves."""
     from raytrain_ddp.launch import table as launchers
 
-    for overrides, needle in ((["data.sharding=streaming"], "(local mode) reads the data in this process"),
-                              (["data.source=datasets"], "(local mode) runs without Ray: Ray Datasets")):
-        with pytest.raises(ConfigError, match=re.escape(needle)):
-            load_config(None, ["scaling.num_workers=0", *overrides])
+    with pytest.raises(ConfigError, match=re.escape("(local mode) reads the data in this process")):
+        load_config(None, ["scaling.num_workers=0", "data.sharding=streaming"])
+    _refuses_ray_datasets(["scaling.num_workers=0"], "(local mode) runs without Ray")
     assert launchers.of(load_config(None, ["scaling.num_workers=0"])).name == "local"
     assert [callable(row.run_fit()) for row in launchers.LAUNCHERS.values() if row.run] == [True, True]
 
@@ -124,7 +145,9 @@ def test_public_key_set_is_frozen():
         "run.dashboard",
         # issue #55: the step GPU users expect
         "train.compile", "train.compile_backend", "model.activation_checkpointing",
+        # issue #57: "save every N epochs"; the task a target is, inferred or set
+        "run.checkpoint_every_epochs", "data.task",
     }
     keys = set(config_keys())
     assert contract <= keys
-    assert len(keys) == 82, sorted(keys - contract)
+    assert len(keys) == 84, sorted(keys - contract)

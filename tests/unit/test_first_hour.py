@@ -296,3 +296,38 @@ def test_a_ray_this_process_started_too_small_for_the_run_is_said_with_the_fix(m
     assert "has 2 CPUs; the run needs 4" in err and "ray.init(num_cpus=4)" in err, err
     launcher.warn_small_instance(2)
     assert capsys.readouterr().err == ""
+
+
+def test_more_workers_than_cores_warns_once_with_the_command_that_fits(tmp_path, capsys, monkeypatch, no_ray):
+    """#57: 4 workers on a 2-core machine's embedded instance ran oversubscribed with no word."""
+    from raytrain_ddp.driver import placement
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    with pytest.raises(AssertionError, match="reached Ray"):
+        main(["train", str(TINY), f"run.storage_path={tmp_path}", "scaling.num_workers=4"])
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warned == ["raytrain-ddp: warning: scaling.num_workers=4 x scaling.cpus_per_worker=1 = 4 CPUs on this "
+                      "machine's 2 cores: the workers will share them and every step waits; 2 fit: "
+                      "scaling.num_workers=2"], warned
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/raytrain-ddp", "train", "tut.yaml", "scaling.num_workers=4"])
+    assert placement.command_with("scaling.num_workers=2") == "raytrain-ddp train tut.yaml scaling.num_workers=2"
+
+
+def test_a_sweeps_console_is_its_plan_and_report(monkeypatch, capsys):
+    """#57: Tune's box, its TensorBoard hint and every trial's own lines stay behind --verbose."""
+    import logging
+
+    installed = []
+    monkeypatch.setattr(ray_compat, "replace_worker_output_handler", lambda name, handler: installed.append(handler))
+    monkeypatch.delenv(ray_console.VERBOSE_ENV, raising=False)
+    monkeypatch.delenv("RAY_AIR_NEW_OUTPUT", raising=False)
+    monkeypatch.setattr(logging.getLogger("ray.tune"), "level", logging.NOTSET)
+    ray_console.quiet_sweep()
+    assert os.environ["RAY_AIR_NEW_OUTPUT"] == "0" and logging.getLogger("ray.tune").level == logging.ERROR
+    [handler] = installed
+    handler({"lines": ["raytrain-ddp: status ok | 44 steps | goodput 0% (run 0%)", "[rank 0] attempt 1"], "is_err": False})
+    assert capsys.readouterr().out == ""
+    monkeypatch.setenv(ray_console.VERBOSE_ENV, "1")
+    monkeypatch.delenv("RAY_AIR_NEW_OUTPUT")
+    ray_console.quiet_sweep()
+    assert "RAY_AIR_NEW_OUTPUT" not in os.environ and len(installed) == 1

@@ -383,3 +383,16 @@ def test_ray_stopping_a_worker_waits_for_its_copy_or_writes_one_for_a_blocked_lo
     started = time.monotonic()
     assert window.on_shutdown(start_s=1, finish_s=5) == "ended" and written == []
     assert 0.2 < time.monotonic() - started < 3
+
+
+def test_checkpoint_every_epochs_saves_every_nth_epoch_end_the_last_step_and_a_signalled_one():
+    """`run.checkpoint_every_epochs` (#57): the rule the loop asks at each epoch end (0-based epochs)."""
+    from types import SimpleNamespace
+
+    from raytrain_ddp.worker.checkpointer import Checkpointer
+
+    every = SimpleNamespace(every_epochs=5, _signalled_at_epoch_end=False)
+    assert [e for e in range(12) if Checkpointer.epoch_end_due(every, e, last=False)] == [4, 9]
+    assert Checkpointer.epoch_end_due(every, 6, last=True)  # the run's last step: always
+    every._signalled_at_epoch_end = True  # a preemption signal at the epoch's last step: saved there
+    assert Checkpointer.epoch_end_due(every, 6, last=False)

@@ -332,3 +332,18 @@ def test_recover_lines_puts_a_killed_drivers_unwritten_lines_back_in_step_order(
     assert [(r["step"], "val_loss" in r) for r in records] == \
         [(1, False), (2, False), (3, False), (4, False), (5, False), (5, True)]
     assert records[3]["loss"] == 1.0 and recover_lines(Location.parse(run), where) == 0
+
+
+def test_plan_names_the_schedule_that_will_run(tmp_path, capsys):
+    from raytrain_ddp.config import load_config
+    from raytrain_ddp.driver.console import print_plan
+    from raytrain_ddp.job import DataSpec
+
+    spec = DataSpec("classification", (8,), 3, 64, 16, "test")
+    for overrides, expected in (([], "(warmup 0, cosine to 0.1x)"),
+                                (["train.schedule=constant", "train.warmup_steps=5"], "(warmup 5, then constant)"),
+                                (["train.schedule=linear", "train.min_lr_ratio=0.5"], "(warmup 0, linear to 0.5x)"),
+                                (["train.schedule=my.mod:fn"], "(your schedule my.mod:fn)")):
+        print_plan(load_config(None, ["model.name=mlp", *overrides]), spec, tmp_path, 10, 20, None, params=100)
+        [line] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  schedule")]
+        assert line.endswith(expected), line

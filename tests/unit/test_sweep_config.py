@@ -47,6 +47,18 @@ def test_typo_in_a_search_key_exits_2_within_2_s_naming_it(tmp_path):
     assert elapsed < 2.0, f"{elapsed:.2f} s"
 
 
+def test_a_metric_no_trial_can_report_is_refused_before_ray(tmp_path):
+    """#57: `sweep.metric: val_loss` with nothing held out ran every trial to no ranking."""
+    out = subprocess.run([sys.executable, "-m", "raytrain_ddp", "sweep", str(SWEEP), "data.val_fraction=0.0",
+                          f"run.storage_path={tmp_path / 'runs'}"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == ("raytrain-ddp: error: sweep.metric: val_loss comes from validation, but data.val_fraction=0 "
+                          "and no data.val_path hold out any rows, so no trial could ever be ranked; set "
+                          "data.val_fraction (e.g. 0.2) or data.val_path\n"), out.stderr
+    assert not (tmp_path / "runs").exists()  # no trial, no Ray, nothing written
+    load_sweep(SWEEP, ["data.val_fraction=0.0", 'sweep.space={"data.val_fraction": {"choice": [0.0, 0.2]}}'])
+
+
 @pytest.mark.parametrize("space, named", [
     ({"train.lr": {"choice": [0.1, -1]}}, "the value -1 is refused"),
     ({"train.lr": {"loguniform": [0, 0.1]}}, "loguniform needs low > 0"),
@@ -102,7 +114,7 @@ def _trial(root: Path, trial_id: str, values: dict, val_losses: list, status: st
 
 
 def test_report_ranks_names_stopped_and_writes_a_best_config_train_takes(tmp_path, capsys):
-    from raytrain_ddp.sweep.report import print_report
+    from raytrain_ddp.sweep.report import named, print_report
 
     root = tmp_path / "runs" / "sw"
     _trial(root, "t0", {"train.lr": 0.01}, [1.0, 0.5], "ok")
@@ -114,7 +126,8 @@ def test_report_ranks_names_stopped_and_writes_a_best_config_train_takes(tmp_pat
     out = capsys.readouterr().out
     assert [r["trial"] for r in rows] == ["t2", "t0", "t1", "t3"]
     assert [r["status"] for r in rows] == ["finished", "finished", "stopped early", "failed: boom"]
-    assert "stopped early (t1)" in out and (root / "curves.png").stat().st_size > 0
+    assert "stopped early (lr=0.001)" in out and (root / "curves.png").stat().st_size > 0  # named as the legend
+    assert [named(r) for r in rows] == ["lr=0.1", "lr=0.01", "lr=0.001", "lr=1"]
     best = load_config(root / "best.yaml")  # `train` takes it as it is
     assert best.name == "sw-best" and best.run.storage_path == str(tmp_path / "runs")
 
@@ -142,6 +155,7 @@ def test_a_stopped_trial_asks_its_workers_to_stop_without_a_controller(capsys):
     interrupt.press()
     interrupt.press()
     assert mailbox.request_stop.calls == 1 and interrupt.fired
+    assert capsys.readouterr().err == ""  # the report says which trials were stopped (#57)
 
 
 def test_a_trial_hands_tune_its_validation_lines_only():
@@ -179,3 +193,12 @@ def test_a_swallowed_ctrl_c_is_raised_again_until_the_sweep_gives_it_back():
         raise AssertionError("the swallowed Ctrl-C was not raised again")
     assert swallowed == 1 and guard.seen.is_set()
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_relative_data_path_is_read_from_where_the_command_ran(tmp_path, monkeypatch):
+    """#57: `data.path: tut.parquet` trained, and failed in every trial (Tune's working directory)."""
+    monkeypatch.chdir(tmp_path)
+    base, data, _ = load_sweep(SWEEP, ["data.source=parquet", "data.path=tut.parquet", "data.val_path=sub/v.parquet"])
+    assert base.data.path == str(tmp_path / "tut.parquet") == data["data"]["path"]
+    assert base.data.val_path == str(tmp_path / "sub" / "v.parquet")
+    assert load_sweep(SWEEP, ["data.source=parquet", "data.path=s3://b/tut.parquet"])[0].data.path == "s3://b/tut.parquet"

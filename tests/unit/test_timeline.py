@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(30)
 def test_phases_add_up_per_start_and_a_restart_counts_from_its_group_start(tmp_path, monkeypatch):
     clock = iter([103.0, 105.0, 106.0, 141.0])
     monkeypatch.setattr("raytrain_ddp.timeline.time.time", lambda: next(clock))
-    timeline = Timeline("f1", started=100.0)
+    timeline = Timeline("f1", started=100.0, entered=101.0)  # the process's start; its imports end at 101 (#57)
     timeline.expects_controller = True
     for phase in ("cli", "ray", "datasets"):
         timeline.mark(phase)
@@ -45,7 +45,8 @@ def test_phases_add_up_per_start_and_a_restart_counts_from_its_group_start(tmp_p
     assert summary["startup"]["shutdown_s"] == 2.0  # last step 139 -> end 141
     assert timeline_problems(tmp_path, summary, attempts=2) == []
     assert json.loads((tmp_path / SUMMARY_FILE).read_text())["startup"] == summary["startup"]
-    assert format_timeline(summary["startup"])[0].startswith("start-up, attempt 1: 12.50s to the first step = cli 3.00s")
+    assert format_timeline(summary["startup"])[0].startswith(
+        "start-up, attempt 1: 12.50s to the first step = imports 1.00s | cli 2.00s")
 
 
 def test_without_ray_the_missing_phases_are_zero_and_rank_0_sends_once():
@@ -68,7 +69,7 @@ def test_without_ray_the_missing_phases_are_zero_and_rank_0_sends_once():
     assert len(sent) == 1 and sent[0][0] == "timeline" and sent[0][1]["source"] == "worker"
     timeline.worker(1, sent[0][1]["stamps"])  # not a Ray fit: written at once
     attempt = timeline.summary()["attempts"][0]
-    assert list(attempt["phases"])[3:] == list(ATTEMPT_PHASES)
+    assert list(attempt["phases"])[:1] == ["imports"] and list(attempt["phases"])[4:] == list(ATTEMPT_PHASES)
     assert attempt["phases"]["ray"] == attempt["phases"]["workers_up"] == 0.0
     assert process_start_time() is not None and process_start_time() <= stamps.stamps["data_ready"]
 

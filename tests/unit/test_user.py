@@ -94,6 +94,15 @@ def metrics_boom(output, batch):
 
 def metrics_clash(output, batch):
     return {"accuracy": 1.0}
+
+def outputs(spec, n=1):
+    return nn.Linear(spec.feature_shape[0], n)
+
+def mse(output, batch):
+    return nn.functional.mse_loss(output, batch[1])
+
+def nll(output, batch):
+    return nn.functional.nll_loss(output, batch[1].long())
 """
 
 
@@ -195,6 +204,39 @@ def test_bad_user_code_is_one_line_before_ray(user_dir, no_ray, capsys, override
     assert err.count("\n") == 1 and err.startswith("raytrain-ddp: error: "), err
     assert message in err, err
     assert "Traceback" not in err and not (user_dir / "runs").exists()
+
+
+REGRESSION_MISTAKES = [  # #57: a float (B, 1) target from parquet, as a torchrun tutorial has it
+    (["model.kwargs={n: 5}", "train.loss=usermods:mse"],
+     "train.loss='usermods:mse': the model's output of shape [8, 5] and label column 'y' (data.label) of shape "
+     "[8, 1] differ, and the loss would broadcast one against the other; make the model's output the label's "
+     "shape (or reshape in the loss)"),
+    (["model.kwargs={n: 5}", "train.loss=usermods:nll"],
+     "train.loss='usermods:nll' raised RuntimeError: 0D or 1D target tensor expected, multi-target not supported "
+     "(at {dir}/usermods.py:69 in nll) on the model's output of shape [8, 5] and label column 'y' (data.label) of shape [8, 1]"),
+    (["model.name=mlp", "model.kwargs={}"], "{path}: column 'y' (data.label) holds a float or vector target (regression); "
+     "model.name='mlp' is a classifier: give your own model ('package.module:factory') and train.loss (docs/byo.md)"),
+    (["train.loss=usermods:mse"], None),  # the shapes agree: it gets as far as Ray
+]
+
+
+@pytest.mark.parametrize("overrides, message", REGRESSION_MISTAKES)
+def test_regression_mistakes_are_one_line_before_ray(user_dir, no_ray, capsys, overrides, message):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = user_dir / "tut.parquet"
+    rng = np.random.default_rng(0)
+    pq.write_table(pa.table({"x": rng.standard_normal((128, 3)).tolist(), "y": rng.standard_normal((128, 1)).tolist()}), path)
+    argv = ["train", str(user_dir / "run.yaml"), f"run.storage_path={user_dir / 'runs'}", "data.source=parquet",
+            f"data.path={path}", "model.name=usermods:outputs", *overrides]
+    if message is None:
+        with pytest.raises(AssertionError, match="Ray was contacted"):
+            main(argv)
+        return
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"raytrain-ddp: error: {message.format(path=path, dir=user_dir.name)}\n"
+    assert not (user_dir / "runs").exists()
 
 
 def test_cli_process_rejects_a_bad_loss_without_a_traceback(user_dir):
