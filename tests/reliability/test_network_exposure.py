@@ -89,7 +89,7 @@ def test_embedded_ray_exposes_only_loopback_http_and_token_protected_services(tm
             if not missing or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
-        assert not missing, f"not listening after 90 s: {missing}; listening: {sockets}"
+        assert not missing, f"not listening after 90 s: {missing}; listening: {[(a, p, c[:80]) for a, p, c in sockets]}"
         # No dashboard / Jobs HTTP API at all: an embedded instance serves no jobs (launcher.connect_ray)
         assert not info["dashboard"], info["dashboard"]
         http = [s for s in sockets if s[1] == DASHBOARD_PORT]
