@@ -233,7 +233,8 @@ def test_run_in_a_bucket_survives_a_sigkilled_worker_and_leaves_everything_in_th
     (val,) = [r for r in read_metrics(run_dir / "metrics.jsonl") if "val_loss" in r]  # the epoch's end, once
     assert val["step"] == 22 and val["attempt"] == 2, val
     # on the uninterrupted run's trajectory: its accuracy after the epoch (286 of the 359 rows)
-    assert round(val["val_accuracy"], 4) == TINY_EPOCH_ACCURACY == round(summary["final_metrics"]["val_accuracy"], 4), val
+    final = summary["final_metrics"]["val_accuracy"]
+    assert round(val["val_accuracy"], 4) == TINY_EPOCH_ACCURACY == round(final, 4), val
     assert (run_dir / "config.yaml").read_text().startswith("name: tiny-s3")
     state_22, where = ckpt.load_latest_valid(ckpt.find_checkpoints(run_dir))
     assert state_22["progress"]["step"] == 22 and where.uri == summary["checkpoint"]
