@@ -4,7 +4,8 @@
 for it) and shuts it down at the end of the session. It mirrors what `raytrain-ddp
 train` does on this machine: more logical CPUs than cores (workers + Ray Data tasks),
 no dashboard head nor autoscaler monitor, node bound to 127.0.0.1, workers at this process's
-niceness.
+niceness. A test that uses it must carry the `ray` marker (collection refuses one that does
+not), so `make test-fast` never starts Ray.
 
 Test hooks: every run started from this session (in process, or as a child process that
 inherits the environment) loads `tests/_hooks.py:from_env` on its workers (by the file's
@@ -101,3 +102,8 @@ def pytest_collection_modifyitems(config, items):
                 LONGEST_FIRST.index(group) if group in LONGEST_FIRST else len(LONGEST_FIRST))
 
     items.sort(key=key)
+    # `make test-fast` (-m "not ray") must not start Ray: the fixture that starts it needs the marker
+    unmarked = [item.nodeid for item in items
+                if "ray_cluster" in getattr(item, "fixturenames", ()) and item.get_closest_marker("ray") is None]
+    if unmarked:
+        raise pytest.UsageError(f"tests using the ray_cluster fixture without the `ray` marker: {unmarked}")

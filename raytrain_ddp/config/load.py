@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, get_args, get_origin
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from raytrain_ddp.config.schema import Config, ConfigError
 
@@ -41,7 +41,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         node = data
         for depth, part in enumerate(path[:-1]):
             child = node.get(part)
-            if child is None:
+            if child is None and not _holds_a_value(path[:depth + 1]):
                 child = node[part] = {}
             if not isinstance(child, dict):
                 raise ConfigError(
@@ -50,6 +50,18 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node = child
         node[path[-1]] = value
     return data
+
+
+def _holds_a_value(path: list[str]) -> bool:
+    """Whether the schema makes `path` a key that holds a value (not a section, nor a mapping)."""
+    ann: Any = Config
+    for part in path:
+        field = ann.model_fields.get(part) if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        if field is None:
+            return False
+        ann = field.annotation
+    return not (isinstance(ann, type) and issubclass(ann, BaseModel)) and dict not in (
+        get_origin(ann), *map(get_origin, get_args(ann)))
 
 
 def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[list[str]] = None) -> Config:

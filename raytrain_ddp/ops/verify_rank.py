@@ -191,8 +191,12 @@ def _worst(steps: list[dict], ref_steps: list[dict], key: str) -> tuple[float, s
     return max((_max_diff(s[key], r[key]) for s, r in zip(steps, ref_steps)), key=lambda d: d[0])
 
 
-def _wrap(kind: str, module, pg, cfg: "Config", find_unused: bool):
-    """(model, optimizer): torch DDP for `REFERENCE`, else `wrap_model` with the config's options."""
+def _wrap(kind: str, module, pg, cfg: "Config", find_unused: bool, counts: dict):
+    """(model, optimizer): torch DDP for `REFERENCE`, else `wrap_model` with the config's options.
+    torch DDP's all-reduced bytes are counted into `counts["allreduce"]` by a comm hook (then its
+    default all-reduce), as the wrappers count theirs, rather than computed."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
     from raytrain_ddp.parallel import wrap_model
     from raytrain_ddp.parallel.native import make_ddp
 
@@ -203,6 +207,12 @@ def _wrap(kind: str, module, pg, cfg: "Config", find_unused: bool):
     if kind == REFERENCE:
         model = make_ddp(module, process_group=pg, bucket_cap_mb=cap, first_bucket_mb=p.first_bucket_mb,
                          broadcast_buffers=p.broadcast_buffers, find_unused_parameters=find_unused)
+
+        def counted(state: dict, bucket):
+            state["allreduce"] += bucket.buffer().numel() * bucket.buffer().element_size()
+            return allreduce_hook(pg, bucket)
+
+        model.register_comm_hook(counts, counted)
         return model, _optimizer(cfg, model.parameters())
     model = wrap_model(module, kind, process_group=pg, bucket_cap_mb=cap, first_bucket_mb=p.first_bucket_mb,
                        broadcast_buffers=p.broadcast_buffers, find_unused_parameters=find_unused,
@@ -224,11 +234,11 @@ def _run(kind: str, build, micro, loss_of, world_rank: int, cfg: "Config", find_
         ref, sharded = kind == REFERENCE, kind in registry.SHARDED
         # train.compile and model.activation_checkpointing as training applies them; torch DDP stays eager
         checkpointed = 0 if ref else checkpoint_activations(module, cfg.model.activation_checkpointing)
-        model, opt = _wrap(kind, module, pg, cfg, find_unused)
+        counts = {"allreduce": 0, "broadcast": 0, "summon": 0, "not_training": {}}  # the last: reading full state dicts
+        model, opt = _wrap(kind, module, pg, cfg, find_unused, counts)
         compiler = None if ref or kind not in registry.COMPILERS else compile_wrapper(model, cfg)
         gathers = not ref and registry.STRATEGIES[kind].shards_parameters
         grads, steps, full, times = [], [], [], []
-        counts = {"broadcast": 0, "summon": 0, "not_training": {}}  # the last: reading full state dicts
         buffer_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
         for step in range(STEPS):
             start = time.perf_counter()
@@ -247,7 +257,7 @@ def _run(kind: str, build, micro, loss_of, world_rank: int, cfg: "Config", find_
             times.append(time.perf_counter() - start)
             _record(model, module, opt, ref, gathers, steps, full, counts)
         out = {"steps": steps, "full": full, "grads": None if sharded else grads, "ms": statistics.median(times) * 1e3}
-        out["stats"] = _sent(model, module, ref, counts)
+        out["stats"] = _sent(model, ref, counts)
         out.update(compiled_graphs=None if compiler is None else compiler.graphs, checkpointed=checkpointed)
         return out
     except Exception as exc:  # noqa: BLE001 - reported in the table, named
@@ -272,20 +282,16 @@ def _record(model, module, opt, ref: bool, gathers: bool, steps: list, full: lis
             not_training[key] = not_training.get(key, 0) + value - before[key]
 
 
-def _sent(model, module, ref: bool, counts: dict) -> dict:
-    """What training sent: the wrapper's comm_stats less verify's own reads; torch DDP's computed."""
-    if ref:  # torch DDP all-reduces every trainable gradient once per sync
-        return {"allreduce_bytes": _torch_bytes(module) * STEPS, "broadcast_bytes": counts["broadcast"]}
+def _sent(model, ref: bool, counts: dict) -> dict:
+    """What training sent: the wrapper's comm_stats less verify's own reads; torch DDP's counted (`_wrap`)."""
+    if ref:
+        return {"allreduce_bytes": counts["allreduce"], "broadcast_bytes": counts["broadcast"]}
     stats = dict(model.comm_stats)
     if counts["summon"]:
         stats["all_gather_bytes"] -= counts["summon"]
     for key, value in counts["not_training"].items():
         stats[key] -= value
     return stats
-
-
-def _torch_bytes(module) -> int:
-    return sum(q.numel() * q.element_size() for q in module.parameters() if q.requires_grad)
 
 
 def _state(module) -> dict:

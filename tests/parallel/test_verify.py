@@ -44,6 +44,9 @@ def test_quickstart_verifies_and_prints_the_table():
         # bytes per step == gradient bytes (all-reduce), + parameter bytes (zero1: reduce-scatter
         # + all-gather); fsdp gathers once per forward, so at least that
         assert cols[7] == "1.00x" if name != "fsdp" else float(cols[7].rstrip("x")) >= 1.0, (name, cols)
+    # torch DDP's bytes are counted (a comm hook on each bucket it all-reduces), as ours are
+    (torch_row,) = [line.split()[1:] for line in out.splitlines() if line.startswith("torch DDP ")]
+    assert torch_row[7] == "1.00x", torch_row
     assert "verdict: OK" in out
 
 

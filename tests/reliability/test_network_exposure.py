@@ -39,6 +39,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD_PORT = 8265  # Ray's default dashboard port
 RAY_SERVICES = ("gcs_server", "raylet", "ray::", "dashboard", "monitor.py", "log_monitor.py", "runtime_env")
+RUNTIME_ENV_AGENT = "RuntimeEnvAgent"
+CHECKED = ("gcs_server", "raylet", RUNTIME_ENV_AGENT)  # the services whose sockets the test judges
 
 _EMBEDDED = """
 import json, sys, ray
@@ -78,8 +80,16 @@ def test_embedded_ray_exposes_only_loopback_http_and_token_protected_services(tm
         ready, _, _ = select.select([proc.stdout], [], [], 150)
         assert ready, "embedded Ray did not start within 150s"
         info = json.loads(proc.stdout.readline())
-        time.sleep(3)  # agents finish binding
-        sockets = _listeners(proc.pid)
+        # Bounded wait until every service checked below listens (the agents bind after
+        # ray.init returns); a snapshot without them would check nothing.
+        deadline = time.monotonic() + 90
+        while True:
+            sockets = _listeners(proc.pid)
+            missing = [name for name in CHECKED if not any(name in s[2] for s in sockets)]
+            if not missing or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert not missing, f"not listening after 90 s: {missing}; listening: {[(a, p, c[:80]) for a, p, c in sockets]}"
         # No dashboard / Jobs HTTP API at all: an embedded instance serves no jobs (launcher.connect_ray)
         assert not info["dashboard"], info["dashboard"]
         http = [s for s in sockets if s[1] == DASHBOARD_PORT]
@@ -95,7 +105,8 @@ def test_embedded_ray_exposes_only_loopback_http_and_token_protected_services(tm
         assert not strangers, f"non-Ray processes listen beyond loopback: {strangers}"
 
         # The runtime-env agent (HTTP, node IP) answers 401 without the token.
-        agent = [s for s in exposed if "RuntimeEnvAgent" in s[2]]
+        agent = [s for s in sockets if RUNTIME_ENV_AGENT in s[2]]
+        assert agent, sockets  # (the wait above found it)
         for addr, port, _ in agent:
             host = addr if addr not in ("0.0.0.0", "::") else info["gcs"].rsplit(":", 1)[0]
             with pytest.raises(urllib.error.HTTPError) as refused:

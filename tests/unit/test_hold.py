@@ -107,7 +107,7 @@ def test_take_refuse_release(cfg, monkeypatch):
     hold.take(cfg, "3" * 32).release()  # free again
 
 
-def test_a_holder_on_this_host_whose_pid_is_gone_is_taken_over_at_once(cfg, capsys):
+def test_a_holder_on_this_host_whose_pid_is_gone_is_taken_over_at_once(cfg, capsys, monkeypatch):
     exited = subprocess.Popen(["true"])
     exited.wait()
     zombie = subprocess.Popen(["sleep", "30"])
@@ -116,14 +116,15 @@ def test_a_holder_on_this_host_whose_pid_is_gone_is_taken_over_at_once(cfg, caps
     try:
         for record in ({"pid": exited.pid}, {"pid": zombie.pid},
                        {"pid": os.getpid(), "pid_start": "1"}):  # our pid, reused by another process
-            _write(cfg, host=me.host, **record)
-            started = time.monotonic()
-            held = hold.take(cfg, "b" * 32)
-            # at once: not after the STALE_S a holder elsewhere gets (a bucket on a loaded machine took 3.4 s)
-            assert time.monotonic() - started < hold.STALE_S / 2
+            _write(cfg, host=me.host, **record)  # a fresh heartbeat: only the pid says it is gone
+            waits: list[float] = []
+            with monkeypatch.context() as patched:  # at once: one read-back wait, nothing more
+                patched.setattr(hold, "time", _Clock(waits))
+                held = hold.take(cfg, "b" * 32)
+            assert waits == [hold.SETTLE_S], waits
             assert _holder(cfg)["fit_id"] == "b" * 32
             held.release()
-            assert "taking over" in capsys.readouterr().err
+            assert f"pid {record['pid']} no longer runs" in capsys.readouterr().err
     finally:
         zombie.wait()
 
@@ -158,7 +159,7 @@ def test_heartbeat_refreshes_and_a_taken_over_hold_is_left_alone(cfg, monkeypatc
     assert _holder(cfg)["fit_id"] == "d" * 32  # not ours to delete
 
 
-def test_a_sigkilled_holder_is_taken_over_at_once(cfg, tmp_path):
+def test_a_sigkilled_holder_is_taken_over_at_once(cfg, tmp_path, monkeypatch, capsys):
     """A real process takes the hold and is SIGKILLed holding it; the next take does not wait."""
     code = ("import sys, time; from raytrain_ddp.config import load_config; from raytrain_ddp.driver import hold;"
             f"hold.take(load_config(None, {[f'run.storage_path={cfg.run.storage_path}', 'name=same']!r}), 'e' * 32);"
@@ -171,9 +172,16 @@ def test_a_sigkilled_holder_is_taken_over_at_once(cfg, tmp_path):
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=10)
-    killed = time.monotonic()
-    held = hold.take(cfg, "f" * 32)
-    assert time.monotonic() - killed < hold.SETTLE_S + 1.0 and _holder(cfg)["fit_id"] == "f" * 32
+    capsys.readouterr()
+    # "at once", without wall clock: its pid is gone (not its heartbeat stale: it beat just now),
+    # and the only wait is the one read-back of the record it wrote
+    waits: list[float] = []
+    with monkeypatch.context() as patched:
+        patched.setattr(hold, "time", _Clock(waits))
+        held = hold.take(cfg, "f" * 32)
+    assert f"pid {holder.pid} no longer runs" in capsys.readouterr().err
+    assert waits == [hold.SETTLE_S], waits
+    assert _holder(cfg)["fit_id"] == "f" * 32
     held.release()
 
 

@@ -172,14 +172,16 @@ def test_plot_writes_a_png_and_rejects_an_empty_run(tmp_path):
 
 
 _RECORDER_OUTLIVES_RAY = r"""
-import ray, sys, time
+import ray, sys, threading, time
 from raytrain_ddp.driver.stream import Recorder, open_mailbox
 from raytrain_ddp.rundir import Location
 ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="ERROR")
 recorder = Recorder(Location.parse(sys.argv[1]), "f" * 32, [], open_mailbox()).__enter__()
+(thread,) = [t for t in threading.enumerate() if t.name == "raytrain-ddp-recorder"]
 time.sleep(1.0)
 ray.shutdown()
-time.sleep(1.5)  # the recorder's thread polls every 0.5 s
+thread.join(timeout=40)  # the event: the thread's next poll found Ray gone and ended (it polls every 0.5 s)
+assert not thread.is_alive(), "the recorder's thread still polls 40 s after ray.shutdown()"
 assert not ray.is_initialized(), "the recorder's thread started a new Ray instance"
 recorder.stop()  # what atexit does after a user's fit (api.prepare_job)
 assert not ray.is_initialized(), "stop() started a new Ray instance"

@@ -283,11 +283,17 @@ def test_cancel_autoscaling_request(ray_cluster):
     assert coordinator is not None
 
 
-def test_autoscaler_node_groups():
+def test_autoscaler_node_groups(monkeypatch):
     state = _attr("autoscaler_node_groups", "ray._private.state:state")
     assert callable(getattr(state, "get_cluster_config", None)), _gone("autoscaler_node_groups", "state.get_cluster_config")
-    if not ray.is_initialized():
-        assert ray_compat.autoscaler_node_groups() is None  # no cluster: "not known", never an error
+    # no autoscaler here, whether this process's Ray is up (no config stored) or not (no GCS): "not known"
+    assert ray_compat.autoscaler_node_groups() is None
+    groups = [object(), object()]  # what an autoscaler stores: its node groups, handed on as they are
+    with monkeypatch.context() as patched:
+        patched.setattr(state, "get_cluster_config", lambda: type("Config", (), {"node_group_configs": groups})())
+        assert ray_compat.autoscaler_node_groups() == groups
+        patched.setattr(state, "get_cluster_config", lambda: 1 / 0)  # an internal API failing: never an error
+        assert ray_compat.autoscaler_node_groups() is None
 
 
 def test_autoscaler_config_checks():
@@ -318,6 +324,7 @@ def test_local_instance_kwargs():
         assert f'kwargs.pop("{name}"' in source, _gone("local_instance_kwargs", f"ray.init({name}=...)")
 
 
+@pytest.mark.ray
 def test_local_instance_kwargs_start_workers_at_our_niceness(ray_cluster):
     """The session's instance is started with `local_instance_kwargs` (tests/conftest.py), as an
     embedded run's is: an actor with a runtime environment (Ray Train's workers have one) and a
