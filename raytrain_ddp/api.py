@@ -14,8 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
-from raytrain_ddp.config import Config, apply_overrides, load_config, validate_config
-from raytrain_ddp.errors import UserError
+from raytrain_ddp.config import Config, ConfigError, apply_overrides, load_config, validate_config
 
 ConfigLike = Union[str, os.PathLike, dict, Config, None]
 
@@ -139,6 +138,6 @@ def _resolve(config: ConfigLike, overrides: Sequence[str], given: dict[str, Any]
         from raytrain_ddp.launch.table import given_refusal
 
         if isinstance(datasets, dict) and given_refusal(cfg, datasets):
-            raise UserError(given_refusal(cfg, datasets))
+            raise ConfigError(given_refusal(cfg, datasets))
         datasets = read_map_style(datasets, cfg)
     return cfg, code, datasets
