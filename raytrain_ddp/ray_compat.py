@@ -190,6 +190,30 @@ def lean_trainer(trainer_cls: type, *, local: bool) -> type:
     return LeanTrainer
 
 
+def start_failed(message: str) -> Exception:
+    """The error that Ray Train's failure policy retries as a failed worker-group start
+    (`WorkerGroupStartupFailedError`: a new group, under `FailureConfig.controller_failure_limit`)."""
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError
+
+    return WorkerGroupStartupFailedError(message)
+
+
+def start_failure(state: Any) -> Optional[str]:
+    """The message of the failed worker-group start a controller state retries (`start_failed`), else None."""
+    error = getattr(getattr(state, "training_failed_error", None), "controller_failure", None)
+    return str(error) if type(error).__name__ == "WorkerGroupStartupFailedError" else None
+
+
+def abandon_group(group: Any) -> None:
+    """Stop a worker group whose start failed after its actors were up (its actors and placement
+    group go now: Ray Train cleans up only a group that failed before that). A replica group
+    (live recovery's replacement) is stopped by Ray's replacement itself."""
+    from ray.train.v2._internal.execution.worker_group import WorkerGroup
+
+    if isinstance(group, WorkerGroup) and group.has_started():
+        group.abort()
+
+
 def is_restart_state(state: Any) -> bool:
     """Whether a controller state (as handed to a controller callback) is about to size a new group."""
     return type(state).__name__ in CONTROLLER_RESTART_STATES

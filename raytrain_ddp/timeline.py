@@ -16,7 +16,8 @@ time to the first step exactly (clock skew between nodes aside). Where the stamp
                                  group formed; `placed` ends at rank 0's process start, so
                                  a reused (prestarted) process shows 0 s placed
     data_ready .. first_step     rank 0's loop (`WorkerStamps`)
-A stamp that never came (local mode has no Ray) is a phase of 0 s.
+A stamp that never came (local mode has no Ray) is a phase of 0 s. A start that failed and was
+retried (`driver/startup.py`) has the phases up to `process_group`, which ends at its failure.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ DRIVER_PHASES = ("cli", "ray", "datasets")
 ATTEMPT_PHASES = ("placed", "workers_up", "process_group", "data_ready", "model_built", "state_restored",
                   "first_step")
 CONTROLLER_PHASES = ("workers_up", "process_group")
+FAILED_PHASES = ATTEMPT_PHASES.index("process_group") + 1  # a failed start's phases: up to its process group
 
 
 def process_start_time(pid: Optional[int] = None) -> Optional[float]:
@@ -104,6 +106,8 @@ class Timeline:
         """A worker group started (Ray Train's controller): its begin, actors up, process group."""
         with self._lock:
             self._groups.append(dict(stamps))
+            if "failed" in stamps:  # a start that failed and is retried: no rank 0 stamps come for it
+                self._write_attempt(len(self._groups), {})
             self._write_ready()
 
     def worker(self, attempt: int, stamps: dict[str, float]) -> None:
@@ -128,10 +132,13 @@ class Timeline:
         proc = stamps.get("process_start")
         if proc is not None and "workers_up" in ends:  # placed: the first worker process's start
             ends["placed"] = min(max(proc, begin), ends["workers_up"])
+        failed = "failed" in group  # its process group failed to form: its phases end there
+        if failed:
+            ends["process_group"] = group["failed"]
         previous = begin
-        for phase in ATTEMPT_PHASES:
+        for phase in ATTEMPT_PHASES[:FAILED_PHASES] if failed else ATTEMPT_PHASES:
             t = max(previous, float(ends.get(phase, previous)))
-            self._row(phase, attempt, t, t - previous)
+            self._row(phase, attempt, t, t - previous, **({"failed": True} if failed else {}))
             previous = t
 
     def last_step(self, t: float) -> None:

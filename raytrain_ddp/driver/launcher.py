@@ -440,7 +440,7 @@ def build_trainer(cfg: Config, run_dir: Location, job: Job, prepared: Any) -> An
 
     from raytrain_ddp.worker.loop import train_loop_per_worker
     from raytrain_ddp.driver.node_loss import NodeLossWatch
-    from raytrain_ddp.driver.startup import StartupStamps
+    from raytrain_ddp.driver.startup import StartHooks, StartupStamps
     from raytrain_ddp.recovery import table
 
     pg_timeout_s = process_group_timeout_s(cfg.parallel.collective_timeout_s, cfg.scaling.use_gpu)
@@ -471,7 +471,8 @@ def build_trainer(cfg: Config, run_dir: Location, job: Job, prepared: Any) -> An
             # A survivor's copy of the last step is not cut short by the restart (worker/replica.py);
             # a lost node is declared dead before the new group is sized (driver/node_loss.py).
             callbacks=[NodeLossWatch(mailbox=job.mailbox), *recovery.callbacks(),
-                       *([StartupStamps(job.mailbox)] if job.mailbox is not None else [])],
+                       StartHooks(),
+                       *([StartupStamps(job.mailbox, job.fit_id)] if job.mailbox is not None else [])],
             logging_config=LoggingConfig(log_level="WARNING"),  # our progress lines say it all
         ),
         datasets=prepared.datasets,

@@ -23,6 +23,10 @@ HOOKS_ENV = "RAYTRAIN_DDP_HOOKS"
 class Hooks:
     """Called by every rank; each method is a no-op here."""
 
+    def before_process_group(self, world_rank: int) -> None:
+        """On Ray, this worker's actor is up (a live replacement's too) and its process group is
+        about to form: its port is not picked yet (`driver/startup.py`'s `StartHooks`)."""
+
     def on_start(self, rank: "Rank") -> None:
         """This worker's loop starts (a live replacement's too), before it joins any group."""
 
