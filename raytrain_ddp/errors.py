@@ -79,6 +79,8 @@ def is_deterministic(exc: BaseException) -> bool:
     return bool(frames) and _is_users(frames[-1].filename)
 
 
+START_TRIES = 3  # starts of one fit that a transient start fault may fail before the fit does
+
 # A worker group's start that these failed can succeed when started again with fresh ports:
 # (what the error's text says, in torch's, gloo's or the OS's words) -> the cause, as said.
 _START_FAULTS = ((("EADDRINUSE", "address already in use"), "a port was taken by another program (EADDRINUSE)"),

@@ -208,9 +208,12 @@ def abandon_group(group: Any) -> None:
     """Stop a worker group whose start failed after its actors were up (its actors and placement
     group go now: Ray Train cleans up only a group that failed before that). A replica group
     (live recovery's replacement) is stopped by Ray's replacement itself."""
+    import ray
     from ray.train.v2._internal.execution.worker_group import WorkerGroup
 
     if isinstance(group, WorkerGroup) and group.has_started():
+        for worker in group.get_workers():  # killed first: a peer still waits for the taken port, and
+            ray.kill(worker.actor)  # Ray's stop would give it 5 s to finish that wait
         group.abort()
 
 

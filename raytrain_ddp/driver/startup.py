@@ -25,8 +25,7 @@ import time
 from typing import Any, Callable
 
 from raytrain_ddp import ray_compat
-
-START_TRIES = 3  # starts of one fit that a transient start fault may fail before the fit does
+from raytrain_ddp.errors import START_TRIES, start_fault
 START_FAULT = "the workers' start failed: "  # the message Ray Train carries to `StartupStamps`
 
 
@@ -34,8 +33,6 @@ def guarded_start(backend: Any, start: Callable[[], None], group: Any) -> None:
     """`start()` (a backend's set-up of `group`'s process group); a transient fault of it is raised
     as a retryable failed start (once the group is stopped), until `START_TRIES` starts failed so.
     `backend` keeps the count: Ray Train's controller holds one backend for the whole fit."""
-    from raytrain_ddp.errors import start_fault
-
     try:
         start()
     except Exception as exc:
