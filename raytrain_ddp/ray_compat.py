@@ -217,6 +217,23 @@ def abandon_group(group: Any) -> None:
         group.abort()
 
 
+def follow_port_pick(after: Callable[[int], None]) -> None:
+    """This process's next pick of a process group's port by Ray's torch backend (its rank 0
+    runs `ray.train._internal.utils.get_address_and_port`, found by name) is followed by
+    `after(port)`, once: a test's fault plan takes the port there (`testing/hooks.py`)."""
+    import ray.train._internal.utils as ray_utils
+
+    pick = ray_utils.get_address_and_port
+
+    def pick_then(*args: Any, **kwargs: Any) -> Any:
+        ray_utils.get_address_and_port = pick
+        address, port = pick(*args, **kwargs)
+        after(int(port))
+        return address, port
+
+    ray_utils.get_address_and_port = pick_then
+
+
 def is_restart_state(state: Any) -> bool:
     """Whether a controller state (as handed to a controller callback) is about to size a new group."""
     return type(state).__name__ in CONTROLLER_RESTART_STATES

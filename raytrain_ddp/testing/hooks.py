@@ -194,23 +194,19 @@ class PortFault:
         """Ray's next pick of a free port in this process is followed by a listener on that port."""
         import socket
 
-        import ray.train._internal.utils as ray_utils  # where Ray's torch backend picks the group's port
+        from raytrain_ddp import ray_compat
 
         if not self.due(world_rank):
             return
-        pick = ray_utils.get_address_and_port
 
-        def pick_then_taken() -> tuple[str, int]:
-            ray_utils.get_address_and_port = pick  # once
-            address, port = pick()
+        def take(port: int) -> None:
             taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             taken.bind(("0.0.0.0", port))
             taken.listen(1)
             _TAKEN.append(taken)  # held for the life of this process
             print(f"[fault injection] rank {world_rank}: port {port} taken after its pick", flush=True)
-            return address, port
 
-        ray_utils.get_address_and_port = pick_then_taken
+        ray_compat.follow_port_pick(take)
 
 
 _TAKEN: list[Any] = []  # the sockets holding taken ports
