@@ -20,7 +20,8 @@ Decisions, and why:
   relax_collectives_on_preemption = preemption_grace_s > 0)` (grace only helps if Ray's
   checkpoint report may finish without the preempted ranks).
 * `attempts` in `summary.json` counts worker-group starts of this fit (rank 0 registers
-  each with the driver's mailbox), so a run that survived one worker failure has 2.
+  each with the driver's mailbox), so a run that survived one worker failure has 2; a start
+  that a taken port failed and Ray Train started again counts too (`driver/startup.py`).
 * The run directory may be in object storage (`run.storage_path: s3://...`): the driver
   reads and writes it through `rundir.Location` (pyarrow.fs) and hands Ray Train the same
   filesystem (`RunConfig(storage_filesystem=...)`); workers never open it -- their
