@@ -114,15 +114,18 @@ def one_round(number: int, root: Path, head_env: dict[str, str], head_pids: froz
         log = open(root / f"{name}.log", "wb")
         procs[name] = (subprocess.Popen(command, env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL), log, time.monotonic())
+    ended: dict[str, float] = {}
+    while len(ended) < len(procs) and time.monotonic() - started < FIT_TIMEOUT_S:
+        ended.update({name: time.monotonic() for name, (proc, _, _) in procs.items()
+                      if name not in ended and proc.poll() is not None})
+        time.sleep(0.2)
     rows = []
     for name, (proc, log, t0) in procs.items():
-        try:
-            rc = proc.wait(timeout=max(1.0, FIT_TIMEOUT_S - (time.monotonic() - started)))
-        except subprocess.TimeoutExpired:
+        if proc.poll() is None:  # past the round's deadline: killed, and said in its row
             proc.kill()
-            rc = proc.wait()
+        rc = proc.wait()
         log.close()
-        seconds = time.monotonic() - t0
+        seconds = ended.get(name, time.monotonic()) - t0
         if name == "sweep":
             trials = sorted(d for d in (root / "sweep" / "trials").iterdir() if d.is_dir()) \
                 if (root / "sweep" / "trials").exists() else []
