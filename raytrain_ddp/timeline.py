@@ -204,8 +204,8 @@ class Timeline:
             rows = [r for r in self.rows if r["attempt"] == number]
             phases = {**(driver if number == 1 else {}), **{r["phase"]: r["seconds"] for r in rows}}
             begin = self.started if number == 1 else rows[0]["t"] - rows[0]["seconds"]
-            attempts.append({"attempt": number, "phases": phases,
-                             "to_first_step_s": round(rows[-1]["t"] - begin, 3)})
+            attempts.append({"attempt": number, "phases": phases, "to_first_step_s": round(rows[-1]["t"] - begin, 3),
+                             **({"failed": True} if rows[-1].get("failed") else {})})  # to its failure, then
         end = next((r for r in self.rows if r["phase"] == "fit_end"), None)
         return {"attempts": attempts, "shutdown_s": end["seconds"] if end else None}
 
@@ -222,8 +222,8 @@ def format_timeline(startup: dict[str, Any]) -> list[str]:
     lines = []
     for attempt in startup.get("attempts", []):
         phases = " | ".join(f"{name} {seconds:.2f}s" for name, seconds in attempt["phases"].items())
-        lines.append(f"start-up, attempt {attempt['attempt']}: {attempt['to_first_step_s']:.2f}s to the first "
-                     f"step = {phases}")
+        end = "its failure (retried)" if attempt.get("failed") else "the first step"
+        lines.append(f"start-up, attempt {attempt['attempt']}: {attempt['to_first_step_s']:.2f}s to {end} = {phases}")
     if startup.get("shutdown_s") is not None:
         lines.append(f"last step -> end: {startup['shutdown_s']:.2f}s")
     return lines

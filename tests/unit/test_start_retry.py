@@ -16,7 +16,7 @@ from raytrain_ddp.driver.startup import START_FAULT, StartupStamps, guarded_star
 from raytrain_ddp.driver.stream import Recorder
 from raytrain_ddp.errors import START_TRIES, start_fault
 from raytrain_ddp.rundir import Location, read_jsonl
-from raytrain_ddp.timeline import ATTEMPT_PHASES, FAILED_PHASES, Timeline
+from raytrain_ddp.timeline import ATTEMPT_PHASES, FAILED_PHASES, Timeline, format_timeline
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -98,6 +98,8 @@ def test_timeline_and_recorder_account_for_the_failed_start(tmp_path, capsys):
     timeline.worker(2, {"data_ready": 110.0, "model_built": 111.0, "state_restored": 111.0, "first_step": 112.0})
     second = [r for r in timeline.rows if r["attempt"] == 2]
     assert [r["phase"] for r in second] == list(ATTEMPT_PHASES) and second[0]["t"] - second[0]["seconds"] == 107.0
+    lines = format_timeline(timeline.summary())
+    assert "attempt 1: " in lines[0] and "to its failure (retried)" in lines[0] and "to the first step" in lines[1]
 
     recorder = Recorder(run_dir, "f", [], write_metrics=False)
     record = {"fit_id": "f", "world_size": 2, "time": 106.0, "start_failed": "a port was taken by another program "
