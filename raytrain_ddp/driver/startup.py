@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 from raytrain_ddp import ray_compat
 from raytrain_ddp.errors import START_TRIES, start_fault
+
 START_FAULT = "the workers' start failed: "  # the message Ray Train carries to `StartupStamps`
 
 

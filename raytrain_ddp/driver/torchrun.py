@@ -38,7 +38,7 @@ from multiprocessing.connection import Client, Listener
 from typing import Any, Optional
 
 from raytrain_ddp.config import Config
-from raytrain_ddp.errors import START_TRIES
+from raytrain_ddp.errors import START_TRIES, start_fault
 from raytrain_ddp.rundir import Location
 
 
@@ -211,14 +211,13 @@ def run_torchrun(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, 
         with ctrl_c_stops(mailbox) as pressed:
             try:
                 with recorder:
-                    code_, cause = launch.wait()
-                    for tried in range(1, START_TRIES):  # a start a new launch can mend: fresh ports
-                        if cause is None or pressed:
-                            break
-                        launch = _relaunch(cfg, launch, given, mailbox, job.fit_id, cause, tried, timeline)
-                        code_, cause = launch.wait()
-                if cause is not None:
-                    status, error = "failed", f"the ranks' process group did not form, {START_TRIES} times: {cause}"
+                    (code_, cause), launches = launch.wait(), 1
+                    while cause is not None and not pressed and launches < START_TRIES:  # mendable: fresh ports
+                        launch = _relaunch(cfg, launch, given, mailbox, job.fit_id, cause, launches, timeline)
+                        (code_, cause), launches = launch.wait(), launches + 1
+                if cause is not None:  # the tries spent (or a Ctrl-C between them)
+                    status, error = ("interrupted", None) if pressed else \
+                        ("failed", f"the ranks' process group did not form, {launches} times: {cause}")
                 elif code_ != 0:
                     status, error = "failed", f"a torchrun rank exited with code {code_} (its output is above)"
                 else:
@@ -252,8 +251,6 @@ def _start_fault(payload: str, exc: BaseException) -> None:
     """A rank whose process group failed to form for a reason a new launch can mend (a taken
     port, a peer not reachable yet: `errors.start_fault`) tells the driver, which stops this
     launch and starts another (`TorchrunLaunch.wait`); it waits to be stopped, printing nothing."""
-    from raytrain_ddp.errors import start_fault
-
     cause = start_fault(exc)
     if cause is None:
         return
