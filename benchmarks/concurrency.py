@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             f"- command: `.venv/bin/python -m benchmarks.concurrency --rounds {args.rounds}`",
             f"- result: {'every fit and trial ok, nothing left running' if ok else 'FAILED'}; "
             f"{retries} worker-group start(s) retried; {time.monotonic() - started:.0f} s", ""]
-    text = "\n".join(head) + table(rows) + "\n"
+    text = "\n".join(head) + "\n" + table(rows) + "\n"
     out = Path(args.out) if args.out else RESULTS / f"concurrency-{time.strftime('%Y%m%d-%H%M', time.gmtime())}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
