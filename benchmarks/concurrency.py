@@ -134,10 +134,14 @@ def one_round(number: int, root: Path, head_env: dict[str, str], head_pids: froz
                   "seconds": round(seconds, 1), "error": None}]
         else:
             rows.append(fit_row(name, root / name, rc, seconds))
-    deadline = time.monotonic() + 30  # an embedded Ray's last processes end moments after their driver
+    deadline = time.monotonic() + 60  # an embedded Ray's last processes end after their driver (slowly, loaded)
     while (left := descendants(os.getpid(), head_pids)) and time.monotonic() < deadline:
         _reap()
         time.sleep(0.5)
+    if left:
+        names = [Path(f"/proc/{pid}/comm").read_text().strip() if Path(f"/proc/{pid}/comm").exists() else "?"
+                 for pid in sorted(left)]
+        print(f"concurrency: round {number}: left running: {dict(zip(sorted(left), names))}", flush=True)
     for row in rows:
         row["round"], row["left_running"] = number, len(left)
     return rows

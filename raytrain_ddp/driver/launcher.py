@@ -81,7 +81,7 @@ from raytrain_ddp.driver.preflight import preflight
 from raytrain_ddp.driver.resume import check_something_to_train, resolve_resume
 from raytrain_ddp.driver.sinks import check_loggers, make_sinks
 from raytrain_ddp.driver.stream import Recorder, open_mailbox
-from raytrain_ddp.errors import UserError
+from raytrain_ddp.errors import START_TRIES, UserError
 from raytrain_ddp.job import Job
 from raytrain_ddp.rundir import Location, is_object_store, run_dir_of
 from raytrain_ddp.timeline import Timeline
@@ -260,19 +260,19 @@ def warn_small_instance(needed: int) -> None:
 
 
 class LocalRayDidNotStart(UserError):
-    """The embedded Ray instance did not start, twice (one line, not Ray's traceback)."""
+    """The embedded Ray instance did not start, `START_TRIES` times (one line, not Ray's traceback)."""
 
 
 def _init_local(lean: bool = True, **kwargs: Any) -> None:
-    """`ray.init` of the embedded instance, once more if Ray's own 30 s wait for its raylet
-    ran out (a loaded machine: docs/design.md#measurements-behind-the-code). What the first try started is fate-shared with
+    """`ray.init` of the embedded instance, again (at most `START_TRIES` tries) if Ray's own 30 s
+    wait for its raylet ran out (a loaded machine: docs/design.md#measurements-behind-the-code). What the first try started is fate-shared with
     this process by Ray and ends with it. `lean`: without the dashboard's head process and the
     autoscaler's monitor (`ray_compat.lean_local_node`; `run.dashboard` keeps both)."""
     import ray
 
     from raytrain_ddp.ray_compat import lean_local_node
 
-    for attempt in (1, 2):
+    for attempt in range(1, START_TRIES + 1):
         try:
             with lean_local_node() if lean else contextlib.nullcontext():
                 ray.init(**kwargs)
@@ -280,11 +280,11 @@ def _init_local(lean: bool = True, **kwargs: Any) -> None:
         except Exception as exc:  # noqa: BLE001 - only Ray's start-up timeout is retried
             if not startup_timed_out(exc):
                 raise
-            if attempt == 2:
-                raise LocalRayDidNotStart(f"the local Ray instance did not start, twice: {exc} Is the machine "
-                                          "busy? Run the same command again") from None
+            if attempt == START_TRIES:
+                raise LocalRayDidNotStart(f"the local Ray instance did not start, {START_TRIES} times: {exc} Is "
+                                          "the machine busy? Run the same command again") from None
             print("raytrain-ddp: the local Ray instance did not start within Ray's 30 s (is the machine busy?); "
-                  "starting it once more", file=sys.stderr, flush=True)
+                  f"starting it once more (try {attempt + 1} of {START_TRIES})", file=sys.stderr, flush=True)
 
 
 def warn_local_storage(cfg: Config) -> None:
