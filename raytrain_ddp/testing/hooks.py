@@ -84,7 +84,6 @@ FAULT_ENV = "RAYTRAIN_DDP_FAULT"
 START_FAULT_ENV = "RAYTRAIN_DDP_FAULT_AT_START"
 PREEMPT_ENV = "RAYTRAIN_DDP_PREEMPT"
 PORT_FAULT_ENV = "RAYTRAIN_DDP_PORT_FAULT"
-TORCHRUN_ENV = "RAYTRAIN_DDP_TORCHRUN_DRIVER"  # set in the torchrun launcher's ranks (driver/torchrun.py)
 SAMPLE_LOG_ENV = "RAYTRAIN_DDP_SAMPLE_LOG"
 STEP_DELAY_ENV = "RAYTRAIN_DDP_STEP_DELAY_S"
 ENABLE = {HOOKS_ENV: "raytrain_ddp.testing.hooks:from_env"}  # what a test puts in the driver's env
@@ -276,7 +275,9 @@ class TestHooks(Hooks):
         plan = PortFault.from_env()
         if plan is None:
             return
-        if TORCHRUN_ENV in os.environ:
+        from raytrain_ddp.driver.torchrun import DRIVER_PID_ENV  # set in the torchrun launcher's ranks only
+
+        if DRIVER_PID_ENV in os.environ:
             if plan.due(world_rank):
                 _fail_listen(world_rank)
         else:
