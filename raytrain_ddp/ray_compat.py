@@ -345,6 +345,29 @@ def startup_timed_out(exc: BaseException) -> bool:
     return STARTUP_TIMEOUT_TEXT in str(exc)
 
 
+def stop_timed_out_start() -> int:
+    """Kill what a timed-out `ray.init` of an embedded instance left running: its GCS server and
+    raylet are this process's children (Ray keeps them until this process exits, and the next
+    try's would compete with them for a busy machine's CPUs); their own children follow them
+    (Ray's fate sharing). Only children running Ray's binaries or modules; returns how many."""
+    import signal
+
+    import ray
+
+    ray_dir = os.path.dirname(ray.__file__)
+    killed = 0
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        try:
+            if not entry.isdigit() or int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1]) != os.getpid():
+                continue
+            if ray_dir.encode() in open(f"/proc/{entry}/cmdline", "rb").read():
+                os.kill(int(entry), signal.SIGKILL)
+                killed += 1
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+    return killed
+
+
 def local_instance_kwargs(ip: str) -> dict[str, Any]:
     """`ray.init` arguments of an embedded instance (private ones): its node address pinned to `ip`,
     and its worker processes at the driver's own niceness (Ray's `worker_niceness`, 15 by

@@ -74,7 +74,7 @@ from raytrain_ddp.driver import hold, ray_console
 from raytrain_ddp.driver.interrupt import Interrupt
 from raytrain_ddp.ray_compat import (
     CONTROLLER_POLL_ENV, abort_controller, install_sigint_handler, job_config,
-    lean_trainer, local_instance_kwargs, preemption_grace, started_here, startup_timed_out,
+    lean_trainer, local_instance_kwargs, preemption_grace, started_here, startup_timed_out, stop_timed_out_start,
 )
 from raytrain_ddp.driver.placement import Unschedulable, wait_for_placement, worker_resources
 from raytrain_ddp.driver.preflight import preflight
@@ -265,8 +265,8 @@ class LocalRayDidNotStart(UserError):
 
 def _init_local(lean: bool = True, **kwargs: Any) -> None:
     """`ray.init` of the embedded instance, again (at most `START_TRIES` tries) if Ray's own 30 s
-    wait for its raylet ran out (a loaded machine: docs/design.md#measurements-behind-the-code). What the first try started is fate-shared with
-    this process by Ray and ends with it. `lean`: without the dashboard's head process and the
+    wait for its raylet ran out (a loaded machine: docs/design.md#measurements-behind-the-code). What a try that timed out
+    started is killed before the next (`ray_compat.stop_timed_out_start`). `lean`: without the dashboard's head process and the
     autoscaler's monitor (`ray_compat.lean_local_node`; `run.dashboard` keeps both)."""
     import ray
 
@@ -280,6 +280,7 @@ def _init_local(lean: bool = True, **kwargs: Any) -> None:
         except Exception as exc:  # noqa: BLE001 - only Ray's start-up timeout is retried
             if not startup_timed_out(exc):
                 raise
+            stop_timed_out_start()  # its processes would compete with the next try's
             if attempt == START_TRIES:
                 raise LocalRayDidNotStart(f"the local Ray instance did not start, {START_TRIES} times: {exc} Is "
                                           "the machine busy? Run the same command again") from None

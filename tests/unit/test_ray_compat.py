@@ -158,6 +158,22 @@ def test_follow_port_pick():
     assert seen == [port] and ray_utils.get_address_and_port is utils  # once, then Ray's own again
 
 
+def test_stop_timed_out_start():
+    """Kills only this process's children that run Ray (a child that does not is left alone)."""
+    import subprocess
+    import sys
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    ray_child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", ray.__file__])
+    try:
+        assert ray_compat.stop_timed_out_start() == 1
+        assert ray_child.wait(timeout=10) == -9 and other.poll() is None
+    finally:
+        for proc in (other, ray_child):
+            proc.kill()
+            proc.wait()
+
+
 def test_controller_poll_env():
     name = _attr("CONTROLLER_POLL_ENV", "ray.train.v2._internal.constants:HEALTH_CHECK_INTERVAL_S_ENV_VAR")
     assert ray_compat.CONTROLLER_POLL_ENV == name
