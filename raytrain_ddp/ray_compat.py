@@ -348,24 +348,38 @@ def startup_timed_out(exc: BaseException) -> bool:
 def stop_timed_out_start() -> int:
     """Kill what a timed-out `ray.init` of an embedded instance left running: its GCS server and
     raylet are this process's children (Ray keeps them until this process exits, and the next
-    try's would compete with them for a busy machine's CPUs); their own children follow them
-    (Ray's fate sharing). Only children running Ray's binaries or modules; returns how many."""
+    try's would compete with them for a busy machine's CPUs), the agents the raylet started
+    theirs (they outlived a killed raylet by over a minute). Only children running Ray's
+    binaries or modules, and everything below them; returns how many."""
     import signal
 
     import ray
 
-    ray_dir = os.path.dirname(ray.__file__)
-    killed = 0
+    ray_dir, below = os.path.dirname(ray.__file__).encode(), {}
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
         try:
-            if not entry.isdigit() or int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1]) != os.getpid():
-                continue
-            if ray_dir.encode() in open(f"/proc/{entry}/cmdline", "rb").read():
-                os.kill(int(entry), signal.SIGKILL)
-                killed += 1
+            ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1]) if entry.isdigit() else None
         except (OSError, ValueError, IndexError):  # gone meanwhile
             continue
-    return killed
+        if ppid is not None:
+            below.setdefault(ppid, []).append(int(entry))
+
+    def runs_ray(pid: int) -> bool:
+        try:
+            return ray_dir in open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            return False
+
+    doomed, todo = [], [pid for pid in below.get(os.getpid(), []) if runs_ray(pid)]
+    while todo:
+        doomed.append(todo.pop())
+        todo += below.get(doomed[-1], [])
+    for pid in doomed:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return len(doomed)
 
 
 def local_instance_kwargs(ip: str) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import importlib
 import inspect
 import logging
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -164,10 +165,19 @@ def test_stop_timed_out_start():
     import sys
 
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    ray_child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", ray.__file__])
+    # a Ray child with a child of its own (an agent): both go
+    ray_child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; p = subprocess.Popen("
+                                  "[sys.executable, '-c', 'import time; time.sleep(30)']); print(p.pid, flush=True); "
+                                  "time.sleep(30)", ray.__file__], stdout=subprocess.PIPE, text=True)
+    grandchild = int(ray_child.stdout.readline())
     try:
-        assert ray_compat.stop_timed_out_start() == 1
+        assert ray_compat.stop_timed_out_start() == 2
         assert ray_child.wait(timeout=10) == -9 and other.poll() is None
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{grandchild}/stat").exists() and " Z " not in Path(f"/proc/{grandchild}/stat").read_text() \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not Path(f"/proc/{grandchild}/stat").exists() or " Z " in Path(f"/proc/{grandchild}/stat").read_text()
     finally:
         for proc in (other, ray_child):
             proc.kill()
