@@ -161,7 +161,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--out", default=None, help="the table's file (default: benchmarks/results/concurrency-DATE.md)")
+    parser.add_argument("--out", default=None,
+                        help="the table's file (default: benchmarks/results/concurrency-DATE.md)")
     args = parser.parse_args(argv)
     ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of what it starts come back to it
     work = Path(tempfile.mkdtemp(prefix="raytrain-concurrency-"))

@@ -326,7 +326,8 @@ def summary_figures(run_dir: Where, fit_id: str, status: str, end: float) -> dic
         return {}
     restarts = [{"attempt": e["attempt"], "cause": e["cause"], "seconds": round(e["recovery_s"], 3)}
                 for e in rep["interruptions"] if e["fit"] == fit_id and e["attempt"] is not None]
-    return {"fit": round(fit["goodput"], 4), "run": round(rep["goodput"], 4), **({"restarts": restarts} if restarts else {})}
+    return {"fit": round(fit["goodput"], 4), "run": round(rep["goodput"], 4),
+            **({"restarts": restarts} if restarts else {})}
 
 
 # ---------------------------------------------------------------- run.checkpoint_every_steps: auto

@@ -265,9 +265,9 @@ class LocalRayDidNotStart(UserError):
 
 def _init_local(lean: bool = True, **kwargs: Any) -> None:
     """`ray.init` of the embedded instance, again (at most `START_TRIES` tries) if Ray's own 30 s
-    wait for its raylet ran out (a loaded machine: docs/design.md#measurements-behind-the-code). What a try that timed out
-    started is killed before the next (`ray_compat.stop_timed_out_start`). `lean`: without the dashboard's head process and the
-    autoscaler's monitor (`ray_compat.lean_local_node`; `run.dashboard` keeps both)."""
+    wait for its raylet ran out (a loaded machine: docs/design.md#measurements-behind-the-code).
+    What a try that timed out started is killed before the next (`ray_compat.stop_timed_out_start`).
+    `lean`: without the dashboard's head process and the autoscaler's monitor (`ray_compat.lean_local_node`; `run.dashboard` keeps both)."""
     import ray
 
     from raytrain_ddp.ray_compat import lean_local_node

@@ -46,7 +46,8 @@ def guarded_start(backend: Any, start: Callable[[], None], group: Any) -> None:
         raise ray_compat.start_failed(START_FAULT + cause) from exc
 
 
-class StartupStamps(ray_compat.worker_group_callback_base(), ray_compat.controller_callback_base()):  # type: ignore[misc]
+class StartupStamps(ray_compat.worker_group_callback_base(),  # type: ignore[misc]
+                    ray_compat.controller_callback_base()):
     """Sends `{"kind": "timeline", "source": "controller", "stamps": {...}}` per group start.
 
     Attempt 0, seq 0: the record stream passes it on as it comes (`stream.Reorder`); the

@@ -356,7 +356,8 @@ def rank_main(payload: str, stamps: Optional[dict[str, float]] = None) -> None:
     timeout = process_group_timeout_s(cfg.parallel.collective_timeout_s, cfg.scaling.use_gpu)
     try:
         load_hooks().before_process_group(world_rank)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout))
     except Exception as exc:
         _start_fault(payload, exc)  # a fault a new launch can mend: the driver starts one
         raise

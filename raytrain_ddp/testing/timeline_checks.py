@@ -1,6 +1,7 @@
 """What the tests check of a fit's start-up timeline (`raytrain_ddp/timeline.py`): every
-phase present once per start (a failed start's up to its process group), in order, non-negative, and adding up to the start's measured
-time to its first step within 5 %; summary.json's `startup` agreeing with timeline.jsonl."""
+phase present once per start (a failed start's up to its process group), in order,
+non-negative, and adding up to the start's measured time to its first step within 5 %;
+summary.json's `startup` agreeing with timeline.jsonl."""
 
 from __future__ import annotations
 
