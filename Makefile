@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-bench bench bench-quick bench-startup compat clean soak
+.PHONY: demo test test-fast test-bench bench bench-quick bench-startup compat clean soak concurrency
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,11 @@ SEEDS ?= 0-19
 KINDS ?= s3,load,late,node
 soak: $(STAMP)
 	$(PY) -m benchmarks.soak --seeds $(SEEDS) --kinds $(KINDS)
+
+# Many jobs on one machine (issue #56): 3 fits and a 2-trial sweep at once, ROUNDS times.
+ROUNDS ?= 10
+concurrency: $(STAMP)
+	$(PY) -m benchmarks.concurrency --rounds $(ROUNDS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=15 -m "not ray and not bench" tests

@@ -79,6 +79,24 @@ def is_deterministic(exc: BaseException) -> bool:
     return bool(frames) and _is_users(frames[-1].filename)
 
 
+START_TRIES = 3  # starts of one fit that a transient start fault may fail before the fit does
+
+# A worker group's start that these failed can succeed when started again with fresh ports:
+# (what the error's text says, in torch's, gloo's or the OS's words) -> the cause, as said.
+_START_FAULTS = ((("EADDRINUSE", "address already in use"), "a port was taken by another program (EADDRINUSE)"),
+                 (("ECONNREFUSED", "connection refused", "connection reset", "DistNetworkError", "DistStoreError",
+                   "timed out", "timeout"), "a peer was not reachable yet"))
+
+
+def start_fault(exc: BaseException) -> Optional[str]:
+    """The cause of a worker group's failed start that a start with fresh ports can mend (a
+    taken port, a peer not reachable yet), else None. Read from the whole text of the error,
+    Ray's wrapping included (the workers' traceback travels as text). Only asked of a failure
+    of the start itself (the process group's set-up), which runs none of the user's code."""
+    text = f"{type(exc).__name__}: {exc}".lower()
+    return next((cause for words, cause in _START_FAULTS if any(w.lower() in text for w in words)), None)
+
+
 def whole_message(exc: BaseException) -> str:
     """The error as the user needs it, nothing cut: `Type: ` (not for our own `UserError`s,
     whose message is the whole story), every line of the message, and where in the user's

@@ -314,15 +314,21 @@ def cadence_figures(fits: list[Fit]) -> dict[str, Optional[float]]:
     return {"step_s": step_s / steps if steps else None, "save_stall_s": stall / saves if saves else None}
 
 
-def summary_figures(run_dir: Where, fit_id: str, status: str, end: float) -> dict[str, float]:
-    """{"fit": this fit's goodput, "run": the run's} for the fit's summary; {} if unreadable
-    (the summary never fails for its goodput)."""
+def summary_figures(run_dir: Where, fit_id: str, status: str, end: float) -> dict[str, Any]:
+    """{"fit": this fit's goodput, "run": the run's, "restarts": this fit's restarts (attempt, cause,
+    seconds: its recovery), when it had any} for the fit's summary; {} if unreadable (the summary
+    never fails for its goodput)."""
     try:
         rep = report(run_dir, current={"fit_id": fit_id, "end": end, "status": status})
     except Exception:  # noqa: BLE001 - a figure of the summary, never its outcome
         return {}
     fit = next((f for f in rep["fits"] if f["fit"] == fit_id), None)
-    return {"fit": round(fit["goodput"], 4), "run": round(rep["goodput"], 4)} if fit else {}
+    if fit is None:
+        return {}
+    restarts = [{"attempt": e["attempt"], "cause": e["cause"], "seconds": round(e["recovery_s"], 3)}
+                for e in rep["interruptions"] if e["fit"] == fit_id and e["attempt"] is not None]
+    return {"fit": round(fit["goodput"], 4), "run": round(rep["goodput"], 4),
+            **({"restarts": restarts} if restarts else {})}
 
 
 # ---------------------------------------------------------------- run.checkpoint_every_steps: auto

@@ -190,6 +190,50 @@ def lean_trainer(trainer_cls: type, *, local: bool) -> type:
     return LeanTrainer
 
 
+def start_failed(message: str) -> Exception:
+    """The error that Ray Train's failure policy retries as a failed worker-group start
+    (`WorkerGroupStartupFailedError`: a new group, under `FailureConfig.controller_failure_limit`)."""
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError
+
+    return WorkerGroupStartupFailedError(message)
+
+
+def start_failure(state: Any) -> Optional[str]:
+    """The message of the failed worker-group start a controller state retries (`start_failed`), else None."""
+    error = getattr(getattr(state, "training_failed_error", None), "controller_failure", None)
+    return str(error) if type(error).__name__ == "WorkerGroupStartupFailedError" else None
+
+
+def abandon_group(group: Any) -> None:
+    """Stop a worker group whose start failed after its actors were up (its actors and placement
+    group go now: Ray Train cleans up only a group that failed before that). A replica group
+    (live recovery's replacement) is stopped by Ray's replacement itself."""
+    import ray
+    from ray.train.v2._internal.execution.worker_group import WorkerGroup
+
+    if isinstance(group, WorkerGroup) and group.has_started():
+        for worker in group.get_workers():  # killed first: a peer still waits for the taken port, and
+            ray.kill(worker.actor)  # Ray's stop would give it 5 s to finish that wait
+        group.abort()
+
+
+def follow_port_pick(after: Callable[[int], None]) -> None:
+    """This process's next pick of a process group's port by Ray's torch backend (its rank 0
+    runs `ray.train._internal.utils.get_address_and_port`, found by name) is followed by
+    `after(port)`, once: a test's fault plan takes the port there (`tests/_hooks.py`)."""
+    import ray.train._internal.utils as ray_utils
+
+    pick = ray_utils.get_address_and_port
+
+    def pick_then(*args: Any, **kwargs: Any) -> Any:
+        ray_utils.get_address_and_port = pick
+        address, port = pick(*args, **kwargs)
+        after(int(port))
+        return address, port
+
+    ray_utils.get_address_and_port = pick_then
+
+
 def is_restart_state(state: Any) -> bool:
     """Whether a controller state (as handed to a controller callback) is about to size a new group."""
     return type(state).__name__ in CONTROLLER_RESTART_STATES
@@ -299,6 +343,43 @@ def startup_timed_out(exc: BaseException) -> bool:
     """Whether `ray.init` of an embedded instance failed because Ray's own wait for its
     raylet to register (30 s, not configurable) ran out: a busy machine, worth one retry."""
     return STARTUP_TIMEOUT_TEXT in str(exc)
+
+
+def stop_timed_out_start() -> int:
+    """Kill what a timed-out `ray.init` of an embedded instance left running: its GCS server and
+    raylet are this process's children (Ray keeps them until this process exits, and the next
+    try's would compete with them for a busy machine's CPUs), the agents the raylet started
+    theirs (they outlived a killed raylet by over a minute). Only children running Ray's
+    binaries or modules, and everything below them; returns how many."""
+    import signal
+
+    import ray
+
+    ray_dir, below = os.path.dirname(ray.__file__).encode(), {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        try:
+            ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1]) if entry.isdigit() else None
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+        if ppid is not None:
+            below.setdefault(ppid, []).append(int(entry))
+
+    def runs_ray(pid: int) -> bool:
+        try:
+            return ray_dir in open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            return False
+
+    doomed, todo = [], [pid for pid in below.get(os.getpid(), []) if runs_ray(pid)]
+    while todo:
+        doomed.append(todo.pop())
+        todo += below.get(doomed[-1], [])
+    for pid in doomed:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return len(doomed)
 
 
 def local_instance_kwargs(ip: str) -> dict[str, Any]:

@@ -21,7 +21,8 @@ time to the first step exactly (clock skew between nodes aside). Where the stamp
     data_ready .. first_step     rank 0's loop (`WorkerStamps`); `compile` (train.compile): the
                                  seconds torch.compile's backend took, which torch spends inside
                                  the first step, counted from `state_restored` (0 s without it)
-A stamp that never came (local mode has no Ray) is a phase of 0 s.
+A stamp that never came (local mode has no Ray) is a phase of 0 s. A start that failed and was
+retried (`driver/startup.py`) has the phases up to `process_group`, which ends at its failure.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ DRIVER_PHASES = ("imports", "cli", "ray", "datasets")
 ATTEMPT_PHASES = ("placed", "workers_up", "process_group", "data_ready", "model_built", "state_restored",
                   "compile", "first_step")
 CONTROLLER_PHASES = ("workers_up", "process_group")
+FAILED_PHASES = ATTEMPT_PHASES.index("process_group") + 1  # a failed start's phases: up to its process group
 
 
 def process_start_time(pid: Optional[int] = None) -> Optional[float]:
@@ -116,6 +118,8 @@ class Timeline:
         """A worker group started (Ray Train's controller): its begin, actors up, process group."""
         with self._lock:
             self._groups.append(dict(stamps))
+            if "failed" in stamps:  # a start that failed and is retried: no rank 0 stamps come for it
+                self._write_attempt(len(self._groups), {})
             self._write_ready()
 
     def worker(self, attempt: int, stamps: dict[str, float]) -> None:
@@ -140,10 +144,13 @@ class Timeline:
         proc = stamps.get("process_start")
         if proc is not None and "workers_up" in ends:  # placed: the first worker process's start
             ends["placed"] = min(max(proc, begin), ends["workers_up"])
+        failed = "failed" in group  # its process group failed to form: its phases end there
+        if failed:
+            ends["process_group"] = group["failed"]
         previous = begin
-        for phase in ATTEMPT_PHASES:
+        for phase in ATTEMPT_PHASES[:FAILED_PHASES] if failed else ATTEMPT_PHASES:
             t = max(previous, float(ends.get(phase, previous)))
-            self._row(phase, attempt, t, t - previous)
+            self._row(phase, attempt, t, t - previous, **({"failed": True} if failed else {}))
             previous = t
 
     def last_step(self, t: float) -> None:
@@ -209,8 +216,8 @@ class Timeline:
             rows = [r for r in self.rows if r["attempt"] == number]
             phases = {**(driver if number == 1 else {}), **{r["phase"]: r["seconds"] for r in rows}}
             begin = self.started if number == 1 else rows[0]["t"] - rows[0]["seconds"]
-            attempts.append({"attempt": number, "phases": phases,
-                             "to_first_step_s": round(rows[-1]["t"] - begin, 3)})
+            attempts.append({"attempt": number, "phases": phases, "to_first_step_s": round(rows[-1]["t"] - begin, 3),
+                             **({"failed": True} if rows[-1].get("failed") else {})})  # to its failure, then
         end = next((r for r in self.rows if r["phase"] == "fit_end"), None)
         return {"attempts": attempts, "shutdown_s": end["seconds"] if end else None}
 
@@ -227,8 +234,8 @@ def format_timeline(startup: dict[str, Any]) -> list[str]:
     lines = []
     for attempt in startup.get("attempts", []):
         phases = " | ".join(f"{name} {seconds:.2f}s" for name, seconds in attempt["phases"].items())
-        lines.append(f"start-up, attempt {attempt['attempt']}: {attempt['to_first_step_s']:.2f}s to the first "
-                     f"step = {phases}")
+        end = "its failure (retried)" if attempt.get("failed") else "the first step"
+        lines.append(f"start-up, attempt {attempt['attempt']}: {attempt['to_first_step_s']:.2f}s to {end} = {phases}")
     if startup.get("shutdown_s") is not None:
         lines.append(f"last step -> end: {startup['shutdown_s']:.2f}s")
     return lines

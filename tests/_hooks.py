@@ -1,6 +1,6 @@
 """Test hooks: kill, poison or stall one rank at one step; fake Ray's preemption signal.
 
-Owns: the fault plans (`RAYTRAIN_DDP_FAULT`, `RAYTRAIN_DDP_FAULT_AT_START`) and the simulated
+Owns: the fault plans (`RAYTRAIN_DDP_FAULT`, `RAYTRAIN_DDP_FAULT_AT_START`, `RAYTRAIN_DDP_PORT_FAULT`) and the simulated
 preemption signal (`RAYTRAIN_DDP_PREEMPT`), all read on the worker, and `from_env`, the factory a test
 names in `RAYTRAIN_DDP_HOOKS` (by this file's path: `ENABLE`). Must not touch:
 anything but the `Hooks` interface — the product never imports this module.
@@ -28,6 +28,16 @@ fault's `mark`: so only replacements die), the n-th of them at the n-th phase of
 quorum), or `joined`, once it has joined (live: after the quorum and the survivor's state,
 before its first step). Each appends its time of death to `mark`, which counts them; once
 every phase of `when` has had its death, replacements live.
+
+    RAYTRAIN_DDP_PORT_FAULT="rank=0,mark=PATH[,after=PATH]"
+
+takes the port of the process group that rank `rank`'s worker is about to form, once (while
+`mark` does not exist; it writes it), and only once the file `after` exists if given (live
+recovery: only a replacement): the next port Ray's torch backend picks in that process is
+bound and listened on by another socket right after the pick, as another program of a busy
+machine would, so the group's store cannot listen (EADDRINUSE). The torchrun launcher has no
+such window (its store binds port 0); there the rank's process group fails with torch's
+EADDRINUSE error instead, before it forms.
 
     RAYTRAIN_DDP_PREEMPT="step=6,attempt=1,ranks=1,deadline_s=none"
 
@@ -72,6 +82,7 @@ if TYPE_CHECKING:
 FAULT_ENV = "RAYTRAIN_DDP_FAULT"
 START_FAULT_ENV = "RAYTRAIN_DDP_FAULT_AT_START"
 PREEMPT_ENV = "RAYTRAIN_DDP_PREEMPT"
+PORT_FAULT_ENV = "RAYTRAIN_DDP_PORT_FAULT"
 SAMPLE_LOG_ENV = "RAYTRAIN_DDP_SAMPLE_LOG"
 STEP_DELAY_ENV = "RAYTRAIN_DDP_STEP_DELAY_S"
 ENABLE = {HOOKS_ENV: f"{os.path.abspath(__file__)}:from_env"}  # a test's driver env (by file: any sys.path)
@@ -165,6 +176,63 @@ class StartFault:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+@dataclass(frozen=True)
+class PortFault:
+    """`RAYTRAIN_DDP_PORT_FAULT`: the process group's port is taken once, right after it is picked."""
+
+    rank: int
+    mark: str
+    after: Optional[str] = None
+
+    @classmethod
+    def from_env(cls) -> Optional["PortFault"]:
+        fields = read_env_spec(PORT_FAULT_ENV, required=("mark",))
+        if fields is None:
+            return None
+        return cls(rank=int(fields.get("rank", 0)), mark=fields["mark"], after=fields.get("after"))
+
+    def due(self, world_rank: int) -> bool:
+        """Whether this rank's start is the one to fail (claimed at most once: `mark`)."""
+        if world_rank != self.rank or (self.after and not os.path.exists(self.after)):
+            return False
+        try:
+            os.close(os.open(self.mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        return True
+
+    def take_next_pick(self, world_rank: int) -> None:
+        """Ray's next pick of a free port in this process is followed by a listener on that port."""
+        import socket
+
+        from raytrain_ddp import ray_compat
+
+        if not self.due(world_rank):
+            return
+
+        def take(port: int) -> None:
+            taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            taken.bind(("0.0.0.0", port))
+            taken.listen(1)
+            _TAKEN.append(taken)  # held for the life of this process
+            print(f"[fault injection] rank {world_rank}: port {port} taken after its pick", flush=True)
+
+        ray_compat.follow_port_pick(take)
+
+
+_TAKEN: list[Any] = []  # the sockets holding taken ports
+
+
+def _fail_listen(world_rank: int) -> None:
+    """The torchrun launcher's ranks (whose store binds port 0: no pick to follow): this rank's
+    process group fails before it forms with torch's own EADDRINUSE error."""
+    import torch.distributed as dist
+
+    print(f"[fault injection] rank {world_rank}: the process group's listen fails", flush=True)
+    raise dist.DistNetworkError("[fault injection] The server socket has failed to listen on any local network "
+                                "address. code: -98, name: EADDRINUSE, message: address already in use")
+
+
 def _write_atomically(path: str, text: str) -> None:
     Path(f"{path}.tmp").write_text(text)
     os.replace(f"{path}.tmp", path)
@@ -214,6 +282,18 @@ class TestHooks(Hooks):
         self.world_rank, self.attempt, self.next_step = 0, 1, 1
         self.world_size, self.rows = 1, []  # RAYTRAIN_DDP_SAMPLE_LOG
         self.current_step = 0  # the step being trained (before_step): the pending lines' step
+
+    def before_process_group(self, world_rank: int) -> None:
+        plan = PortFault.from_env()
+        if plan is None:
+            return
+        from raytrain_ddp.driver.torchrun import DRIVER_PID_ENV  # set in the torchrun launcher's ranks only
+
+        if DRIVER_PID_ENV in os.environ:
+            if plan.due(world_rank):
+                _fail_listen(world_rank)
+        else:
+            plan.take_next_pick(world_rank)
 
     def on_start(self, rank: "Rank") -> None:
         if self.start_fault is not None:

@@ -20,7 +20,8 @@ Decisions, and why:
   relax_collectives_on_preemption = preemption_grace_s > 0)` (grace only helps if Ray's
   checkpoint report may finish without the preempted ranks).
 * `attempts` in `summary.json` counts worker-group starts of this fit (rank 0 registers
-  each with the driver's mailbox), so a run that survived one worker failure has 2.
+  each with the driver's mailbox), so a run that survived one worker failure has 2; a start
+  that a taken port failed and Ray Train started again counts too (`driver/startup.py`).
 * The run directory may be in object storage (`run.storage_path: s3://...`): the driver
   reads and writes it through `rundir.Location` (pyarrow.fs) and hands Ray Train the same
   filesystem (`RunConfig(storage_filesystem=...)`); workers never open it -- their
@@ -74,14 +75,14 @@ from raytrain_ddp.driver.interrupt import Interrupt
 from raytrain_ddp.launch import table as launchers
 from raytrain_ddp.ray_compat import (
     CONTROLLER_POLL_ENV, abort_controller, install_sigint_handler, job_config,
-    lean_trainer, local_instance_kwargs, preemption_grace, started_here, startup_timed_out,
+    lean_trainer, local_instance_kwargs, preemption_grace, started_here, startup_timed_out, stop_timed_out_start,
 )
 from raytrain_ddp.driver.placement import Unschedulable, wait_for_placement, worker_resources
 from raytrain_ddp.driver.preflight import preflight
 from raytrain_ddp.driver.resume import check_something_to_train, resolve_resume
 from raytrain_ddp.driver.sinks import check_loggers, make_sinks
 from raytrain_ddp.driver.stream import Recorder, open_mailbox
-from raytrain_ddp.errors import UserError
+from raytrain_ddp.errors import START_TRIES, UserError
 from raytrain_ddp.job import Job
 from raytrain_ddp.rundir import Location, is_object_store, run_dir_of
 from raytrain_ddp.timeline import Timeline
@@ -256,19 +257,19 @@ def warn_small_instance(needed: int) -> None:
 
 
 class LocalRayDidNotStart(UserError):
-    """The embedded Ray instance did not start, twice (one line, not Ray's traceback)."""
+    """The embedded Ray instance did not start, `START_TRIES` times (one line, not Ray's traceback)."""
 
 
 def _init_local(lean: bool = True, **kwargs: Any) -> None:
-    """`ray.init` of the embedded instance, once more if Ray's own 30 s wait for its raylet
-    ran out (a loaded machine: docs/design.md#measurements-behind-the-code). What the first try started is fate-shared with
-    this process by Ray and ends with it. `lean`: without the dashboard's head process and the
-    autoscaler's monitor (`ray_compat.lean_local_node`; `run.dashboard` keeps both)."""
+    """`ray.init` of the embedded instance, again (at most `START_TRIES` tries) if Ray's own 30 s
+    wait for its raylet ran out (a loaded machine: docs/design.md#measurements-behind-the-code).
+    What a try that timed out started is killed before the next (`ray_compat.stop_timed_out_start`).
+    `lean`: without the dashboard's head process and the autoscaler's monitor (`ray_compat.lean_local_node`; `run.dashboard` keeps both)."""
     import ray
 
     from raytrain_ddp.ray_compat import lean_local_node
 
-    for attempt in (1, 2):
+    for attempt in range(1, START_TRIES + 1):
         try:
             with lean_local_node() if lean else contextlib.nullcontext():
                 ray.init(**kwargs)
@@ -276,11 +277,12 @@ def _init_local(lean: bool = True, **kwargs: Any) -> None:
         except Exception as exc:  # noqa: BLE001 - only Ray's start-up timeout is retried
             if not startup_timed_out(exc):
                 raise
-            if attempt == 2:
-                raise LocalRayDidNotStart(f"the local Ray instance did not start, twice: {exc} Is the machine "
-                                          "busy? Run the same command again") from None
+            stop_timed_out_start()  # its processes would compete with the next try's
+            if attempt == START_TRIES:
+                raise LocalRayDidNotStart(f"the local Ray instance did not start, {START_TRIES} times: {exc} Is "
+                                          "the machine busy? Run the same command again") from None
             print("raytrain-ddp: the local Ray instance did not start within Ray's 30 s (is the machine busy?); "
-                  "starting it once more", file=sys.stderr, flush=True)
+                  f"starting it once more (try {attempt + 1} of {START_TRIES})", file=sys.stderr, flush=True)
 
 
 def warn_local_storage(cfg: Config) -> None:
@@ -422,7 +424,7 @@ def build_trainer(cfg: Config, run_dir: Location, job: Job, prepared: Any) -> An
 
     from raytrain_ddp.worker.loop import train_loop_per_worker
     from raytrain_ddp.driver.node_loss import NodeLossWatch
-    from raytrain_ddp.driver.startup import StartupStamps
+    from raytrain_ddp.driver.startup import StartHooks, StartupStamps
     from raytrain_ddp.recovery import table
     from raytrain_ddp.parallel.watch import process_group_timeout_s
 
@@ -454,7 +456,8 @@ def build_trainer(cfg: Config, run_dir: Location, job: Job, prepared: Any) -> An
             # A survivor's copy of the last step is not cut short by the restart (worker/replica.py);
             # a lost node is declared dead before the new group is sized (driver/node_loss.py).
             callbacks=[NodeLossWatch(mailbox=job.mailbox), *recovery.callbacks(),
-                       *([StartupStamps(job.mailbox)] if job.mailbox is not None else [])],
+                       StartHooks(),
+                       *([StartupStamps(job.mailbox, job.fit_id)] if job.mailbox is not None else [])],
             logging_config=LoggingConfig(log_level="WARNING"),  # our progress lines say it all
         ),
         datasets=prepared.datasets,

@@ -19,6 +19,7 @@ replacement can arrive.
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any, Callable
 
@@ -87,15 +88,43 @@ def worker_env(host: str) -> dict[str, str]:
 def torch_config(cfg: Config, timeout_s: int, host: str) -> Any:
     """Ray Train's torchft backend: one replica group per worker, a lighthouse for all of them,
     listening on `host` (`lighthouse_host`)."""
-    from ray.train.v2.torch.torchft_config import TorchftConfig
-
     from raytrain_ddp.torchft_compat import bracketed
 
     lighthouse = {"bind": f"{bracketed(host)}:0",
                   "min_replicas": int(cfg.scaling.num_workers),
                   "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS, "quorum_tick_ms": QUORUM_TICK_MS}
-    return TorchftConfig(lighthouse_kwargs=lighthouse, backend="nccl" if cfg.scaling.use_gpu else "gloo",
-                         timeout_s=timeout_s)
+    return _guarded_torchft()[0](lighthouse_kwargs=lighthouse, backend="nccl" if cfg.scaling.use_gpu else "gloo",
+                                 timeout_s=timeout_s)
+
+
+@functools.cache  # one pair: what pickling finds by name (`__getattr__`) is the class it pickled
+def _guarded_torchft() -> tuple[type, type]:
+    """Ray's `TorchftConfig` and its backend, whose start of a group (or of a replacement) that a
+    taken port failed is retried by Ray Train (`driver/startup.guarded_start`, issue #56)."""
+    from ray.train.v2.torch.torchft_config import TorchftConfig
+
+    from raytrain_ddp.driver.startup import guarded_start
+
+    base = TorchftConfig(lighthouse_kwargs={}).backend_cls
+
+    class GuardedTorchftBackend(base):  # type: ignore[misc, valid-type]
+        def on_start(self, worker_group: Any, backend_config: Any) -> None:
+            guarded_start(self, lambda: base.on_start(self, worker_group, backend_config), worker_group)
+
+    class GuardedTorchftConfig(TorchftConfig):
+        @property
+        def backend_cls(self) -> type:
+            return GuardedTorchftBackend
+
+    for cls in (GuardedTorchftConfig, GuardedTorchftBackend):  # pickled by reference: this module's attributes
+        cls.__qualname__ = cls.__name__
+    return GuardedTorchftConfig, GuardedTorchftBackend
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("GuardedTorchftConfig", "GuardedTorchftBackend"):  # unpickling them (the controller)
+        return _guarded_torchft()[name == "GuardedTorchftBackend"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class LiveDatasets(ray_compat.controller_callback_base()):  # type: ignore[misc]

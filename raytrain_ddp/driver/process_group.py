@@ -24,6 +24,7 @@ from typing import Any, Optional
 from ray.train.backend import Backend, BackendConfig
 
 from raytrain_ddp import ray_compat
+from raytrain_ddp.driver.startup import guarded_start
 
 _LOADING: Optional[threading.Thread] = None  # this process's load of Ray's torch backend (controller)
 _LOCK = threading.Lock()
@@ -92,7 +93,8 @@ class ProcessGroupBackend(Backend):
         getattr(ray_compat.torch_backend()(), hook)(worker_group, backend_config.torch_config())
 
     def on_start(self, worker_group: Any, backend_config: ProcessGroupConfig) -> None:
-        self._hand_on("on_start", worker_group, backend_config)
+        # a taken port (or a peer not reachable yet): Ray Train starts a new group (driver/startup.py)
+        guarded_start(self, lambda: self._hand_on("on_start", worker_group, backend_config), worker_group)
 
     def on_training_start(self, worker_group: Any, backend_config: ProcessGroupConfig) -> None:
         self._hand_on("on_training_start", worker_group, backend_config)

@@ -19,7 +19,9 @@ Events (dicts, in the order rank 0 sent them: each carries its `attempt` and a `
 counted from the attempt's start; Ray may run two calls of an async actor out of order,
 and a later call can even be taken before an earlier one has arrived, so the recorder
 holds an event back until every earlier one of its attempt was applied -- see `Reorder`):
-    {"kind": "attempt",   "record": {...}}   a worker group started (attempts.jsonl)
+    {"kind": "attempt",   "record": {...}}   a worker group started (attempts.jsonl); one whose
+                                             start failed and is retried carries `start_failed`
+                                             (the controller's: `driver/startup.py`), said in one line
     {"kind": "metrics",   "record": {...}}   a train or validation line (metrics.jsonl); one of
                                              each per step: a redone one replaces its earlier self
     {"kind": "resumed",   "step": N, "origin": {...}, "lines": [...]}  lines past step N are
@@ -53,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import threading
 import time
 from typing import Any, Optional
@@ -352,6 +355,8 @@ class Recorder:
         elif kind == "attempt":
             cause, self._cause = self._cause, None  # a node loss the controller declared before this start
             self.attempts.append([{**event["record"], **({"cause": cause} if cause else {})}])
+            if "start_failed" in event["record"]:  # Ray Train starts the group again (driver/startup.py)
+                self._say_start_retry(event["record"])
         elif kind == "fault":
             self._cause = event.get("cause")
         elif kind == "resumed":
@@ -373,6 +378,13 @@ class Recorder:
             self.checkpoints.append({k: event[k] for k in ("step", "name", "blocked_s") if k in event})
             self._amend_attempt_stall(event)
             self._commit(int(event["step"]))
+
+    def _say_start_retry(self, record: dict[str, Any]) -> None:
+        """One line per failed start that is retried; the next attempt's cause names it."""
+        self._cause = f"start: {record['start_failed']}"
+        print(f"raytrain-ddp: the workers' start failed: {record['start_failed']}; starting them again with "
+              f"fresh ports (try {int(record.get('try', 1)) + 1} of {record.get('tries', '?')})",
+              file=sys.stderr, flush=True)
 
     def _apply_metrics(self, record: dict[str, Any]) -> None:
         """A train or validation line: into metrics.jsonl (a redone one replaces its earlier self), the sinks."""

@@ -11,6 +11,10 @@ local socket (`MailboxServer` / `MailboxClient`, the calls of `stream.LocalMailb
 Must not touch: the loop, the data's order (`ExactReader`: every rank gets the whole table,
 as on Ray under data.sharding=exact, so the weights are the Ray path's bit for bit), files.
 
+A launch whose ranks' process group failed to form for a reason a new launch can mend (a taken
+port, a peer not reachable yet) is stopped and started again, at most `START_TRIES` launches,
+each failed one an attempt (as Ray's failed starts: `driver/startup.py`).
+
 What it does not do, said in docs/usage.md#torchrun: restarts (a rank that dies ends the run:
 status failed; the same command resumes from the last checkpoint), elastic sizes, more than
 this machine, Ray Data's streaming or sharded paths.
@@ -34,11 +38,13 @@ from multiprocessing.connection import Client, Listener
 from typing import Any, Optional
 
 from raytrain_ddp.config import Config
+from raytrain_ddp.errors import START_TRIES, start_fault
 from raytrain_ddp.rundir import Location
 
 
 DRIVER_PID_ENV = "RAYTRAIN_DDP_TORCHRUN_DRIVER"  # the ranks wait for their job while this process runs
 PAYLOAD_WAIT_S = 600.0  # and no longer (a driver that hangs before writing it)
+START_FAULT_SUFFIX = ".start-fault"  # beside the payload: a rank's process group failed to form, mendably
 
 
 class MailboxServer:
@@ -130,6 +136,7 @@ class TorchrunLaunch:
     def __init__(self, cfg: Config) -> None:
         self.dir = tempfile.mkdtemp(prefix="raytrain_ddp_torchrun_")  # the payload, torchrun's log dir
         self.payload = os.path.join(self.dir, "job.pkl")
+        self.began = time.time()
         self.proc = subprocess.Popen(torchrun_command(cfg, self.payload, log_dir=os.path.join(self.dir, "torchrun")),
                                      env=_rank_env(cfg), start_new_session=True)  # Ctrl-C reaches the driver only
 
@@ -137,6 +144,21 @@ class TorchrunLaunch:
         with open(self.payload + ".part", "wb") as handle:
             pickle.dump(given, handle)
         os.replace(self.payload + ".part", self.payload)
+
+    def wait(self) -> tuple[int, Optional[str]]:
+        """torchrun's exit code, or (1, the cause) once a rank said its process group failed to
+        form for a reason a new launch can mend (`_start_fault`): the launch is then stopped."""
+        while True:
+            try:
+                return self.proc.wait(timeout=0.05), None
+            except subprocess.TimeoutExpired:
+                pass
+            if os.path.exists(self.payload + START_FAULT_SUFFIX):
+                with open(self.payload + START_FAULT_SUFFIX) as handle:
+                    cause = handle.read()
+                os.remove(self.payload)  # stopped as before its job: quietly (`stop`)
+                self.stop()
+                return 1, cause
 
     def stop(self) -> None:
         """Never waits on a stopped process, nor longer than its bounds; leaves no process of
@@ -190,13 +212,20 @@ def run_torchrun(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, 
             timeline.mark("ray", applies=False)
             timeline.mark("datasets", applies=False)  # read in this process; the ranks get the rows
             timeline.attach(run_dir)
-        launch.hand_over({"job": job, "shards": shards, "run_dir": run_dir})
+        given = {"job": job, "shards": shards, "run_dir": run_dir}
+        launch.hand_over(given)
         status, error = "ok", None
         with ctrl_c_stops(mailbox) as pressed:
             try:
                 with recorder:
-                    code_ = launch.proc.wait()
-                if code_ != 0:
+                    (code_, cause), launches = launch.wait(), 1
+                    while cause is not None and not pressed and launches < START_TRIES:  # mendable: fresh ports
+                        launch = _relaunch(cfg, launch, given, mailbox, job.fit_id, cause, launches, timeline)
+                        (code_, cause), launches = launch.wait(), launches + 1
+                if cause is not None:  # the tries spent (or a Ctrl-C between them)
+                    status, error = ("interrupted", None) if pressed else \
+                        ("failed", f"the ranks' process group did not form, {launches} times: {cause}")
+                elif code_ != 0:
                     status, error = "failed", f"a torchrun rank exited with code {code_} (its output is above)"
                 else:
                     status = "interrupted" if pressed else "ok"
@@ -208,6 +237,35 @@ def run_torchrun(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, 
         if server is not None:
             server.close()
     return report(cfg, run_dir, job, recorder, status, error, started)
+
+
+def _relaunch(cfg: Config, failed: TorchrunLaunch, given: dict[str, Any], mailbox: Any, fit_id: str, cause: str,
+              tried: int, timeline: Any) -> TorchrunLaunch:
+    """A new torchrun for the same job after a start that `cause` failed: the failed start is an
+    attempt of its own (said in one line by the recorder, `driver/startup.py`), in the timeline too."""
+    now = time.time()
+    mailbox.attempt({"fit_id": fit_id, "world_size": cfg.scaling.num_workers, "time": now,
+                     "start_failed": cause, "try": tried, "tries": START_TRIES})
+    if timeline is not None:
+        timeline.controller({"begin": failed.began, "failed": now})
+        timeline.controller({"begin": now})  # the new launch's start; its ranks stamp the rest
+    launch = TorchrunLaunch(cfg)
+    launch.hand_over(given)
+    return launch
+
+
+def _start_fault(payload: str, exc: BaseException) -> None:
+    """A rank whose process group failed to form for a reason a new launch can mend (a taken
+    port, a peer not reachable yet: `errors.start_fault`) tells the driver, which stops this
+    launch and starts another (`TorchrunLaunch.wait`); it waits to be stopped, printing nothing."""
+    cause = start_fault(exc)
+    if cause is None:
+        return
+    with open(payload + START_FAULT_SUFFIX + ".part", "w") as handle:
+        handle.write(cause)
+    os.replace(payload + START_FAULT_SUFFIX + ".part", payload + START_FAULT_SUFFIX)
+    time.sleep(STOP_WAIT_S * 3)
+    os._exit(1)
 
 
 def _kill_naming(text: str, timeout_s: float) -> None:
@@ -291,6 +349,7 @@ def rank_main(payload: str, stamps: Optional[dict[str, float]] = None) -> None:
 
     from raytrain_ddp.parallel.watch import process_group_timeout_s
     from raytrain_ddp.worker.context import Rank, quiet_worker_console
+    from raytrain_ddp.worker.hooks import load_hooks
     from raytrain_ddp.worker.loop import train_loop_per_worker
     from raytrain_ddp.worker.optim import preload_optimizer_imports
     from raytrain_ddp.worker.runtime import LocalRuntime
@@ -310,7 +369,13 @@ def rank_main(payload: str, stamps: Optional[dict[str, float]] = None) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = process_group_timeout_s(cfg.parallel.collective_timeout_s, cfg.scaling.use_gpu)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout))
+    try:
+        load_hooks().before_process_group(world_rank)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout))
+    except Exception as exc:
+        _start_fault(payload, exc)  # a fault a new launch can mend: the driver starts one
+        raise
     stamps["process_group"] = time.time()
     quiet_worker_console()
     rank = Rank(world_rank, world_size, local_rank, device)

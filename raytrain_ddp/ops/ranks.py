@@ -28,6 +28,9 @@ Why it is built this way:
   raised never keeps its peers waiting. Peers blocked in a collective with an exited rank
   get a connection error at once, so ranks should do the same collectives (as real
   training does) or synchronise before returning.
+- The port is picked free, then bound by rank 0's store: a rank whose process group fails on
+  a port taken in between (or a peer not reachable yet, `errors.start_fault`) ends that start,
+  and the ranks start again on a fresh port (at most `START_TRIES` starts, one deadline).
 - One hard deadline for the whole group: on expiry every rank still running is killed
   (SIGKILL, by pid) and `RankTimeout` says which ranks never answered.
 - A rank that raised makes `run_ranks` raise `RankFailed` carrying that rank's formatted
@@ -48,6 +51,10 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional
+
+from raytrain_ddp.errors import START_TRIES, start_fault
+
+START = "start"  # a rank's answer: its process group failed on a fault a fresh port can mend
 
 __all__ = ["run_ranks", "free_port", "RankError", "RankFailed", "RankTimeout", "RankException"]
 
@@ -100,10 +107,18 @@ def _rank_main(fn, world_rank, world_size, port, args, kwargs, backend, init_pg,
         if threads is not None:
             torch.set_num_threads(threads)
         if init_pg:
-            dist.init_process_group(
-                backend, init_method=f"tcp://127.0.0.1:{port}", rank=world_rank,
-                world_size=world_size, timeout=timedelta(seconds=pg_timeout_s),
-            )
+            try:
+                dist.init_process_group(
+                    backend, init_method=f"tcp://127.0.0.1:{port}", rank=world_rank,
+                    world_size=world_size, timeout=timedelta(seconds=pg_timeout_s),
+                )
+            except Exception as exc:
+                if start_fault(exc) is None:
+                    raise
+                out_q.put((world_rank, START, pickle.dumps(start_fault(exc))))  # run_ranks starts them again
+                out_q.close()
+                out_q.join_thread()
+                os._exit(0)
             # Every rank finishes connecting before any may leave: a rank that returns (or
             # raises) at once would otherwise break a peer still inside gloo's connect.
             # NCCL needs a device for it; left to itself every rank would pick GPU 0.
@@ -186,39 +201,16 @@ def run_ranks(
     `backend`: "gloo" (CPU) or "nccl" (one GPU per rank; `fn` picks its device).
     """
     ctx = _context(start_method)
-    out_q = ctx.Queue()
-    port = free_port()
     pg_timeout = pg_timeout_s if pg_timeout_s is not None else timeout_s
-    procs = [
-        ctx.Process(target=_rank_main, name=f"rank{r}", daemon=True,
-                    args=(fn, r, world_size, port, args, kwargs, backend, init_pg, pg_timeout, threads,
-                          out_q))
-        for r in range(world_size)
-    ]
-    for proc in procs:
-        proc.start()
-    results: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + timeout_s
-    try:
-        while len(results) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            try:
-                rank, status, blob = out_q.get(timeout=min(remaining, 0.5))
-            except queue_mod.Empty:
-                if all(not p.is_alive() for p in procs) and out_q.empty():
-                    break  # every process died without answering (e.g. killed, segfault)
-                continue
-            results[rank] = (status, pickle.loads(blob))
-    finally:
-        for proc in procs:
-            proc.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-        out_q.close()
-
+    for tried in range(1, START_TRIES + 1):  # the picked port taken before rank 0 bound it: a fresh one
+        results, procs = _start_ranks(ctx, fn, world_size, free_port(), args, kwargs, backend, init_pg,
+                                      pg_timeout, threads, deadline)
+        if not any(status == START for status, _ in results.values()) or tried == START_TRIES:
+            break
+    causes = [answer for status, answer in results.values() if status == START]
+    if causes:
+        raise RankFailed(f"{fn.__name__}: the ranks' process group did not form, {START_TRIES} times: {causes[0]}")
     missing = [r for r in range(world_size) if r not in results]
     failed = [results[r][1] for r in sorted(results) if results[r][0] == "err"]
     if missing:
@@ -233,3 +225,43 @@ def run_ranks(
         others = "".join(f"\n--- also: {e} ---\n{e.traceback}" for e in failed[1:])
         raise RankFailed(f"{fn.__name__}: {first}\n{first.traceback}{others}")
     return [results[r][1] for r in range(world_size)]
+
+
+def _start_ranks(ctx: Any, fn: Callable[..., Any], world_size: int, port: int, args: Any, kwargs: Any, backend: str,
+                 init_pg: bool, pg_timeout: float, threads: Optional[int],
+                 deadline: float) -> tuple[dict[int, tuple[str, Any]], list[Any]]:
+    """One start of the ranks on `port`: what each answered (a rank whose process group failed on
+    a start fault answers `START`, and the others are killed then), and the processes."""
+    out_q = ctx.Queue()
+    procs = [
+        ctx.Process(target=_rank_main, name=f"rank{r}", daemon=True,
+                    args=(fn, r, world_size, port, args, kwargs, backend, init_pg, pg_timeout, threads,
+                          out_q))
+        for r in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    results: dict[int, tuple[str, Any]] = {}
+    try:
+        while len(results) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                rank, status, blob = out_q.get(timeout=min(remaining, 0.5))
+            except queue_mod.Empty:
+                if all(not p.is_alive() for p in procs) and out_q.empty():
+                    break  # every process died without answering (e.g. killed, segfault)
+                continue
+            results[rank] = (status, pickle.loads(blob))
+            if status == START:  # its peers wait for a store that is not theirs: not for long
+                break
+    finally:
+        for proc in procs:
+            proc.join(timeout=0 if any(v[0] == START for v in results.values())
+                      else max(0.0, min(5.0, deadline - time.monotonic())))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        out_q.close()
+    return results, procs

@@ -26,6 +26,11 @@ HOOKS_ENV = "RAYTRAIN_DDP_HOOKS"
 class Hooks:
     """Called by every rank; each method is a no-op here."""
 
+    def before_process_group(self, world_rank: int) -> None:
+        """This worker's process group is about to form: on Ray its actor is up (a live
+        replacement's too) and the group's port not picked yet (`driver/startup.py`'s
+        `StartHooks`); under torchrun, before its `init_process_group` (`driver/torchrun.py`)."""
+
     def on_start(self, rank: "Rank") -> None:
         """This worker's loop starts (a live replacement's too), before it joins any group."""
 

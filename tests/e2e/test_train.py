@@ -116,18 +116,24 @@ def test_an_embedded_instance_starts_only_the_actors_a_fit_needs(finished_run):
                                                 "SynchronizationActor", "TrainController"], _ACTORS_STARTED
 
 
-def test_torchrun_launcher_ends_on_the_ray_paths_weights_bit_for_bit(finished_run, tmp_path):
+def test_torchrun_launcher_ends_on_the_ray_paths_weights_bit_for_bit(finished_run, tmp_path, monkeypatch, capfd):
     """scaling.launcher=torchrun (no Ray actors, driver/torchrun.py): the same loop, data and
-    checkpoints as the Ray fit above, so the same final state_dict, tensor for tensor."""
+    checkpoints as the Ray fit above, so the same final state_dict, tensor for tensor. Its first
+    launch's process group fails on a taken port (issue #56): launched again, one retry recorded."""
     cfg, ray_summary = finished_run
+    monkeypatch.setenv("RAYTRAIN_DDP_PORT_FAULT", f"rank=0,mark={tmp_path / 'port-taken'}")
     summary = run_training(tiny(tmp_path, "torchrun", "scaling.launcher=torchrun"))
     assert summary["status"] == "ok" and summary["steps"] == 44 and summary["workers"] == 2, summary
+    assert (tmp_path / "port-taken").exists() and summary["attempts"] == 2, summary
+    assert [r["attempt"] for r in summary["goodput"]["restarts"]] == [2], summary["goodput"]
+    assert "EADDRINUSE" in summary["goodput"]["restarts"][0]["cause"], summary["goodput"]
+    assert capfd.readouterr().err.count("raytrain-ddp: the workers' start failed: ") == 1
     ours, theirs = (ckpt.load_checkpoint(s["checkpoint"])["model"] for s in (summary, ray_summary))
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[k], theirs[k]) for k in ours), [k for k in ours if not torch.equal(ours[k], theirs[k])]
     for key in ("loss", "val_loss", "val_accuracy"):  # the timings differ, the numbers do not
         assert summary["final_metrics"][key] == ray_summary["final_metrics"][key], key
-    assert timeline_problems(Path(summary["run_dir"]), summary) == []
+    assert timeline_problems(Path(summary["run_dir"]), summary, attempts=2) == []
 
 
 @pytest.mark.timeout(400)

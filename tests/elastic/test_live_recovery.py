@@ -37,7 +37,7 @@ import pytest
 from _elastic import STEPS, elastic_cfg, max_difference, optimizer_difference, states_by_step
 from _procs import descendants, listening_sockets, loopback
 from raytrain_ddp.driver.launcher import run_training
-from raytrain_ddp.rundir import read_metrics
+from raytrain_ddp.rundir import read_jsonl, read_metrics
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(360)]
 
@@ -136,14 +136,22 @@ def test_a_worker_lost_during_validation_skips_it_and_the_survivor_trains_on(tmp
     last): rank 0's validation collective fails. It skips that validation and the checkpoint
     after it, each said, keeps its process, and trains the next epoch's steps with the
     replacement, every step once (the two-node test's CI failure: a node lost at an epoch end)."""
-    died, samples = tmp_path / "died_at", tmp_path / "samples"
+    died, samples, taken = tmp_path / "died_at", tmp_path / "samples", tmp_path / "port-taken"
     monkeypatch.setenv("RAYTRAIN_DDP_FAULT", f"rank=1,step=22,attempt=1,mode=validation,mark={died}")
     monkeypatch.setenv("RAYTRAIN_DDP_SAMPLE_LOG", str(samples))
+    # the first replacement's process group meets a port taken after its pick (issue #56): Ray starts
+    # another replacement, the survivor waits on
+    monkeypatch.setenv("RAYTRAIN_DDP_PORT_FAULT", f"rank=1,after={died},mark={taken}")
     summary = run_training(elastic_cfg(tmp_path, "live-val", "scaling.num_workers=2", "run.recovery=live",
                                        "train.max_steps=26", "run.checkpoint_every_steps=0", "run.max_failures=1"))
-    out = capfd.readouterr().out
+    captured = capfd.readouterr()
+    out = captured.out
     assert summary["status"] == "ok", summary.get("error")
-    assert summary["steps"] == 26 and summary["attempts"] == 1, out[-5000:]  # rank 0 never restarted
+    # rank 0 never restarted: the one attempt more is the replacement's failed start
+    assert summary["steps"] == 26 and summary["attempts"] == 2, out[-5000:]
+    attempts = read_jsonl(Path(summary["run_dir"]) / "attempts.jsonl")
+    assert taken.exists() and "EADDRINUSE" in attempts[1]["start_failed"], attempts
+    assert captured.err.count("the workers' start failed: a port was taken") == 1, captured.err[-3000:]
     assert died.exists() and "live: the validation after step 22 is skipped: a worker was lost" in out, out[-3000:]
     assert "live: the checkpoint of step 22 is skipped: a worker was lost" in out, out[-3000:]
     assert "live: replacement rank 1 continues at step 22" in out, out[-3000:]

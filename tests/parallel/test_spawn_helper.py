@@ -52,6 +52,26 @@ def test_results_errors_and_deadline():
     assert time.monotonic() - start < 30  # killed at the deadline, not after the 120 s sleep
 
 
+def test_a_port_taken_between_its_pick_and_rank_zeros_bind_is_picked_again(monkeypatch):
+    """Issue #56: the first pick is a port another program listens on (taken after the pick):
+    rank 0's store cannot listen, and the ranks start again on a fresh port."""
+    import socket
+
+    from raytrain_ddp.ops import ranks
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    picked, real = [], ranks.free_port
+    monkeypatch.setattr(ranks, "free_port", lambda: picked.append(real() if picked else taken.getsockname()[1])
+                        or picked[-1])
+    try:
+        assert ranks.run_ranks(_sum_ranks, 2, 1.0, timeout_s=40) == [(1.0, "127.0.0.1")] * 2
+    finally:
+        taken.close()
+    assert len(picked) == 2, picked  # the taken port, then a fresh one
+
+
 def test_threads_per_rank_and_no_ray():
     # 3 is nobody's default on this machine, so the value must come from `threads`.
     assert run_ranks(_threads, 2, threads=3, init_pg=False, timeout_s=30) == [3, 3]

@@ -73,7 +73,7 @@ STEP_DELAY_S = "0.12"  # ~5 s of training: room to aim a Ctrl-C or a kill at a s
 RECOVERY_ENV = "RAYTRAIN_DDP_FAULT_RECOVERY"  # e.g. live: every invocation with that run.recovery (issue #28)
 KINDS_ENV, ROWS_ENV = "RAYTRAIN_DDP_FAULT_KINDS", "RAYTRAIN_DDP_SOAK_ROWS"
 NODE_MORE_STEPS = 4  # a node-loss invocation ends (Ctrl-C, SIGKILL) this many steps after its node was lost
-RAY_DID_NOT_START = "the local Ray instance did not start, twice"  # exit 2: the machine too busy for Ray's start
+RAY_DID_NOT_START = "the local Ray instance did not start, 3 times"  # exit 2: the machine too busy for Ray's start
 RAY_START_TRIES = 3  # an invocation whose Ray did not start is run again as itself, this many times at most
 NODE_WORKER = ("scaling.cpus_per_worker=2",)  # one worker per node of local-two-node.sh (3 CPUs each)
 SEEDS = [15]  # rank 0 killed right after an async save, Ctrl-C, a kill + driver SIGKILL. Seed 0 once failed

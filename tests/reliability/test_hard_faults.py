@@ -26,6 +26,7 @@ from _timeline import timeline_problems
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 FAULT = "RAYTRAIN_DDP_FAULT"
+PORT_FAULT = "RAYTRAIN_DDP_PORT_FAULT"
 RUN_TIMEOUT_S = 240  # generous: this 2-core machine runs other suites at the same time
 
 
@@ -98,11 +99,25 @@ def test_rank_that_stops_collectives_fails_the_run_within_the_configured_timeout
 
 
 def test_nonfinite_loss_on_one_rank_is_skipped_by_all_counted_and_weights_stay_finite(ray_cluster, tmp_path,
-                                                                                      monkeypatch):
-    monkeypatch.setenv(FAULT, "rank=1,step=3,mode=nan")
-    summary = BackgroundRun(tiny(tmp_path, "nan", "train.epochs=1", "run.log_every_steps=1")).result(RUN_TIMEOUT_S)
+                                                                                      monkeypatch, capfd):
+    monkeypatch.setenv(FAULT, "rank=1,step=3,mode=nan,attempt=any")
+    # and the first start meets a port another program took right after Ray picked it (issue #56):
+    # the group is started again with fresh ports, outside run.max_failures=0
+    monkeypatch.setenv(PORT_FAULT, f"rank=0,mark={tmp_path / 'port-taken'}")
+    summary = BackgroundRun(tiny(tmp_path, "nan", "train.epochs=1", "run.log_every_steps=1",
+                                 "run.max_failures=0")).result(RUN_TIMEOUT_S)
     assert summary["status"] == "ok", summary.get("error")
-    assert summary["steps"] == 22 and summary["attempts"] == 1  # skipping is not a failure
+    assert (tmp_path / "port-taken").exists()
+    assert summary["steps"] == 22 and summary["attempts"] == 2  # the failed start, then one that trained
+    attempts = [r for r in read_jsonl(tmp_path / "nan" / "attempts.jsonl") if r["fit_id"] == summary["fit_id"]]
+    assert "EADDRINUSE" in attempts[0]["start_failed"] and attempts[1]["cause"].startswith("start: "), attempts
+    restarts = summary["goodput"]["restarts"]
+    assert [r["attempt"] for r in restarts] == [2] and "EADDRINUSE" in restarts[0]["cause"], summary["goodput"]
+    assert restarts[0]["seconds"] > 0, restarts
+    err = capfd.readouterr().err
+    assert err.count("the workers' start failed: a port was taken by another program (EADDRINUSE); starting them "
+                     "again with fresh ports (try 2 of 3)") == 1, err[-3000:]
+    assert timeline_problems(tmp_path / "nan", summary, attempts=2) == []
 
     lines = train_lines(tmp_path / "nan")
     assert [r["step"] for r in lines] == list(range(1, 23))

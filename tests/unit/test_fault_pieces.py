@@ -214,16 +214,18 @@ def test_the_embedded_ray_is_started_once_more_when_its_startup_wait_ran_out(mon
             raise timed_out
 
     monkeypatch.setattr(ray, "init", init)
+    stopped = []  # what each timed-out try started is killed (ray_compat.stop_timed_out_start): counted here
+    monkeypatch.setattr(launcher, "stop_timed_out_start", lambda: stopped.append(1))
     failures = 1
     launcher._init_local(address="local", num_cpus=4)
-    assert tries == [{"address": "local", "num_cpus": 4}] * 2
+    assert tries == [{"address": "local", "num_cpus": 4}] * 2 and len(stopped) == 1
     assert "did not start within Ray's 30 s (is the machine busy?); starting it once more" in capsys.readouterr().err
 
     tries.clear()
-    failures = 2
-    with pytest.raises(launcher.LocalRayDidNotStart, match="did not start, twice: The current node timed out"):
+    failures = 3
+    with pytest.raises(launcher.LocalRayDidNotStart, match="did not start, 3 times: The current node timed out"):
         launcher._init_local(address="local")
-    assert len(tries) == 2
+    assert len(tries) == 3
 
     def init_fails(**kwargs):
         tries.append(kwargs)

@@ -14,6 +14,7 @@ import importlib
 import inspect
 import logging
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +125,63 @@ def test_is_restart_state():
         assert ray_compat.is_restart_state(object.__new__(cls))
     running = _attr("is_restart_state", "ray.train.v2._internal.execution.controller.state:RunningState")
     assert not ray_compat.is_restart_state(object.__new__(running))
+
+
+def test_start_failed_and_start_failure():
+    cls = _attr("start_failed", "ray.train.v2._internal.exceptions:WorkerGroupStartupFailedError")
+    policy = _attr("start_failed", "ray.train.v2._internal.execution.failure_handling.default:RETRYABLE_CONTROLLER_ERRORS")
+    assert cls in policy, _gone("start_failed", "a retried WorkerGroupStartupFailedError")
+    assert type(ray_compat.start_failed("x")) is cls
+    errored = _attr("start_failure", "ray.train.v2._internal.execution.controller.state:ReschedulingState")
+    assert "training_failed_error" in _params(errored), _gone("start_failure", "ReschedulingState.training_failed_error")
+    error = ray.train.ControllerError(ray_compat.start_failed("the start"))
+    assert ray_compat.start_failure(errored(training_failed_error=error)) == "the start", \
+        _gone("start_failure", "ControllerError.controller_failure")
+
+
+def test_abandon_group():
+    group = _attr("abandon_group", "ray.train.v2._internal.execution.worker_group:WorkerGroup")
+    for name in ("has_started", "get_workers", "abort"):
+        assert callable(getattr(group, name, None)), _gone("abandon_group", f"WorkerGroup.{name}")
+    ray_compat.abandon_group(object())  # not a worker group (a replica group): left alone
+
+
+def test_follow_port_pick():
+    utils = _attr("follow_port_pick", "ray.train._internal.utils:get_address_and_port")
+    source = inspect.getsource(_attr("follow_port_pick", "ray.train.torch.config:_TorchBackend.on_start"))
+    assert "execute_single" in source and "get_address_and_port" in source, \
+        _gone("follow_port_pick", "_TorchBackend.on_start's execute_single(0, get_address_and_port)")
+    seen: list[int] = []
+    ray_compat.follow_port_pick(seen.append)
+    import ray.train._internal.utils as ray_utils  # noqa: F401 - as the pickled function is found
+
+    address, port = ray_utils.get_address_and_port()
+    assert seen == [port] and ray_utils.get_address_and_port is utils  # once, then Ray's own again
+
+
+def test_stop_timed_out_start():
+    """Kills only this process's children that run Ray (a child that does not is left alone)."""
+    import subprocess
+    import sys
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    # a Ray child with a child of its own (an agent): both go
+    ray_child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; p = subprocess.Popen("
+                                  "[sys.executable, '-c', 'import time; time.sleep(30)']); print(p.pid, flush=True); "
+                                  "time.sleep(30)", ray.__file__], stdout=subprocess.PIPE, text=True)
+    grandchild = int(ray_child.stdout.readline())
+    try:
+        assert ray_compat.stop_timed_out_start() == 2
+        assert ray_child.wait(timeout=10) == -9 and other.poll() is None
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{grandchild}/stat").exists() and " Z " not in Path(f"/proc/{grandchild}/stat").read_text() \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not Path(f"/proc/{grandchild}/stat").exists() or " Z " in Path(f"/proc/{grandchild}/stat").read_text()
+    finally:
+        for proc in (other, ray_child):
+            proc.kill()
+            proc.wait()
 
 
 def test_controller_poll_env():
