@@ -345,12 +345,25 @@ def startup_timed_out(exc: BaseException) -> bool:
     return STARTUP_TIMEOUT_TEXT in str(exc)
 
 
-def stop_timed_out_start() -> int:
+def children() -> frozenset:
+    """The pids of this process's children now (`stop_timed_out_start` spares them)."""
+    found = set()
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        try:
+            if entry.isdigit() and int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                found.add(int(entry))
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+    return frozenset(found)
+
+
+def stop_timed_out_start(before: frozenset = frozenset()) -> int:
     """Kill what a timed-out `ray.init` of an embedded instance left running: its GCS server and
     raylet are this process's children (Ray keeps them until this process exits, and the next
     try's would compete with them for a busy machine's CPUs), the agents the raylet started
     theirs (they outlived a killed raylet by over a minute). Only children running Ray's
-    binaries or modules, and everything below them; returns how many."""
+    binaries or modules that were not already children `before` the try (another instance this
+    process runs, e.g. a test session's, is left alone), and everything below them; returns how many."""
     import signal
 
     import ray
@@ -370,7 +383,7 @@ def stop_timed_out_start() -> int:
         except OSError:
             return False
 
-    doomed, todo = [], [pid for pid in below.get(os.getpid(), []) if runs_ray(pid)]
+    doomed, todo = [], [pid for pid in below.get(os.getpid(), []) if pid not in before and runs_ray(pid)]
     while todo:
         doomed.append(todo.pop())
         todo += below.get(doomed[-1], [])

@@ -267,9 +267,10 @@ def _init_local(lean: bool = True, **kwargs: Any) -> None:
     `lean`: without the dashboard's head process and the autoscaler's monitor (`ray_compat.lean_local_node`; `run.dashboard` keeps both)."""
     import ray
 
-    from raytrain_ddp.ray_compat import lean_local_node
+    from raytrain_ddp.ray_compat import children, lean_local_node
 
     for attempt in range(1, START_TRIES + 1):
+        before = children()  # what this process ran before the try is not the try's to kill
         try:
             with lean_local_node() if lean else contextlib.nullcontext():
                 ray.init(**kwargs)
@@ -277,7 +278,7 @@ def _init_local(lean: bool = True, **kwargs: Any) -> None:
         except Exception as exc:  # noqa: BLE001 - only Ray's start-up timeout is retried
             if not startup_timed_out(exc):
                 raise
-            stop_timed_out_start()  # its processes would compete with the next try's
+            stop_timed_out_start(before)  # its processes would compete with the next try's
             if attempt == START_TRIES:
                 raise LocalRayDidNotStart(f"the local Ray instance did not start, {START_TRIES} times: {exc} Is "
                                           "the machine busy? Run the same command again") from None

@@ -215,7 +215,7 @@ def test_the_embedded_ray_is_started_once_more_when_its_startup_wait_ran_out(mon
 
     monkeypatch.setattr(ray, "init", init)
     stopped = []  # what each timed-out try started is killed (ray_compat.stop_timed_out_start): counted here
-    monkeypatch.setattr(launcher, "stop_timed_out_start", lambda: stopped.append(1))
+    monkeypatch.setattr(launcher, "stop_timed_out_start", lambda before: stopped.append(before))
     failures = 1
     launcher._init_local(address="local", num_cpus=4)
     assert tries == [{"address": "local", "num_cpus": 4}] * 2 and len(stopped) == 1

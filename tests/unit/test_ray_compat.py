@@ -160,10 +160,15 @@ def test_follow_port_pick():
 
 
 def test_stop_timed_out_start():
-    """Kills only this process's children that run Ray (a child that does not is left alone)."""
+    """Kills only this process's children that run Ray and were not its children before the try
+    (a child that does not run Ray is left alone, and so is one that ran before: the test
+    session's own Ray instance, whose GCS and raylet are this process's children too)."""
     import subprocess
     import sys
 
+    earlier = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", ray.__file__])
+    before = ray_compat.children()
+    assert earlier.pid in before
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     # a Ray child with a child of its own (an agent): both go
     ray_child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; p = subprocess.Popen("
@@ -171,15 +176,15 @@ def test_stop_timed_out_start():
                                   "time.sleep(30)", ray.__file__], stdout=subprocess.PIPE, text=True)
     grandchild = int(ray_child.stdout.readline())
     try:
-        assert ray_compat.stop_timed_out_start() == 2
-        assert ray_child.wait(timeout=10) == -9 and other.poll() is None
+        assert ray_compat.stop_timed_out_start(before) == 2
+        assert ray_child.wait(timeout=10) == -9 and other.poll() is None and earlier.poll() is None
         deadline = time.monotonic() + 10
         while Path(f"/proc/{grandchild}/stat").exists() and " Z " not in Path(f"/proc/{grandchild}/stat").read_text() \
                 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not Path(f"/proc/{grandchild}/stat").exists() or " Z " in Path(f"/proc/{grandchild}/stat").read_text()
     finally:
-        for proc in (other, ray_child):
+        for proc in (other, ray_child, earlier):
             proc.kill()
             proc.wait()
 
