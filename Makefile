@@ -27,11 +27,13 @@ demo: $(STAMP)
 # (TEST_JOBS=3) fills the Ray tier's clock waits and ends sooner idle, but beside one busy
 # process per core it failed tests that two pass (docs/design.md#where-the-suites-time-goes).
 # TEST_JOBS=0 runs in this process, as a debugger wants. The slowest tests and
-# every failure land in CI's log too.
+# every failure land in CI's log too. A test process that dies ends the run at once
+# (--max-worker-restart=0): with file groups, a replacement process was never handed the dead
+# one's files and the run waited forever.
 # The whole benchmark run (smoke preset) is test-bench's; make test runs each section at toy size.
 TEST_JOBS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=30 -rfE -m "not bench_smoke" tests
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --max-worker-restart=0 --durations=30 -rfE -m "not bench_smoke" tests
 
 # The fault-sequence soak (not in `make test`): one row per seed, docs/reliability.md#fault-sequences.
 SEEDS ?= 0-19
