@@ -26,6 +26,7 @@ earlier fits), so each fit hands Ray an empty history: Ray then only ever lists 
 fit wrote, and its file never contradicts ours.
 """
 
+# Over 500 lines: every private Ray name of the package in one room, each behind a function with its by-name test.
 from __future__ import annotations
 
 import contextlib

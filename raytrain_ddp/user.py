@@ -138,8 +138,7 @@ def resolve(cfg: Config, *, config_path: Union[str, os.PathLike, None] = None,
     `optimizer=`, `schedule=`) win and are recorded in the config.
 
     Returns the config (a copy naming each callable as `module:qualname` when any was
-    given, so config.yaml and checkpoints say what trained) and the `UserCode`.
-    """
+    given, so config.yaml and checkpoints say what trained) and the `UserCode`."""
     add_import_dirs(config_path)
     unknown = sorted(set(given) - set(USER_KEYS))
     if unknown:

@@ -111,7 +111,7 @@ def test_compiled_module_runs_the_backend_and_matches_eager(strategy):
 
 
 def test_compile_is_its_own_start_up_phase():
-    timeline = Timeline("f", started=0.0)
+    timeline = Timeline("f", started=0.0, entered=0.0)
     for phase in ("cli", "ray", "datasets"):
         timeline.mark(phase, applies=False)
     sent = []

@@ -87,7 +87,7 @@ def test_the_controller_callback_registers_the_failed_start_as_an_attempt():
 
 def test_timeline_and_recorder_account_for_the_failed_start(tmp_path, capsys):
     run_dir = Location.parse(tmp_path)
-    timeline = Timeline("f", started=100.0)
+    timeline = Timeline("f", started=100.0, entered=100.0)
     timeline.expects_controller = True
     timeline.attach(run_dir)
     timeline.controller({"begin": 101.0, "workers_up": 103.0, "failed": 106.0})
