@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     head = [f"# Concurrency soak (issue #56): {args.rounds} round(s)", "",
             f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", f"- commit: {commit}",
             f"- machine: {platform.node()}, {os.cpu_count()} cores, load average at the end "
-            f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} (shared with other users' runs)",
+            f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}",
             f"- command: `.venv/bin/python -m benchmarks.concurrency --rounds {args.rounds}`",
             f"- result: {'every fit and trial ok, nothing left running' if ok else 'FAILED'}; "
             f"{retries} worker-group start(s) retried; {time.monotonic() - started:.0f} s", ""]
