@@ -346,30 +346,9 @@ def startup_timed_out(exc: BaseException) -> bool:
     return STARTUP_TIMEOUT_TEXT in str(exc)
 
 
-def children() -> frozenset:
-    """The pids of this process's children now (`stop_timed_out_start` spares them)."""
-    found = set()
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        try:
-            if entry.isdigit() and int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1]) == os.getpid():
-                found.add(int(entry))
-        except (OSError, ValueError, IndexError):  # gone meanwhile
-            continue
-    return frozenset(found)
-
-
-def stop_timed_out_start(before: frozenset = frozenset()) -> int:
-    """Kill what a timed-out `ray.init` of an embedded instance left running: its GCS server and
-    raylet are this process's children (Ray keeps them until this process exits, and the next
-    try's would compete with them for a busy machine's CPUs), the agents the raylet started
-    theirs (they outlived a killed raylet by over a minute). Only children running Ray's
-    binaries or modules that were not already children `before` the try (another instance this
-    process runs, e.g. a test session's, is left alone), and everything below them; returns how many."""
-    import signal
-
-    import ray
-
-    ray_dir, below = os.path.dirname(ray.__file__).encode(), {}
+def _by_parent() -> dict[int, list[int]]:
+    """Parent pid -> its children's pids, from /proc (empty where there is none)."""
+    below: dict[int, list[int]] = {}
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
         try:
             ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1]) if entry.isdigit() else None
@@ -377,6 +356,26 @@ def stop_timed_out_start(before: frozenset = frozenset()) -> int:
             continue
         if ppid is not None:
             below.setdefault(ppid, []).append(int(entry))
+    return below
+
+
+def children() -> frozenset:
+    """The pids of this process's children now (`stop_timed_out_start` spares them)."""
+    return frozenset(_by_parent().get(os.getpid(), []))
+
+
+def stop_timed_out_start(before: frozenset = frozenset()) -> int:
+    """Kill what a timed-out `ray.init` of an embedded instance left running: its GCS server and
+    raylet are this process's children (Ray keeps them until this process exits, and the next
+    try's would compete with them for a busy machine's CPUs), the agents the raylet started
+    theirs (they do not end with a killed raylet: docs/design.md). Only children running Ray's
+    binaries or modules that were not already children `before` the try (another instance this
+    process runs, e.g. a test session's, is left alone), and everything below them; returns how many."""
+    import signal
+
+    import ray
+
+    ray_dir, below = os.path.dirname(ray.__file__).encode(), _by_parent()
 
     def runs_ray(pid: int) -> bool:
         try:
