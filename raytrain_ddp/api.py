@@ -137,7 +137,8 @@ def _resolve(config: ConfigLike, overrides: Sequence[str], given: dict[str, Any]
         from raytrain_ddp.data.given import read_map_style
         from raytrain_ddp.launch.table import given_refusal
 
-        if isinstance(datasets, dict) and given_refusal(cfg, datasets):
-            raise ConfigError(given_refusal(cfg, datasets))
+        refused = given_refusal(cfg, datasets) if isinstance(datasets, dict) else ""
+        if refused:
+            raise ConfigError(refused)
         datasets = read_map_style(datasets, cfg)
     return cfg, code, datasets

@@ -41,21 +41,25 @@ print("RETURNED", flush=True)
 '''
 
 
-def test_ctrl_c_in_train_saves_the_step_then_raises_keyboard_interrupt(tmp_path):
-    runs = tmp_path / "runs"
-    script = SCRIPT.format(tiny=str(REPO / "examples" / "configs" / "tiny.yaml"), runs=runs)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RAYTRAIN_DDP_"))}
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, env={**env, "PYTHONUNBUFFERED": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics = runs / "py" / "metrics.jsonl"
-    deadline = time.monotonic() + 180
+def _ctrl_c_after_three_steps(proc: subprocess.Popen, metrics: Path, wait_s: float) -> str:
+    """Ctrl-C `proc` once `metrics` holds 3 training lines (within `wait_s`); its whole output."""
+    deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline and proc.poll() is None:
         if metrics.exists() and len([r for r in read_metrics(metrics) if "loss" in r]) >= 3:
             break
         time.sleep(0.2)
     assert proc.poll() is None, proc.communicate()[0][-3000:]
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=120)
+    return proc.communicate(timeout=120)[0]
+
+
+def test_ctrl_c_in_train_saves_the_step_then_raises_keyboard_interrupt(tmp_path):
+    runs = tmp_path / "runs"
+    script = SCRIPT.format(tiny=str(REPO / "examples" / "configs" / "tiny.yaml"), runs=runs)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RAYTRAIN_DDP_"))}
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, env={**env, "PYTHONUNBUFFERED": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = _ctrl_c_after_three_steps(proc, runs / "py" / "metrics.jsonl", wait_s=180)
     assert proc.returncode == 42, out[-3000:]  # raised out of train(), not returned
     assert "KEYBOARD INTERRUPT: interrupted at step" in out and "RETURNED" not in out, out[-3000:]
     summary = json.loads((runs / "py" / "summary.json").read_text())
@@ -85,14 +89,7 @@ def test_a_torch_dataset_as_is_trains_on_two_workers_and_resumes_after_ctrl_c_ev
     command = [sys.executable, "tutorial.py", f"run.storage_path={runs}", "train.epochs=2", "run.log_every_steps=1"]
     proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = runs / "tutorial" / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and len([r for r in read_metrics(metrics) if "loss" in r]) >= 3:
-            break
-        time.sleep(0.2)
-    assert proc.poll() is None, proc.communicate()[0][-3000:]
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=120)
+    out = _ctrl_c_after_three_steps(proc, metrics, wait_s=300)
     assert proc.returncode != 0 and "KeyboardInterrupt: interrupted at step" in out, out[-3000:]
     first = json.loads((runs / "tutorial" / "summary.json").read_text())
     assert first["status"] == "interrupted" and first["checkpoint_step"] == first["steps"] >= 3, first
