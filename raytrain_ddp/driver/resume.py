@@ -33,6 +33,7 @@ What a resume may change (`check_resume_config`; every checkpoint records its co
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -46,11 +47,30 @@ class ResumeError(UserError):
     """`run.resume` cannot be honoured (no checkpoint, a bad path, an existing run)."""
 
 
-def resolve_resume(cfg: Config, run_dir: Union[Path, Location]) -> Optional[Union[Path, Location]]:
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a fit starts, resolved once (`resume_point`): the checkpoint (None: a fresh start),
+    its manifest (read once) and its `state.pt` (loaded once, to verify it), carried to the
+    plan, the resume checks, config-history, the summary and the finished-run answer."""
+
+    checkpoint: Any = None  # a `Path` for a local checkpoint, else a `Location`
+    manifest: dict[str, Any] = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest.get("step", 0))
+
+    @property
+    def epoch(self) -> int:
+        return int(self.manifest.get("epoch", 0))
+
+
+def resume_point(cfg: Config, run_dir: Union[Path, Location]) -> ResumePoint:
     """The checkpoint this run starts from, per `run.resume` (see the module docstring).
 
     Listing and verifying go through pyarrow.fs, so `run_dir` may be local or in object
-    storage; the answer is a `Path` for a local checkpoint, else a `Location`.
+    storage; the checkpoint is a `Path` for a local one, else a `Location`.
     """
     mode = cfg.run.resume
     where = Location.parse(run_dir)
@@ -62,7 +82,7 @@ def resolve_resume(cfg: Config, run_dir: Union[Path, Location]) -> Optional[Unio
                 f"another name ({unused_name(cfg)}){', continue it (run.resume=latest)' if resumable else ''}"
                 ", or delete it"
             )
-        return None
+        return ResumePoint()
     if mode in (None, "latest"):
         found = ckpt.load_latest_valid(ckpt.find_checkpoints(where))
         if found is None:
@@ -71,17 +91,22 @@ def resolve_resume(cfg: Config, run_dir: Union[Path, Location]) -> Optional[Unio
                     f"run.resume=latest but {where} holds no valid checkpoint; "
                     "train without run.resume first, or pass run.resume=PATH"
                 )
-            return None
-        check_resume_config(cfg, found[0], found[1])
-        return found[1].plain()
-    try:
-        path = Location.parse(mode)
-        state = ckpt.load_checkpoint(path)
-    except (CheckpointError, OSError, ValueError) as exc:
-        raise ResumeError(f"run.resume={mode!r}: {exc}") from None
-    path = path.parent if path.is_file() else path
+            return ResumePoint()
+        state, path = found
+    else:
+        try:
+            path = Location.parse(mode)
+            state = ckpt.load_checkpoint(path)
+        except (CheckpointError, OSError, ValueError) as exc:
+            raise ResumeError(f"run.resume={mode!r}: {exc}") from None
+        path = path.parent if path.is_file() else path
     check_resume_config(cfg, state, path)
-    return path.plain()
+    return ResumePoint(path.plain(), ckpt.read_manifest(path), state)
+
+
+def resolve_resume(cfg: Config, run_dir: Union[Path, Location]) -> Optional[Union[Path, Location]]:
+    """The checkpoint of `resume_point` (None: a fresh start)."""
+    return resume_point(cfg, run_dir).checkpoint
 
 
 RESUME_FREE = ("name", "scaling.", "run.", "parallel.", "train.micro_batch_size", "train.epochs",
@@ -148,7 +173,7 @@ class NothingToTrain(UserError):
     exit_code = 3
 
 
-def check_something_to_train(cfg: Config, resume_from: Any) -> bool:
+def check_something_to_train(cfg: Config, resume: ResumePoint) -> bool:
     """True when the run is complete and this is the command that trained it: nothing to do,
     exit 0 (a job-retry policy that reruns until exit 0 stops here). Raise `NothingToTrain`
     when the checkpoint is at its end but the command asks for something else (another lr,
@@ -159,13 +184,12 @@ def check_something_to_train(cfg: Config, resume_from: Any) -> bool:
     and before its `config.yaml` could be rewritten. The worker loop stops at the same
     point: `train.max_steps` reached, or (without it) `train.epochs` epochs completed.
     """
-    if resume_from is None:
+    if resume.checkpoint is None:
         return False
-    manifest = ckpt.read_manifest(resume_from)
-    step, epoch = int(manifest.get("step", 0)), int(manifest.get("epoch", 0))
+    step, epoch, resume_from = resume.step, resume.epoch, resume.checkpoint
     if not trained_to_the_end(cfg, step, epoch):
         return False
-    if same_command(cfg, resume_from):
+    if same_command(cfg, resume.state):
         return True
     max_steps, epochs = cfg.train.max_steps, cfg.train.epochs
     reached = f"train.max_steps={max_steps}" if max_steps is not None else f"train.epochs={epochs}"
@@ -181,12 +205,11 @@ def check_something_to_train(cfg: Config, resume_from: Any) -> bool:
 EXECUTION_ONLY = ("scaling.", "run.", "parallel.", "train.micro_batch_size", "data.prefetch_batches")
 
 
-def same_command(cfg: Config, checkpoint: Any) -> bool:
-    """Whether `cfg` asks for what the checkpoint was trained to: its recorded config, execution
-    keys aside (`EXECUTION_ONLY`). A checkpoint without a recorded config counts as the same."""
+def same_command(cfg: Config, state: dict[str, Any]) -> bool:
+    """Whether `cfg` asks for what the checkpoint (its loaded `state`) was trained to: its recorded
+    config, execution keys aside (`EXECUTION_ONLY`). A checkpoint without a recorded config counts as the same."""
     import yaml
 
-    state = ckpt.load_checkpoint(checkpoint)
     recorded = state.get("run", {}).get("config")
     if not isinstance(recorded, str):
         return True
@@ -208,7 +231,7 @@ def trained_to_the_end(cfg: Config, step: int, epoch: int) -> bool:
 CONFIG_HISTORY_FILE = "config-history.jsonl"
 
 
-def record_config(cfg: Config, run_dir: Any, resume_from: Any, fit_id: str) -> None:
+def record_config(cfg: Config, run_dir: Any, resume: ResumePoint, fit_id: str) -> None:
     """Before a fit trains: `config.yaml` becomes this fit's config, `config-history.jsonl` gains a line.
 
     Each line: the fit, when, which checkpoint it continued (and at which step), the keys
@@ -231,9 +254,9 @@ def record_config(cfg: Config, run_dir: Any, resume_from: Any, fit_id: str) -> N
     new = flatten(yaml.safe_load(text))
     changed = {k: [old.get(k), new.get(k)] for k in sorted(old.keys() | new.keys())
                if previous and old.get(k) != new.get(k)}
-    step = int(ckpt.read_manifest(resume_from).get("step", 0)) if resume_from else 0
-    line = json.dumps({"fit_id": fit_id, "time": time.time(), "resumed_from": str(resume_from) if resume_from else None,
-                       "from_step": step, "changed": changed, "config": text})
+    where = resume.checkpoint
+    line = json.dumps({"fit_id": fit_id, "time": time.time(), "resumed_from": str(where) if where else None,
+                       "from_step": resume.step, "changed": changed, "config": text})
     before = history.read_text() if history.exists() else ""
     history.write_text(before + line + "\n")
     config_file.write_text(text)

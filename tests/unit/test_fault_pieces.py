@@ -239,11 +239,11 @@ def test_the_embedded_ray_is_started_once_more_when_its_startup_wait_ran_out(mon
 
 
 def test_a_stop_from_another_thread_is_one_ctrl_c(capsys):
-    """`Interrupt.press` and the launcher's `_press_on`: a sweep's trial that Tune stops asks
+    """`Interrupt.press` and `interrupt._press_on`: a sweep's trial that Tune stops asks
     its workers once, as the first Ctrl-C does, from the thread that watches Tune."""
     import threading
 
-    from raytrain_ddp.driver.launcher import _press_on
+    from raytrain_ddp.driver.interrupt import _press_on
 
     mailbox = SimpleNamespace(request_stop=_Remote())
     interrupt = Interrupt(mailbox)
