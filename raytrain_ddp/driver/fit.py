@@ -28,7 +28,7 @@ from raytrain_ddp.driver import hold, ray_console
 from raytrain_ddp.driver.console import ProgressPrinter, final_metrics, print_plan, print_summary
 from raytrain_ddp.driver.interrupt import Interrupt, press_on
 from raytrain_ddp.driver.resume import (
-    ResumePoint, check_something_to_train, prune_checkpoints, record_config, restore_config_if_untrained, resume_point,
+    ResumePoint, check_something_to_train, newest, prune_checkpoints, record_config, restore_config_if_untrained, resume_point,
 )
 from raytrain_ddp.driver.sinks import check_loggers, make_sinks
 from raytrain_ddp.driver.stream import Recorder, line_key, tracked_step
@@ -195,7 +195,8 @@ def report(cfg: Config, run_dir: Location, job: Job, recorder: Recorder, status:
         status, error = "aborted", recorder.abort.get("reason")
     prune_checkpoints(run_dir, cfg.run.num_to_keep)  # run.num_to_keep over all fits, not only this one
     restore_config_if_untrained(run_dir, job.fit_id)
-    summary = build_summary(job, status=status, error=error, elapsed_s=time.time() - started, recorder=recorder)
+    summary = build_summary(run_dir, job.fit_id, job.resume_from, status=status, error=error,
+                            elapsed_s=time.time() - started, recorder=recorder)
     if status == "interrupted" and _trained_its_last_step(cfg, job, summary):
         # Ctrl-C (or SIGTERM) arrived as the last steps trained: the run is complete, and saying
         # "interrupted ... continues from step N" would send the same command to nothing to train.
@@ -235,14 +236,9 @@ def already_complete(cfg: Config, run_dir: Location, resume: ResumePoint) -> dic
     except (OSError, ValueError):
         summary = {}
     if summary.get("status") != "ok" or summary.get("checkpoint_step") != step:
-        records = read_metrics(run_dir / METRICS_FILE)  # the fit that trained the last step, as it would have said
-        attempts = [r for r in read_jsonl(run_dir / ATTEMPTS_FILE) if r.get("fit_id") == manifest.get("fit_id")]
-        summary = {"status": "ok", "run_dir": str(run_dir), "steps": step,
-                   "epochs": float(records[-1].get("epoch", 0)) if records else float(manifest.get("epoch", 0)),
-                   "attempts": len(attempts), "final_metrics": final_metrics(records), "checkpoint": str(checkpoint),
-                   "checkpoint_step": step, "resumed_from": None,
-                   "workers": attempts[-1].get("world_size") if attempts else None, "elapsed_s": 0.0,
-                   "fit_id": manifest.get("fit_id")}
+        # the fit that trained the last step, as it would have said
+        summary = build_summary(run_dir, str(manifest.get("fit_id") or ""), None, status="ok", error=None,
+                                elapsed_s=0.0, latest=resume)
         (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     end = f"train.max_steps={cfg.train.max_steps}" if cfg.train.max_steps is not None else f"train.epochs={cfg.train.epochs}"
     print(f"raytrain-ddp: run {cfg.name!r} is complete: trained to {end} (checkpoint {checkpoint}, step {step}); "
@@ -250,16 +246,17 @@ def already_complete(cfg: Config, run_dir: Location, resume: ResumePoint) -> dic
     return summary
 
 
-def build_summary(job: Job, *, status: str, error: Optional[str], elapsed_s: float,
-                  recorder: Optional[Recorder] = None) -> dict[str, Any]:
-    """The outcome; records and attempts from the recorder (else read back from the run directory)."""
-    run_dir = recorder.run_dir if recorder is not None else Location.parse(job.run_dir)
-    latest = ckpt.load_latest_valid(ckpt.find_checkpoints(run_dir))
-    manifest = ckpt.read_manifest(latest[1]) if latest else {}
+def build_summary(run_dir: Location, fit_id: str, resumed_from: Any, *, status: str, error: Optional[str],
+                  elapsed_s: float, recorder: Optional[Recorder] = None,
+                  latest: Optional[ResumePoint] = None) -> dict[str, Any]:
+    """The outcome of fit `fit_id`; records and attempts from the recorder (else read back from the
+    run directory); `latest`: the newest valid checkpoint, when known (else found now)."""
+    latest = latest if latest is not None else newest(run_dir)
+    manifest = latest.manifest
     if recorder is not None:
         attempts, records = recorder.fit_attempts(), recorder.fit_records()
     else:
-        attempts = [r for r in read_jsonl(run_dir / ATTEMPTS_FILE) if r.get("fit_id") == job.fit_id]
+        attempts = [r for r in read_jsonl(run_dir / ATTEMPTS_FILE) if r.get("fit_id") == fit_id]
         records = read_metrics(run_dir / METRICS_FILE)
     # steps done: the checkpoint's, or further if steps ran after it (an abort, a failure)
     steps = max([int(manifest.get("step", 0))] + [int(r.get("step", 0)) for r in records[-1:]])
@@ -271,12 +268,12 @@ def build_summary(job: Job, *, status: str, error: Optional[str], elapsed_s: flo
         "epochs": float(records[-1].get("epoch", 0)) if records else float(manifest.get("epoch", 0)),
         "attempts": len(attempts),
         "final_metrics": final_metrics(records),
-        "checkpoint": str(latest[1]) if latest else None,
-        "checkpoint_step": int(manifest["step"]) if latest else None,  # where the same command continues
-        "resumed_from": str(job.resume_from) if job.resume_from else None,
+        "checkpoint": str(latest.checkpoint) if latest.checkpoint else None,
+        "checkpoint_step": latest.step if latest.checkpoint else None,  # where the same command continues
+        "resumed_from": str(resumed_from) if resumed_from else None,
         "workers": attempts[-1]["world_size"] if attempts else None,
         "elapsed_s": round(elapsed_s, 2),
-        "fit_id": job.fit_id,
+        "fit_id": fit_id,
     }
     if recorder is not None:
         summary["checkpoints"] = recorder.checkpoint_summary()

@@ -32,6 +32,7 @@ What a resume may change (`check_resume_config`; every checkpoint records its co
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +67,12 @@ class ResumePoint:
         return int(self.manifest.get("epoch", 0))
 
 
+def newest(run_dir: Any) -> ResumePoint:
+    """The run directory's newest valid checkpoint (`state.pt` verified and loaded once), or none."""
+    found = ckpt.load_latest_valid(ckpt.find_checkpoints(run_dir))
+    return ResumePoint() if found is None else ResumePoint(found[1], ckpt.read_manifest(found[1]), found[0])
+
+
 def resume_point(cfg: Config, run_dir: Union[Path, Location]) -> ResumePoint:
     """The checkpoint this run starts from, per `run.resume` (see the module docstring).
 
@@ -76,7 +83,7 @@ def resume_point(cfg: Config, run_dir: Union[Path, Location]) -> ResumePoint:
     where = Location.parse(run_dir)
     if mode == "never":
         if any(child.name != HOLD_FILE for child, _ in where.children()):  # this fit's hold is no content
-            resumable = ckpt.load_latest_valid(ckpt.find_checkpoints(where)) is not None
+            resumable = newest(where).checkpoint is not None
             raise ResumeError(
                 f"run.resume=never but run directory {where} already exists; start a new run under "
                 f"another name ({unused_name(cfg)}){', continue it (run.resume=latest)' if resumable else ''}"
@@ -84,15 +91,10 @@ def resume_point(cfg: Config, run_dir: Union[Path, Location]) -> ResumePoint:
             )
         return ResumePoint()
     if mode in (None, "latest"):
-        found = ckpt.load_latest_valid(ckpt.find_checkpoints(where))
-        if found is None:
-            if mode == "latest":
-                raise ResumeError(
-                    f"run.resume=latest but {where} holds no valid checkpoint; "
-                    "train without run.resume first, or pass run.resume=PATH"
-                )
-            return ResumePoint()
-        state, path = found
+        point = newest(where)
+        if point.checkpoint is None and mode == "latest":
+            raise ResumeError(f"run.resume=latest but {where} holds no valid checkpoint; "
+                              "train without run.resume first, or pass run.resume=PATH")
     else:
         try:
             path = Location.parse(mode)
@@ -100,8 +102,11 @@ def resume_point(cfg: Config, run_dir: Union[Path, Location]) -> ResumePoint:
         except (CheckpointError, OSError, ValueError) as exc:
             raise ResumeError(f"run.resume={mode!r}: {exc}") from None
         path = path.parent if path.is_file() else path
-    check_resume_config(cfg, state, path)
-    return ResumePoint(path.plain(), ckpt.read_manifest(path), state)
+        point = ResumePoint(path, ckpt.read_manifest(path), state)
+    if point.checkpoint is None:
+        return point
+    check_resume_config(cfg, point.state, point.checkpoint)
+    return dataclasses.replace(point, checkpoint=point.checkpoint.plain())
 
 
 def resolve_resume(cfg: Config, run_dir: Union[Path, Location]) -> Optional[Union[Path, Location]]:
@@ -121,14 +126,11 @@ def check_resume_config(cfg: Config, state: dict[str, Any], path: Any) -> list[s
 
     Returns the warned keys (see the module docstring for the three classes).
     """
-    import yaml
-
     recorded = state.get("run", {}).get("config")
     if not isinstance(recorded, str):
         return []
     progress = state.get("progress", {})
-    old, new = flatten(yaml.safe_load(recorded)), flatten(yaml.safe_load(cfg.to_yaml()))
-    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    old, new, changed = changes(recorded, cfg.to_yaml())
     mid_epoch = int(progress.get("steps_into_epoch", 0)) > 0
 
     def shown(keys: list[str]) -> str:
@@ -152,6 +154,14 @@ def check_resume_config(cfg: Config, state: dict[str, Any], path: Any) -> list[s
               f"({shown(warned)}); the run will not follow the trajectory of an uninterrupted one",
               file=sys.stderr, flush=True)
     return warned
+
+
+def changes(before: Optional[str], after: str) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """Two configs' YAML texts flattened, and the keys whose values differ (none without `before`)."""
+    import yaml
+
+    old, new = (flatten(yaml.safe_load(before)) if before else {}), flatten(yaml.safe_load(after))
+    return old, new, sorted(k for k in old.keys() | new.keys() if before and old.get(k) != new.get(k))
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -208,13 +218,8 @@ EXECUTION_ONLY = ("scaling.", "run.", "parallel.", "train.micro_batch_size", "da
 def same_command(cfg: Config, state: dict[str, Any]) -> bool:
     """Whether `cfg` asks for what the checkpoint (its loaded `state`) was trained to: its recorded
     config, execution keys aside (`EXECUTION_ONLY`). A checkpoint without a recorded config counts as the same."""
-    import yaml
-
     recorded = state.get("run", {}).get("config")
-    if not isinstance(recorded, str):
-        return True
-    old, new = flatten(yaml.safe_load(recorded)), flatten(yaml.safe_load(cfg.to_yaml()))
-    return all(k.startswith(EXECUTION_ONLY) for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    return not isinstance(recorded, str) or all(k.startswith(EXECUTION_ONLY) for k in changes(recorded, cfg.to_yaml())[2])
 
 
 def trained_to_the_end(cfg: Config, step: int, epoch: int) -> bool:
@@ -243,17 +248,12 @@ def record_config(cfg: Config, run_dir: Any, resume: ResumePoint, fit_id: str) -
     import json
     import time
 
-    import yaml
-
     from raytrain_ddp.rundir import CONFIG_FILE
 
     text = cfg.to_yaml()
     config_file, history = run_dir / CONFIG_FILE, run_dir / CONFIG_HISTORY_FILE
-    previous = config_file.read_text() if config_file.exists() else None
-    old = flatten(yaml.safe_load(previous)) if previous else {}
-    new = flatten(yaml.safe_load(text))
-    changed = {k: [old.get(k), new.get(k)] for k in sorted(old.keys() | new.keys())
-               if previous and old.get(k) != new.get(k)}
+    old, new, keys = changes(config_file.read_text() if config_file.exists() else None, text)
+    changed = {k: [old.get(k), new.get(k)] for k in keys}
     where = resume.checkpoint
     line = json.dumps({"fit_id": fit_id, "time": time.time(), "resumed_from": str(where) if where else None,
                        "from_step": resume.step, "changed": changed, "config": text})
@@ -276,10 +276,7 @@ def restore_config_if_untrained(run_dir: Any, fit_id: str) -> None:
             return  # the usual case: this fit wrote the newest checkpoint (no need to load it)
     except CheckpointError:
         pass
-    found = ckpt.load_latest_valid(candidates)
-    if found is None:
-        return
-    state, _ = found
+    state = newest(run_dir).state
     recorded = state.get("run", {}).get("config")
     if state.get("run", {}).get("fit_id") != fit_id and isinstance(recorded, str):
         (run_dir / CONFIG_FILE).write_text(recorded)
