@@ -61,7 +61,7 @@ import dataclasses
 import math
 import os
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from raytrain_ddp.config import Config
 from raytrain_ddp.driver.fit import Start, begin, prepare, recorder_for

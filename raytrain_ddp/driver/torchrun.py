@@ -39,7 +39,6 @@ from typing import Any, Optional
 
 from raytrain_ddp.config import Config
 from raytrain_ddp.errors import START_TRIES, start_fault
-from raytrain_ddp.rundir import Location
 
 
 DRIVER_PID_ENV = "RAYTRAIN_DDP_TORCHRUN_DRIVER"  # the ranks wait for their job while this process runs
