@@ -33,6 +33,7 @@ class Launcher:
     sizes: str  # the scaling.num_workers it starts, as a config line says it
     elastic: bool  # scaling.num_workers: [min, max], resized by Ray
     in_process: bool  # num_workers 0: this process is the only rank
+    cluster: bool  # its ranks may run on other machines (a joined Ray cluster); else on this one, always
     sharding: tuple[str, ...]  # the data.sharding modes it reads
     reads: str  # where the data is read, as a config line says it
     recovery: tuple[str, ...]  # the run.recovery modes it carries out (elsewhere a lost rank ends the fit)
@@ -50,15 +51,15 @@ class Launcher:
 _EXACT = ("exact",)
 _TABLE = (
     Launcher("ray", says="scaling.launcher=ray", sizes="one worker or more, or a range", elastic=True,
-             in_process=False, sharding=("exact", "streaming", "sharded"), reads="reads through Ray Data",
+             in_process=False, cluster=True, sharding=("exact", "streaming", "sharded"), reads="reads through Ray Data",
              recovery=("checkpoint", "replica", "live"), datasets=True, early_start=False, ray_history=True,
              sweeps=True, launcher="raytrain_ddp.driver.launcher:RayLauncher"),
     Launcher("local", says="scaling.num_workers=0 (local mode)", sizes="this process alone", elastic=False,
-             in_process=True, sharding=_EXACT, reads="reads the data in this process", recovery=(),
+             in_process=True, cluster=False, sharding=_EXACT, reads="reads the data in this process", recovery=(),
              datasets=False, early_start=False, ray_history=False, sweeps=False,
              launcher="raytrain_ddp.driver.local:LocalLauncher"),
     Launcher("torchrun", says="scaling.launcher=torchrun", sizes="a fixed number of processes", elastic=False,
-             in_process=False, sharding=_EXACT, reads="reads the data in memory", recovery=(), datasets=False,
+             in_process=False, cluster=False, sharding=_EXACT, reads="reads the data in memory", recovery=(), datasets=False,
              early_start=True, ray_history=True, sweeps=False, launcher="raytrain_ddp.driver.torchrun:TorchrunLauncher"),
 )
 LAUNCHERS: dict[str, Launcher] = {row.name: row for row in _TABLE}
