@@ -43,9 +43,12 @@ class Launcher:
     sweeps: bool  # a sweep's trials run with it (they run in Ray Tune's actors)
     launcher: str  # "module:class" of its `Launcher` (launch/base.py), built with the config
 
-    def make(self, cfg: "Config") -> "Launcher":
+    def cls(self) -> type:
         module, _, attr = self.launcher.partition(":")
-        return getattr(importlib.import_module(module), attr)(cfg)
+        return getattr(importlib.import_module(module), attr)
+
+    def make(self, cfg: "Config") -> "Launcher":
+        return self.cls()(cfg)
 
 
 _EXACT = ("exact",)
