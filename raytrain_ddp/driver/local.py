@@ -31,18 +31,13 @@ class LocalLauncher:
         self.run_dir: Any = None
 
     def start(self, start: Any, given: Optional[dict[str, Any]]) -> tuple[Any, Any]:
-        """The rows read here (no Ray: the timeline's `ray` and `datasets` are 0 s); this process's mailbox."""
-        import torch
-
+        """The rows read here, once (no Ray: the timeline's `ray` and `datasets` are 0 s); this process's mailbox."""
         from raytrain_ddp.data.ray_datasets import PreparedData
         from raytrain_ddp.driver.stream import LocalMailbox
 
-        cfg = start.cfg
-        if "OMP_NUM_THREADS" not in os.environ:  # as Ray sets it for a worker of scaling.cpus_per_worker CPUs
-            torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))  # oversubscribed threads: docs/design.md
         start.timeline.mark("ray", applies=False)
         start.timeline.mark("datasets", applies=False)  # the rows are read in this process: data_ready
-        self.shards, spec = local_data(cfg, start.checked, start.code)
+        self.shards, spec = local_data(start.cfg, start.checked, start.code)
         self.run_dir = start.run_dir
         return PreparedData({}, spec, None), LocalMailbox()
 
@@ -53,6 +48,8 @@ class LocalLauncher:
         from raytrain_ddp.worker.loop import train_loop_per_worker
         from raytrain_ddp.worker.runtime import LocalRuntime
 
+        if "OMP_NUM_THREADS" not in os.environ:  # as Ray sets it for a worker of scaling.cpus_per_worker CPUs
+            torch.set_num_threads(max(1, int(job.cfg.scaling.cpus_per_worker)))  # oversubscribed threads: docs/design.md
         device = torch.device("cuda", 0) if job.cfg.scaling.use_gpu else torch.device("cpu")
         interrupt.register()
         with _one_process_group(device):

@@ -38,6 +38,7 @@ from multiprocessing.connection import Client, Listener
 from typing import Any, Optional
 
 from raytrain_ddp.config import Config
+from raytrain_ddp.driver.local import LocalLauncher
 from raytrain_ddp.errors import START_TRIES, start_fault
 
 
@@ -174,36 +175,29 @@ class TorchrunLaunch:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-class TorchrunLauncher:
+class TorchrunLauncher(LocalLauncher):
     """This machine's torchrun starts the ranks (launch/base.py's `Launcher`): started at
     construction (the CLI's, before it imports torch: the row's `early_start`), so that its
-    processes import torch while this one reads the data and plans the job."""
+    processes import torch while this one reads the rows (as local mode, once, for every rank)
+    and plans the job. Rank 0's records come through the mailbox served over a local socket."""
 
     def __init__(self, cfg: Config) -> None:
+        super().__init__(cfg)
         self.cfg, self.launch, self.server = cfg, TorchrunLaunch(cfg), None
         self.start_: Any = None
-        self.shards: Any = None
 
     def start(self, start: Any, given: Optional[dict[str, Any]]) -> tuple[Any, Any]:
-        """The rows read here, once, for every rank; the mailbox, served to rank 0 over a local socket."""
-        from raytrain_ddp.data.ray_datasets import PreparedData
-        from raytrain_ddp.driver.local import local_data
-        from raytrain_ddp.driver.stream import LocalMailbox
-
         self.start_ = start
-        start.timeline.mark("ray", applies=False)
-        start.timeline.mark("datasets", applies=False)  # read in this process; the ranks get the rows
-        self.shards, spec = local_data(start.cfg, start.checked, start.code)
-        mailbox = LocalMailbox()
+        prepared, mailbox = super().start(start, given)
         self.server = MailboxServer(mailbox)
-        return PreparedData({}, spec, None), mailbox
+        return prepared, mailbox
 
     def run(self, job: Any, recorder: Any, interrupt: Any) -> tuple[str, Optional[str]]:
         """The job handed to the waiting ranks; a launch whose process group did not form for a
         mendable reason is started again (fresh ports), at most `START_TRIES` launches."""
         assert self.server is not None
         mailbox, job = job.mailbox, dataclasses.replace(job, mailbox=self.server.client())
-        given = {"job": job, "shards": self.shards, "run_dir": self.start_.run_dir}
+        given = {"job": job, "shards": self.shards, "run_dir": self.run_dir}
         try:
             self.launch.hand_over(given)
             interrupt.register()
