@@ -194,9 +194,10 @@ def report(cfg: Config, run_dir: Location, job: Job, recorder: Recorder, status:
     if status == "ok" and recorder.abort is not None:
         status, error = "aborted", recorder.abort.get("reason")
     prune_checkpoints(run_dir, cfg.run.num_to_keep)  # run.num_to_keep over all fits, not only this one
-    restore_config_if_untrained(run_dir, job.fit_id)
+    latest = newest(run_dir)  # state.pt loaded once, for both
+    restore_config_if_untrained(run_dir, job.fit_id, latest)
     summary = build_summary(run_dir, job.fit_id, job.resume_from, status=status, error=error,
-                            elapsed_s=time.time() - started, recorder=recorder)
+                            elapsed_s=time.time() - started, recorder=recorder, latest=latest)
     if status == "interrupted" and _trained_its_last_step(cfg, job, summary):
         # Ctrl-C (or SIGTERM) arrived as the last steps trained: the run is complete, and saying
         # "interrupted ... continues from step N" would send the same command to nothing to train.

@@ -262,24 +262,18 @@ def record_config(cfg: Config, run_dir: Any, resume: ResumePoint, fit_id: str) -
     config_file.write_text(text)
 
 
-def restore_config_if_untrained(run_dir: Any, fit_id: str) -> None:
+def restore_config_if_untrained(run_dir: Any, fit_id: str, latest: Optional[ResumePoint] = None) -> None:
     """After a fit: if it wrote no checkpoint, `config.yaml` goes back to the newest checkpoint's config.
 
     A fit that failed, was unschedulable or interrupted before its first checkpoint
     trained nothing that is kept, so the run directory's description must not change.
+    `latest`: the newest valid checkpoint, when the caller has it (else found now).
     """
     from raytrain_ddp.rundir import CONFIG_FILE
 
-    candidates = ckpt.find_checkpoints(run_dir)
-    try:
-        if candidates and ckpt.read_manifest(candidates[0]).get("fit_id") == fit_id:
-            return  # the usual case: this fit wrote the newest checkpoint (no need to load it)
-    except CheckpointError:
-        pass
-    state = newest(run_dir).state
-    recorded = state.get("run", {}).get("config")
-    if state.get("run", {}).get("fit_id") != fit_id and isinstance(recorded, str):
-        (run_dir / CONFIG_FILE).write_text(recorded)
+    run = (latest if latest is not None else newest(run_dir)).state.get("run", {})
+    if run.get("fit_id") != fit_id and isinstance(run.get("config"), str):
+        (run_dir / CONFIG_FILE).write_text(run["config"])
 
 
 def prune_checkpoints(run_dir: Any, keep: int) -> list[str]:
