@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from raytrain_ddp.config import Config
-    from raytrain_ddp.launch.base import Launcher
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,7 @@ class Launcher:
         module, _, attr = self.launcher.partition(":")
         return getattr(importlib.import_module(module), attr)
 
-    def make(self, cfg: "Config") -> "Launcher":
+    def make(self, cfg: "Config") -> Any:  # a launch/base.py `Launcher` (not imported: data/ and config/ read this table)
         return self.cls()(cfg)
 
 
@@ -75,7 +74,7 @@ def of(cfg: "Config") -> Launcher:
     return LAUNCHERS[cfg.scaling.launcher]
 
 
-def start_early(cfg: "Config") -> "Optional[Launcher]":
+def start_early(cfg: "Config") -> Any:
     """The launcher of `cfg`, started now (before the CLI imports torch) where its row says `early_start`."""
     row = of(cfg)
     return row.make(cfg) if row.early_start else None
