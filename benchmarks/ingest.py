@@ -332,7 +332,7 @@ def _wait_run(name: str, tmp: Path, model: dict, data: dict, steps: int, workers
     """A short real run (`run_training`, bucketed, SGD, a line every 5 steps, no checkpoints) and
     its logged data wait: the fields both training runs of this section report."""
     from raytrain_ddp.config import validate_config
-    from raytrain_ddp.driver.launcher import run_training
+    from raytrain_ddp.driver.fit import run_training
     from raytrain_ddp.rundir import METRICS_FILE
 
     cfg = validate_config({

@@ -6,7 +6,7 @@ machine loads them alike. Must not touch: the training loop, the recovery machin
 
 `kills` runs per mode of the quickstart (2 workers, `train.max_steps=40`, a durable
 checkpoint every 10 steps, a metrics line every step), each through
-`driver.launcher.run_training` with its own embedded Ray; a watcher SIGKILLs rank 1's
+`driver.fit.run_training` with its own embedded Ray; a watcher SIGKILLs rank 1's
 `RayTrainWorker` from outside once step `KILL_AT` is logged (`kill._kill_a_worker`).
 `checkpoint` (the steps since the last durable checkpoint redone) is the comparison, in
 the first `COMPARE_KILLS` rounds only. Per run:
@@ -191,7 +191,7 @@ def newcomer_timeline(killed_at: float, lines: list[str], next_step_s: float) ->
 
 
 def _train(cfg: Any, console: Optional[_Console] = None) -> dict[str, Any]:
-    from raytrain_ddp.driver.launcher import run_training
+    from raytrain_ddp.driver.fit import run_training
 
     with contextlib.redirect_stdout(console or _Console()):  # type: ignore[type-var]
         try:

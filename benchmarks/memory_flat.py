@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from raytrain_ddp.config import load_config  # noqa: E402
-from raytrain_ddp.driver.launcher import run_training  # noqa: E402
+from raytrain_ddp.driver.fit import run_training  # noqa: E402
 from raytrain_ddp.rundir import read_metrics  # noqa: E402
 
 

@@ -5,7 +5,7 @@ the recovery machinery (`worker/replica.py`, `worker/live.py`), any run director
 temporary ones it makes.
 
 `kill` (`live_recovery.side_by_side`): real runs of the quickstart (2 workers, through
-`driver.launcher.run_training` and its embedded Ray start, so Ray's health-check settings
+`driver.fit.run_training` and its embedded Ray start, so Ray's health-check settings
 are the product's), rank 1 SIGKILLed from outside once step `KILL_AT` is logged;
 `run.recovery` replica and live side by side, interleaved, from one invocation (5 kills
 each in the full preset, 1 in quick), `checkpoint` (the steps since the last durable

@@ -39,8 +39,8 @@ def train(config: ConfigLike = None, *, model: Optional[Callable] = None, loss: 
     Ctrl-C saves the step training is at, writes summary.json (status `interrupted`), then
     raises `KeyboardInterrupt` (the CLI exits 130); the same call continues from there.
     """
-    first = "raytrain_ddp.driver.launcher" not in sys.modules  # this process's first fit: imported below
-    from raytrain_ddp.driver.launcher import run_training
+    first = "raytrain_ddp.driver.fit" not in sys.modules  # this process's first fit: imported below
+    from raytrain_ddp.driver.fit import run_training
     from raytrain_ddp.driver.ray_console import VERBOSE_ENV
     from raytrain_ddp.timeline import process_start_time
 
@@ -98,7 +98,7 @@ def sweep(config: ConfigLike = None, *, overrides: Sequence[str] = (), verbose: 
         data, sweep_cfg = split_sweep(apply_overrides(copy.deepcopy(config), list(overrides)), "<dict>")
         base = validate_config(paths_from_here(data), "<dict>")
 
-        check_space(base.model_dump(mode="json"), sweep_cfg)
+        check_space(base, sweep_cfg)
     else:
         path = Path(config) if config is not None else None
         base, _, sweep_cfg = load_sweep(path, list(overrides))

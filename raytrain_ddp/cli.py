@@ -44,25 +44,24 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from raytrain_ddp.config import load_config
     from raytrain_ddp.driver.hold import refuse_if_held
     from raytrain_ddp.driver.preflight import preflight
+    from raytrain_ddp.launch.table import start_early
 
-    early = load_config(*_config_and_overrides(args))
-    preflight(early)  # refusals before the launcher imports torch and Ray
-    refuse_if_held(early)  # another live fit of this run: exit 2 in about a second (driver/hold.py)
-    from raytrain_ddp.driver.torchrun import start_early
-
-    launch = start_early(early)  # scaling.launcher=torchrun: its processes import torch while this one does
+    path, overrides = _config_and_overrides(args)
+    cfg = load_config(path, overrides)  # once
+    preflight(cfg)  # refusals before the launcher imports torch and Ray
+    refuse_if_held(cfg)  # another live fit of this run: exit 2 in about a second (driver/hold.py)
+    launch = start_early(cfg)  # scaling.launcher=torchrun: its processes import torch while this one does
     try:
-        from raytrain_ddp.driver.launcher import run_training
+        from raytrain_ddp.driver.fit import run_training
         from raytrain_ddp.timeline import process_start_time
         from raytrain_ddp.user import resolve
 
-        path, overrides = _config_and_overrides(args)
-        cfg, code = resolve(load_config(path, overrides), config_path=path)  # import paths: next to the YAML too
+        cfg, code = resolve(cfg, config_path=path)  # import paths: next to the YAML too
         # preflight ran above, on the same settings; the start-up timeline counts from this process's start
         summary = run_training(cfg, code=code, preflighted=True, started_at=process_start_time(), launch=launch)
     finally:
         if launch is not None:
-            launch.stop()  # a refusal before the fit (nothing to train, bad data): torchrun waits for no job
+            launch.close()  # a refusal before the fit (nothing to train, bad data): torchrun waits for no job
     return {"ok": 0, "interrupted": 130}.get(summary.get("status", "ok"), 1)  # see EXIT_CODES
 
 

@@ -116,7 +116,7 @@ def load_sweep(path: Optional[Union[str, Path]], overrides: list[str] = ()) -> t
     source = str(path) if path is not None else "<overrides>"
     base_data, sweep = split_sweep(data, source)
     base = _with_storage_env(paths_from_here(base_data), source)
-    check_space(base.model_dump(mode="json"), sweep)
+    check_space(base, sweep)
     return base, base.model_dump(mode="json"), sweep
 
 
@@ -147,11 +147,14 @@ def _is_key(key: str) -> bool:
     return key in config_keys() or any(key.startswith(d + ".") and len(key) > len(d) + 1 for d in DICT_KEYS)
 
 
-def check_space(base: dict[str, Any], sweep: SweepConfig) -> None:
-    """Refuse a space that is not config keys, or values its key refuses: one line naming it."""
-    keys = config_keys()
-    if base.get("scaling", {}).get("num_workers") == 0:
-        raise ConfigError("scaling.num_workers: a sweep's trials run on Ray workers; 0 (local mode) cannot be swept")
+def check_space(cfg: Config, sweep: SweepConfig) -> None:
+    """Refuse a launcher a sweep cannot run with (its row of launch/table.py), a space that is not
+    config keys, or values its key refuses: one line naming it."""
+    from raytrain_ddp.launch.table import sweep_refusal
+
+    if refused := sweep_refusal(cfg):
+        raise ConfigError(refused)
+    keys, base = config_keys(), cfg.model_dump(mode="json")
     for key, entry in sweep.space.items():
         where = f"sweep.space.{key}"
         if key in ("name", "run.storage_path") or key.startswith("sweep"):

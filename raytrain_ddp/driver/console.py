@@ -13,15 +13,15 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
-from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import Config
 
 
 def print_plan(cfg: Config, spec: Any, run_dir: Path, steps_per_epoch: int, total_steps: int,
-               resume_from: Optional[Path], params: Optional[int] = None) -> None:
+               resume: Any, params: Optional[int] = None) -> None:
     """The derived numbers, up front (nanoGPT-style): what one step means and how many.
 
-    `params`: the model's parameter count when the driver already built it (a user model).
+    `resume`: the fit's `ResumePoint` (None: a fresh start); `params`: the model's parameter
+    count when the driver already built it (a user model).
     """
     workers = cfg.scaling.max_workers
     k = cfg.accumulation_steps(workers)
@@ -36,7 +36,7 @@ def print_plan(cfg: Config, spec: Any, run_dir: Path, steps_per_epoch: int, tota
         f"{cfg.train.micro_batch_size} x {counted(k, 'accumulation step')}",
         f"  schedule  {steps_per_epoch} steps/epoch, {total_steps} steps, lr {cfg.train.lr:g} "
         f"({describe_schedule(cfg.train)})",
-        f"  resume    {_describe_resume(resume_from, total_steps)}",
+        f"  resume    {_describe_resume(resume, total_steps)}",
     ]
     if cfg.scaling.elastic:
         lines[3] += f" (elastic {cfg.scaling.min_workers}-{workers} workers; accumulation re-derived on resize)"
@@ -68,11 +68,11 @@ def parameter_count(cfg: Config, spec: Any) -> int:
         return sum(p.numel() for p in build_model(cfg, spec).parameters())
 
 
-def _describe_resume(resume_from: Optional[Path], total_steps: int) -> str:
-    if resume_from is None:
+def _describe_resume(resume: Any, total_steps: int) -> str:
+    if resume is None or resume.checkpoint is None:
         return "fresh start"
-    step = int(ckpt.read_manifest(resume_from).get("step", 0))
-    text = f"from {resume_from} (step {step})"
+    step = resume.step
+    text = f"from {resume.checkpoint} (step {step})"
     if step >= total_steps:
         text += (f"; already at step {step} of {total_steps}: nothing to train "
                  "(raise train.epochs or train.max_steps to continue, or pick a new name)")

@@ -1,7 +1,7 @@
-"""Driver side of `raytrain-ddp train`: config -> Ray -> datasets -> TorchTrainer.fit -> summary.
+"""The `ray` row's launcher (launch/table.py): Ray -> datasets -> TorchTrainer.fit, for `driver/fit.py`.
 
-Owns: connecting to Ray (embedded or joined), building the `TorchTrainer` and running
-it, the run directory's `config.yaml` and `summary.json`. Must not touch: what happens
+Owns: connecting to Ray (embedded or joined), preparing Ray Data's datasets, building the
+`TorchTrainer` and running it (`RayLauncher`), and `prepare_job` (your own trainer). Must not touch: what happens
 inside a step (`worker/`), how batches are cut (`data/worker_data.py`), gradient
 synchronisation (`parallel/`). Where a run starts from is `resume.py`'s decision; what
 is printed is `console.py`'s.
@@ -43,8 +43,8 @@ Decisions, and why:
 * Ctrl-C during `fit` asks the workers to save the step they are at and stop (`driver/interrupt.py`;
   Ray's own handler would abort the controller and `sys.exit(0)` silently, throwing away
   every step since the last checkpoint), so the driver still writes `summary.json`
-  (status `interrupted`) and says where the next run starts; `run_training`'s `finally`
-  stops the embedded Ray instance, and the CLI exits 130.
+  (status `interrupted`) and says where the next run starts; `RayLauncher.close` stops the
+  embedded Ray instance, and the CLI exits 130.
 * `RAYTRAIN_DDP_*` environment variables of the driver are forwarded to the workers
   (tests name their hooks there: `RAYTRAIN_DDP_HOOKS`, see `worker/hooks.py`).
 * The user's model factory, loss and preprocess (`raytrain_ddp.user`) are imported and
@@ -53,7 +53,6 @@ Decisions, and why:
   local paths only at the job level, and every process of the job inherits them.
 """
 
-# Over 500 lines: one fit's driver path (connect, start, build, run, end) beside the decisions above.
 from __future__ import annotations
 
 import atexit
@@ -62,30 +61,21 @@ import dataclasses
 import math
 import os
 import sys
-import threading
-import time
-import uuid
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 from raytrain_ddp.config import Config
-from raytrain_ddp.driver.console import ProgressPrinter
-from raytrain_ddp.driver.fit import already_complete, prepare, report, root_message
+from raytrain_ddp.driver.fit import Start, begin, prepare, recorder_for
 from raytrain_ddp.driver import hold, ray_console
 from raytrain_ddp.driver.interrupt import Interrupt
-from raytrain_ddp.launch import table as launchers
 from raytrain_ddp.ray_compat import (
     CONTROLLER_POLL_ENV, abort_controller, install_sigint_handler, job_config,
     lean_trainer, local_instance_kwargs, preemption_grace, started_here, startup_timed_out, stop_timed_out_start,
 )
 from raytrain_ddp.driver.placement import Unschedulable, wait_for_placement, worker_resources
-from raytrain_ddp.driver.preflight import preflight
-from raytrain_ddp.driver.resume import check_something_to_train, resolve_resume
-from raytrain_ddp.driver.sinks import check_loggers, make_sinks
 from raytrain_ddp.driver.stream import Recorder, open_mailbox
 from raytrain_ddp.errors import START_TRIES, UserError
 from raytrain_ddp.job import Job
-from raytrain_ddp.rundir import Location, is_object_store, run_dir_of
-from raytrain_ddp.timeline import Timeline
+from raytrain_ddp.rundir import Location, is_object_store
 
 DATA_HEADROOM_CPUS = 2
 CONTROLLER_POLL_S = 0.25  # see the module docstring
@@ -97,98 +87,63 @@ ENV_PREFIX = "RAYTRAIN_DDP_"
 _PREPARED: dict[str, hold.Hold] = {}  # run dir -> the hold `prepare_job` took in this process
 
 
-@dataclasses.dataclass
-class _Start:
-    """What a fit knows before Ray starts: the resolved config and code, its run directory
-    and id, the hold on that directory, where it resumes from, the checked data."""
+class RayLauncher:
+    """Ray Train's `TorchTrainer` places the ranks (launch/base.py's `Launcher`)."""
 
-    cfg: Config
-    code: Any
-    run_dir: Location
-    fit_id: str
-    held: hold.Hold
-    resume_from: Any
-    checked: Any
-    timeline: Timeline
+    def __init__(self, cfg: Config) -> None:
+        self.started_here = False
+        self.start_: Optional[Start] = None
+        self.prepared: Any = None
 
+    def start(self, start: Start, given: Optional[dict[str, Any]]) -> tuple[Any, Any]:
+        """Ray connected (the user's modules in the job's runtime_env), the datasets given from
+        Python checked through it, Ray Data's datasets prepared; the mailbox actor."""
+        import ray.data
 
-def _start(cfg: Config, code: Any, datasets: Optional[dict[str, Any]], *, preflighted: bool = False,
-           before_hold: Optional[Callable[[Location], None]] = None, started_at: Optional[float] = None,
-           entered: Optional[float] = None) -> _Start:
-    """The preamble `run_training` and `prepare_job` share: the user's code resolved, the
-    preflight (once: the CLI runs it before importing torch and Ray, and says so), the run
-    directory held, the resume decision, the data checked. The hold is released if a step fails."""
-    from raytrain_ddp.driver.preflight import in_process, precheck
-    from raytrain_ddp.user import resolve
+        from raytrain_ddp.data.ray_datasets import prepare_datasets
+        from raytrain_ddp.driver.memory import check_exact_fits
+        from raytrain_ddp.driver.preflight import precheck
 
-    if code is None:
-        cfg, code = resolve(cfg)  # an import path that does not import fails here
-    if not preflighted:
-        preflight(cfg)  # a relative storage path under a Ray job, a machine too small (driver/preflight.py)
-    run_dir, fit_id = run_dir_of(cfg), uuid.uuid4().hex
-    if before_hold is not None:
-        before_hold(run_dir)
-    held = hold.take(cfg, fit_id)  # another live fit of this run directory: exit 2 here (driver/hold.py)
-    try:
-        resume_from = resolve_resume(cfg, run_dir)
-        # Bad parquet or user code fails here, before Ray or any worker starts (Ray Datasets
-        # given from Python are sampled through Ray, once connected: `_checked`; torch ones are read).
-        checked = precheck(cfg, code, datasets) if datasets is None or in_process(datasets) else None
-    except BaseException:
-        held.release()
-        raise
-    return _Start(cfg, code, run_dir, fit_id, held, resume_from, checked, Timeline(fit_id, started_at, entered))
-
-
-def _checked(start: _Start, datasets: Optional[dict[str, Any]]) -> Any:
-    """The data checks, made once Ray is connected when the datasets were given from Python."""
-    from raytrain_ddp.driver.preflight import precheck
-
-    return start.checked or precheck(start.cfg, start.code, datasets)
-
-
-def run_training(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, Any]] = None,
-                 preflighted: bool = False, started_at: Optional[float] = None, sinks: Sequence[Any] = (),
-                 stop: Optional[threading.Event] = None, launch: Any = None) -> dict[str, Any]:
-    """Train `cfg` to the end; returns the summary (also written to summary.json).
-
-    `code`: the user's model, loss and preprocess (`user.resolve`; by default resolved
-    from the config's import paths); `datasets`: Ray Datasets given from Python;
-    `preflighted`: the caller ran `preflight(cfg)` already (the CLI does, before imports);
-    `started_at`: where the start-up timeline starts (the process's start: the CLI's, the first
-    `train()` of a script; default now).
-    `sinks`: more takers of the metrics lines (`record`/`flush`/`close`, as `driver/sinks.py`'s;
-    a sweep's trial reports to Tune through one: `raytrain_ddp/sweep/trial.py`); `stop`: set
-    from another thread, the fit stops as on Ctrl-C (a sweep's trial that Tune stops).
-    `launch`: torchrun already started for this fit (`driver/torchrun.start_early`; the
-    caller stops it if this returns early, e.g. on a refusal).
-    """
-    entered = time.time()  # the timeline's `imports` end here, `cli` begins
-    start = _start(cfg, code, datasets, preflighted=preflighted, started_at=started_at, entered=entered)
-    cfg, started_here, summary = start.cfg, False, None
-    try:
-        if check_something_to_train(cfg, start.resume_from):  # another command for a finished run: exit 3
-            return already_complete(cfg, start.run_dir, start.resume_from)  # the same command: exit 0, before Ray
-        check_loggers(cfg)
-        start.timeline.mark("cli")
-        row = launchers.of(cfg)
-        if row.run:  # no Ray: this process (driver/local.py) or this machine's torchrun (driver/torchrun.py)
-            summary = row.run_fit()(cfg, start.run_dir, start.fit_id, start.resume_from, start.checked, start.code,
-                                    timeline=start.timeline, launch=launch)
-            return summary
-        started_here = connect_user_code(cfg, start.code)
+        self.start_, cfg = start, start.cfg
+        self.started_here = connect_user_code(cfg, start.code)
         warn_local_storage(cfg)
         start.timeline.mark("ray")
-        summary = _fit(start, _checked(start, datasets), datasets, sinks, stop)
-        return summary
-    finally:
-        if started_here:
+        start.timeline.expects_controller = True  # StartupStamps (driver/startup.py) sends each group's start
+        start.checked = start.checked or precheck(cfg, start.code, given)
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        self.prepared = prepare_datasets(cfg, start.checked, start.code, given, fits=check_exact_fits)
+        return self.prepared, _mailbox()
+
+    def run(self, job: Job, recorder: Recorder, interrupt: Interrupt) -> tuple[str, Optional[str]]:
+        """The trainer built and `fit` once the cluster has placed the workers."""
+        from raytrain_ddp.recovery import table
+
+        assert self.start_ is not None
+        cfg = table.driver_half(job.cfg).resolve(job.cfg)  # run.recovery=live, or its fallback to replica said in one line
+        job = dataclasses.replace(job, cfg=cfg)
+        trainer = build_trainer(cfg, self.start_.run_dir, job, self.prepared)
+        hand_over_request(self.start_.held, trainer)
+        install_sigint_handler(trainer, interrupt.register)  # ours lets the driver finish (the module docstring)
+        self.start_.timeline.mark("datasets")
+        # A rank's error that retrying cannot help ends the fit now, not after run.max_failures
+        # more attempts (Ray Train's failure policy retries every worker error: ours decides).
+        recorder.on_deterministic_error = lambda record: _end_fit(interrupt.controller)
+        interrupt.listen()  # a Ctrl-C while waiting for placement ends the wait
+        if (unplaced := wait_for_placement(cfg, stop=lambda: interrupt.fired)) is not None:
+            return "unschedulable", str(Unschedulable(unplaced))
+        if interrupt.fired:  # Ctrl-C as the wait ended: no worker is started
+            raise KeyboardInterrupt
+        result = trainer.fit()
+        if result.error is not None:  # pragma: no cover - fit raises in V2, kept for safety
+            raise result.error
+        return "ok", None
+
+    def close(self) -> None:
+        if self.started_here:
             import ray
 
             ray.shutdown()
-        # last step -> here: fit_end, summary.json's shutdown_s; printed under --verbose
-        start.timeline.finish(start.run_dir, summary, verbose=ray_console.verbose())
-        start.held.release()  # after Ray: no worker of this fit writes any more
+            self.started_here = False
 
 
 def connect_user_code(cfg: Config, code: Any, cpus: Optional[int] = None) -> bool:
@@ -312,12 +267,11 @@ def prepare_job(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, A
         if (earlier := _PREPARED.pop(run_dir.uri, None)) is not None:
             earlier.release()  # prepared again in this process (a notebook cell re-run): the new job replaces it
 
-    start = _start(cfg, code, datasets, before_hold=replace_earlier)  # held until this process exits
+    start = begin(cfg, code, datasets, before_hold=replace_earlier)  # held until this process exits
     cfg, run_dir, held = start.cfg, start.run_dir, start.held
     try:
-        connect_user_code(cfg, start.code)
-        job, prepared, total_steps = prepare(cfg, run_dir, start.fit_id, start.resume_from,
-                                              _checked(start, datasets), start.code, datasets)
+        prepared, mailbox = RayLauncher(cfg).start(start, datasets)
+        job, total_steps = prepare(start, prepared)
     except BaseException:
         held.release()
         raise
@@ -325,8 +279,8 @@ def prepare_job(cfg: Config, *, code: Any = None, datasets: Optional[dict[str, A
     atexit.register(held.release)  # registered before the recorder's stop, so it runs after it
     # Your fit runs outside our launcher: the records rank 0 sends are taken and written by
     # a recorder in the background until this process exits (printed and in metrics.jsonl).
-    job = _with_mailbox(job)
-    recorder = _recorder(cfg, run_dir, job, total_steps).__enter__()
+    job = dataclasses.replace(job, mailbox=mailbox)
+    recorder = recorder_for(cfg, job, total_steps).__enter__()
     atexit.register(_finish_outside_fit, recorder, total_steps)  # before Ray's own exit handler (registered earlier)
     return {"train_loop_config": loop_config(job, prepared), "datasets": prepared.datasets,
             "dataset_config": prepared.data_config}
@@ -348,33 +302,6 @@ def nccl_env(use_gpu: bool, environ: Any) -> dict[str, str]:
     return {k: environ.get(k, v) for k, v in NCCL_TRACE_ENV.items()}
 
 
-def _fit(start: _Start, checked: Any, given: Optional[dict[str, Any]], sinks: Sequence[Any] = (),
-         stop: Optional[threading.Event] = None) -> dict[str, Any]:
-    """One fit on Ray: build the trainer, run it, report (summary.json, the printed summary)."""
-    from raytrain_ddp.recovery import table
-    cfg, run_dir = start.cfg, start.run_dir
-    job, prepared, total_steps = prepare(cfg, run_dir, start.fit_id, start.resume_from, checked, start.code, given)
-    cfg = table.driver_half(cfg).resolve(cfg)  # run.recovery=live, or its fallback to replica said in one line
-    job = _with_mailbox(dataclasses.replace(job, cfg=cfg))
-    trainer = build_trainer(cfg, run_dir, job, prepared)
-    hand_over_request(start.held, trainer)
-    started = time.time()
-    interrupt = Interrupt(job.mailbox)  # ours lets the driver finish (see the module docstring)
-    install_sigint_handler(trainer, interrupt.register)
-    recorder = _recorder(cfg, run_dir, job, total_steps, start.timeline, sinks)
-    start.timeline.attach(run_dir)
-    start.timeline.expects_controller = True  # StartupStamps (driver/startup.py) sends each group's start
-    start.timeline.mark("datasets")
-    done = threading.Event()
-    if stop is not None:  # the caller's stop, as a Ctrl-C: the workers save their step and return
-        threading.Thread(target=_press_on, args=(stop, done, interrupt), daemon=True, name="raytrain-ddp-stop").start()
-    try:
-        status, error = run_fit(cfg, trainer, recorder, interrupt)
-    finally:
-        done.set()
-    return report(cfg, run_dir, job, recorder, status, error, started)
-
-
 def hand_over_request(held: hold.Hold, trainer: Any) -> None:
     """Name this fit's resource request in the hold, and on a joined cluster cancel the one of
     the dead fit this one took over from (`ray_compat.cancel_autoscaling_request`: else an
@@ -389,26 +316,10 @@ def hand_over_request(held: hold.Hold, trainer: Any) -> None:
         held.record_requester(requester)
 
 
-def _press_on(stop: threading.Event, done: threading.Event, interrupt: Interrupt) -> None:
-    """Until the fit is done: once `stop` is set, a Ctrl-C of our own (`Interrupt.press`)."""
-    while not done.wait(0.25):
-        if stop.is_set():
-            interrupt.press()
-            return
-
-
-def _with_mailbox(job: Job) -> Job:
-    """The job with the driver's mailbox (records, stop requests), and the controller's poll set."""
+def _mailbox() -> Any:
+    """The driver's mailbox actor (records, stop requests), and the controller's poll set."""
     os.environ.setdefault(POLL_ENV, str(CONTROLLER_POLL_S))  # read by TorchTrainer.fit
-    return dataclasses.replace(job, mailbox=open_mailbox())
-
-
-def _recorder(cfg: Config, run_dir: Location, job: Job, total_steps: int, timeline: Optional[Timeline] = None,
-              sinks: Sequence[Any] = ()) -> Recorder:
-    """What takes rank 0's records: the progress lines, metrics.jsonl, the trackers, `sinks` (and the timeline's stamps)."""
-    return Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir, job.fit_id),
-                                          *sinks],
-                    job.mailbox, write_metrics="jsonl" in cfg.run.loggers, timeline=timeline)
+    return open_mailbox()
 
 
 def loop_config(job: Job, prepared: Any) -> dict[str, Any]:
@@ -464,41 +375,6 @@ def build_trainer(cfg: Config, run_dir: Location, job: Job, prepared: Any) -> An
         datasets=prepared.datasets,
         dataset_config=prepared.data_config,
     )
-
-
-def run_fit(cfg: Config, trainer: Any, recorder: Recorder, interrupt: Interrupt) -> tuple[str, Optional[str]]:
-    """Wait for placement, then `trainer.fit()` with the recorder running: (status, error)."""
-    status, error, failure = "ok", None, None
-    # A rank's error that retrying cannot help ends the fit now, not after run.max_failures
-    # more attempts (Ray Train's failure policy retries every worker error: ours decides).
-    recorder.on_deterministic_error = lambda record: _end_fit(interrupt.controller)
-    try:
-        with recorder:
-            try:
-                interrupt.listen()  # a Ctrl-C while waiting for placement ends the wait
-                if (unplaced := wait_for_placement(cfg, stop=lambda: interrupt.fired)) is not None:
-                    raise Unschedulable(unplaced)
-                if interrupt.fired:  # Ctrl-C as the wait ended: no worker is started
-                    raise KeyboardInterrupt
-                result = trainer.fit()
-                if result.error is not None:  # pragma: no cover - fit raises in V2, kept for safety
-                    raise result.error
-                if interrupt.fired:  # the workers stopped where they were, as asked
-                    status = "interrupted"
-            except Unschedulable as exc:
-                status, error = "unschedulable", str(exc)
-            except KeyboardInterrupt:
-                status = "interrupted"
-                interrupt.abort()
-            except Exception as exc:  # noqa: BLE001 - reported in summary.json and printed
-                status, failure = ("interrupted", None) if interrupt.fired else ("failed", exc)
-            finally:
-                interrupt.restore()
-    except KeyboardInterrupt:  # a second Ctrl-C while the last records were written
-        status = "interrupted"
-    if failure is not None:  # the ranks' own account, whole, once the recorder has taken everything
-        error = recorder.error_to_show(str(failure)) or root_message(failure)
-    return status, error
 
 
 def _end_fit(controller: Any) -> None:

@@ -1,9 +1,10 @@
-"""Local mode, `scaling.num_workers: 0`: the whole run in this process, with no Ray at all.
+"""Local mode, `scaling.num_workers: 0`: the `local` row's launcher (launch/table.py), the whole
+run in this process, with no Ray at all.
 
 Owns: reading the data in-process (the same seeded split and the same batches as the
 exact-sharding path: `LocalShard` hands the loop what Ray Data would), a process group
-of one, the loop on the main thread through `worker/runtime.LocalRuntime`, and Ctrl-C.
-Must not touch: the loop itself, checkpoints' format, resume decisions (the launcher's).
+of one, the loop on the main thread through `worker/runtime.LocalRuntime`.
+Must not touch: the loop itself, checkpoints' format, resume decisions, Ctrl-C (driver/fit.py's).
 
 What users get (issue #30): the same loop, wrapper (world size 1), checkpoints, resume
 and metrics as a Ray run, without `ray.init`, worker processes or Ray Data tasks, so
@@ -16,81 +17,47 @@ the launcher table, launch/table.py): Ray Datasets given from Python, and the `s
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
-import signal
-import sys
-import time
-from typing import Any, Iterator
-
+from typing import Any, Iterator, Optional
 
 from raytrain_ddp.config import Config
-from raytrain_ddp.errors import UserError
-from raytrain_ddp.rundir import Location
 
 
-def run_local(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, checked: Any,
-              code: Any, timeline: Any = None, launch: Any = None) -> dict[str, Any]:
-    """Train `cfg` in this process; returns the summary, as `launcher.run_training` does.
-    `timeline`: the fit's start-up timeline (no Ray: `ray` and `datasets` are 0 s); `launch`:
-    none (nothing starts early: launch/table.py)."""
-    import torch
+class LocalLauncher:
+    """This process is the only rank (launch/base.py's `Launcher`)."""
 
-    from raytrain_ddp.driver.console import ProgressPrinter
-    from raytrain_ddp.data.ray_datasets import PreparedData
-    from raytrain_ddp.driver.fit import prepare, report, root_message
-    from raytrain_ddp.driver.sinks import make_sinks
-    from raytrain_ddp.driver.stream import LocalMailbox, Recorder
-    from raytrain_ddp.worker.loop import train_loop_per_worker
-    from raytrain_ddp.worker.runtime import LocalRuntime
+    def __init__(self, cfg: Config) -> None:
+        self.shards: Any = None
+        self.run_dir: Any = None
 
-    if "OMP_NUM_THREADS" not in os.environ:  # as Ray sets it for a worker of scaling.cpus_per_worker CPUs
-        torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))  # oversubscribed threads: docs/design.md
-    shards, spec = local_data(cfg, checked, code)
-    job, _, total_steps = prepare(cfg, run_dir, fit_id, resume_from, checked, code, None,
-                                   prepared=PreparedData({}, spec, None))
-    job = dataclasses.replace(job, mailbox=LocalMailbox())
-    device = torch.device("cuda", 0) if cfg.scaling.use_gpu else torch.device("cpu")
-    recorder = Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir, job.fit_id)], job.mailbox,
-                        write_metrics="jsonl" in cfg.run.loggers, timeline=timeline)
-    if timeline is not None:
-        timeline.mark("ray", applies=False)
-        timeline.mark("datasets", applies=False)  # the rows are read in this process: data_ready
-        timeline.attach(run_dir)
-    started, status, error = time.time(), "ok", None
-    with ctrl_c_stops(job.mailbox) as pressed:
-        try:
-            with recorder, _one_process_group(device):
-                train_loop_per_worker({"job": job, "runtime": LocalRuntime(shards, run_dir, device)})
-            status = "interrupted" if pressed else "ok"
-        except KeyboardInterrupt:
-            status = "interrupted"
-        except UserError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - reported in summary.json and printed, as a Ray run's
-            status, error = "failed", root_message(exc)
-    return report(cfg, run_dir, job, recorder, status, error, started)
+    def start(self, start: Any, given: Optional[dict[str, Any]]) -> tuple[Any, Any]:
+        """The rows read here, once (no Ray: the timeline's `ray` and `datasets` are 0 s); this process's mailbox."""
+        from raytrain_ddp.data.ray_datasets import PreparedData
+        from raytrain_ddp.driver.stream import LocalMailbox
 
+        start.timeline.mark("ray", applies=False)
+        start.timeline.mark("datasets", applies=False)  # the rows are read in this process: data_ready
+        self.shards, spec = local_data(start.cfg, start.checked, start.code)
+        self.run_dir = start.run_dir
+        return PreparedData({}, spec, None), LocalMailbox()
 
-@contextlib.contextmanager
-def ctrl_c_stops(mailbox: Any) -> Iterator[list[int]]:
-    """The first Ctrl-C asks the loop to save its step and stop (as in a Ray run), the second
-    stops at once (KeyboardInterrupt); yields the presses so far."""
-    pressed: list[int] = []
+    def run(self, job: Any, recorder: Any, interrupt: Any) -> tuple[str, Optional[str]]:
+        """The loop on this thread, in a process group of one."""
+        import torch
 
-    def handle(signum: int, frame: Any) -> None:
-        pressed.append(signum)
-        if len(pressed) > 1:
-            raise KeyboardInterrupt
-        print("raytrain-ddp: interrupted: saving the step it is at and stopping (Ctrl-C again to stop at once)",
-              file=sys.stderr, flush=True)
-        mailbox.request_stop()
+        from raytrain_ddp.worker.loop import train_loop_per_worker
+        from raytrain_ddp.worker.runtime import LocalRuntime
 
-    previous = signal.signal(signal.SIGINT, handle)
-    try:
-        yield pressed
-    finally:
-        signal.signal(signal.SIGINT, previous)
+        if "OMP_NUM_THREADS" not in os.environ:  # as Ray sets it for a worker of scaling.cpus_per_worker CPUs
+            torch.set_num_threads(max(1, int(job.cfg.scaling.cpus_per_worker)))  # oversubscribed threads: docs/design.md
+        device = torch.device("cuda", 0) if job.cfg.scaling.use_gpu else torch.device("cpu")
+        interrupt.register()
+        with _one_process_group(device):
+            train_loop_per_worker({"job": job, "runtime": LocalRuntime(self.shards, self.run_dir, device)})
+        return "ok", None
+
+    def close(self) -> None:
+        pass
 
 
 @contextlib.contextmanager

@@ -78,12 +78,14 @@ def check_ray_supports(cfg: Config) -> None:
 
 
 def preflight(cfg: Config) -> None:
-    """Everything that can be refused from the config and this process alone, in one place."""
+    """Everything that can be refused from the config and this process alone, in one place: the
+    machine is checked where the launcher's ranks run on it (launch/table.py: always without Ray)."""
     from raytrain_ddp.driver.placement import check_machine
+    from raytrain_ddp.launch import table as launchers
 
     check_storage_under_job(cfg)
     check_ray_supports(cfg)
-    if not _joins_a_cluster(cfg):
+    if not (launchers.of(cfg).cluster and _joins_a_cluster(cfg)):
         check_machine(cfg)
 
 

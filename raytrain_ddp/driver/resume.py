@@ -32,7 +32,9 @@ What a resume may change (`check_resume_config`; every checkpoint records its co
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -46,42 +48,70 @@ class ResumeError(UserError):
     """`run.resume` cannot be honoured (no checkpoint, a bad path, an existing run)."""
 
 
-def resolve_resume(cfg: Config, run_dir: Union[Path, Location]) -> Optional[Union[Path, Location]]:
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a fit starts, resolved once (`resume_point`): the checkpoint (None: a fresh start),
+    its manifest (read once) and its `state.pt` (loaded once, to verify it), carried to the
+    plan, the resume checks, config-history, the summary and the finished-run answer."""
+
+    checkpoint: Any = None  # a `Path` for a local checkpoint, else a `Location`
+    manifest: dict[str, Any] = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest.get("step", 0))
+
+    @property
+    def epoch(self) -> int:
+        return int(self.manifest.get("epoch", 0))
+
+
+def newest(run_dir: Any) -> ResumePoint:
+    """The run directory's newest valid checkpoint (`state.pt` verified and loaded once), or none."""
+    found = ckpt.load_latest_valid(ckpt.find_checkpoints(run_dir))
+    return ResumePoint() if found is None else ResumePoint(found[1], ckpt.read_manifest(found[1]), found[0])
+
+
+def resume_point(cfg: Config, run_dir: Union[Path, Location]) -> ResumePoint:
     """The checkpoint this run starts from, per `run.resume` (see the module docstring).
 
     Listing and verifying go through pyarrow.fs, so `run_dir` may be local or in object
-    storage; the answer is a `Path` for a local checkpoint, else a `Location`.
+    storage; the checkpoint is a `Path` for a local one, else a `Location`.
     """
     mode = cfg.run.resume
     where = Location.parse(run_dir)
     if mode == "never":
         if any(child.name != HOLD_FILE for child, _ in where.children()):  # this fit's hold is no content
-            resumable = ckpt.load_latest_valid(ckpt.find_checkpoints(where)) is not None
+            resumable = newest(where).checkpoint is not None
             raise ResumeError(
                 f"run.resume=never but run directory {where} already exists; start a new run under "
                 f"another name ({unused_name(cfg)}){', continue it (run.resume=latest)' if resumable else ''}"
                 ", or delete it"
             )
-        return None
+        return ResumePoint()
     if mode in (None, "latest"):
-        found = ckpt.load_latest_valid(ckpt.find_checkpoints(where))
-        if found is None:
-            if mode == "latest":
-                raise ResumeError(
-                    f"run.resume=latest but {where} holds no valid checkpoint; "
-                    "train without run.resume first, or pass run.resume=PATH"
-                )
-            return None
-        check_resume_config(cfg, found[0], found[1])
-        return found[1].plain()
-    try:
-        path = Location.parse(mode)
-        state = ckpt.load_checkpoint(path)
-    except (CheckpointError, OSError, ValueError) as exc:
-        raise ResumeError(f"run.resume={mode!r}: {exc}") from None
-    path = path.parent if path.is_file() else path
-    check_resume_config(cfg, state, path)
-    return path.plain()
+        point = newest(where)
+        if point.checkpoint is None and mode == "latest":
+            raise ResumeError(f"run.resume=latest but {where} holds no valid checkpoint; "
+                              "train without run.resume first, or pass run.resume=PATH")
+    else:
+        try:
+            path = Location.parse(mode)
+            state = ckpt.load_checkpoint(path)
+        except (CheckpointError, OSError, ValueError) as exc:
+            raise ResumeError(f"run.resume={mode!r}: {exc}") from None
+        path = path.parent if path.is_file() else path
+        point = ResumePoint(path, ckpt.read_manifest(path), state)
+    if point.checkpoint is None:
+        return point
+    check_resume_config(cfg, point.state, point.checkpoint)
+    return dataclasses.replace(point, checkpoint=point.checkpoint.plain())
+
+
+def resolve_resume(cfg: Config, run_dir: Union[Path, Location]) -> Optional[Union[Path, Location]]:
+    """The checkpoint of `resume_point` (None: a fresh start)."""
+    return resume_point(cfg, run_dir).checkpoint
 
 
 RESUME_FREE = ("name", "scaling.", "run.", "parallel.", "train.micro_batch_size", "train.epochs",
@@ -96,14 +126,11 @@ def check_resume_config(cfg: Config, state: dict[str, Any], path: Any) -> list[s
 
     Returns the warned keys (see the module docstring for the three classes).
     """
-    import yaml
-
     recorded = state.get("run", {}).get("config")
     if not isinstance(recorded, str):
         return []
     progress = state.get("progress", {})
-    old, new = flatten(yaml.safe_load(recorded)), flatten(yaml.safe_load(cfg.to_yaml()))
-    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    old, new, changed = changes(recorded, cfg.to_yaml())
     mid_epoch = int(progress.get("steps_into_epoch", 0)) > 0
 
     def shown(keys: list[str]) -> str:
@@ -129,6 +156,14 @@ def check_resume_config(cfg: Config, state: dict[str, Any], path: Any) -> list[s
     return warned
 
 
+def changes(before: Optional[str], after: str) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """Two configs' YAML texts flattened, and the keys whose values differ (none without `before`)."""
+    import yaml
+
+    old, new = (flatten(yaml.safe_load(before)) if before else {}), flatten(yaml.safe_load(after))
+    return old, new, sorted(k for k in old.keys() | new.keys() if before and old.get(k) != new.get(k))
+
+
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     """A nested config tree as {"train.lr": 0.1, ...} (dotted keys, as overrides spell them)."""
     if not isinstance(tree, dict):
@@ -148,7 +183,7 @@ class NothingToTrain(UserError):
     exit_code = 3
 
 
-def check_something_to_train(cfg: Config, resume_from: Any) -> bool:
+def check_something_to_train(cfg: Config, resume: ResumePoint) -> bool:
     """True when the run is complete and this is the command that trained it: nothing to do,
     exit 0 (a job-retry policy that reruns until exit 0 stops here). Raise `NothingToTrain`
     when the checkpoint is at its end but the command asks for something else (another lr,
@@ -159,13 +194,12 @@ def check_something_to_train(cfg: Config, resume_from: Any) -> bool:
     and before its `config.yaml` could be rewritten. The worker loop stops at the same
     point: `train.max_steps` reached, or (without it) `train.epochs` epochs completed.
     """
-    if resume_from is None:
+    if resume.checkpoint is None:
         return False
-    manifest = ckpt.read_manifest(resume_from)
-    step, epoch = int(manifest.get("step", 0)), int(manifest.get("epoch", 0))
+    step, epoch, resume_from = resume.step, resume.epoch, resume.checkpoint
     if not trained_to_the_end(cfg, step, epoch):
         return False
-    if same_command(cfg, resume_from):
+    if same_command(cfg, resume.state):
         return True
     max_steps, epochs = cfg.train.max_steps, cfg.train.epochs
     reached = f"train.max_steps={max_steps}" if max_steps is not None else f"train.epochs={epochs}"
@@ -181,17 +215,11 @@ def check_something_to_train(cfg: Config, resume_from: Any) -> bool:
 EXECUTION_ONLY = ("scaling.", "run.", "parallel.", "train.micro_batch_size", "data.prefetch_batches")
 
 
-def same_command(cfg: Config, checkpoint: Any) -> bool:
-    """Whether `cfg` asks for what the checkpoint was trained to: its recorded config, execution
-    keys aside (`EXECUTION_ONLY`). A checkpoint without a recorded config counts as the same."""
-    import yaml
-
-    state = ckpt.load_checkpoint(checkpoint)
+def same_command(cfg: Config, state: dict[str, Any]) -> bool:
+    """Whether `cfg` asks for what the checkpoint (its loaded `state`) was trained to: its recorded
+    config, execution keys aside (`EXECUTION_ONLY`). A checkpoint without a recorded config counts as the same."""
     recorded = state.get("run", {}).get("config")
-    if not isinstance(recorded, str):
-        return True
-    old, new = flatten(yaml.safe_load(recorded)), flatten(yaml.safe_load(cfg.to_yaml()))
-    return all(k.startswith(EXECUTION_ONLY) for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    return not isinstance(recorded, str) or all(k.startswith(EXECUTION_ONLY) for k in changes(recorded, cfg.to_yaml())[2])
 
 
 def trained_to_the_end(cfg: Config, step: int, epoch: int) -> bool:
@@ -208,7 +236,7 @@ def trained_to_the_end(cfg: Config, step: int, epoch: int) -> bool:
 CONFIG_HISTORY_FILE = "config-history.jsonl"
 
 
-def record_config(cfg: Config, run_dir: Any, resume_from: Any, fit_id: str) -> None:
+def record_config(cfg: Config, run_dir: Any, resume: ResumePoint, fit_id: str) -> None:
     """Before a fit trains: `config.yaml` becomes this fit's config, `config-history.jsonl` gains a line.
 
     Each line: the fit, when, which checkpoint it continued (and at which step), the keys
@@ -220,46 +248,32 @@ def record_config(cfg: Config, run_dir: Any, resume_from: Any, fit_id: str) -> N
     import json
     import time
 
-    import yaml
-
     from raytrain_ddp.rundir import CONFIG_FILE
 
     text = cfg.to_yaml()
     config_file, history = run_dir / CONFIG_FILE, run_dir / CONFIG_HISTORY_FILE
-    previous = config_file.read_text() if config_file.exists() else None
-    old = flatten(yaml.safe_load(previous)) if previous else {}
-    new = flatten(yaml.safe_load(text))
-    changed = {k: [old.get(k), new.get(k)] for k in sorted(old.keys() | new.keys())
-               if previous and old.get(k) != new.get(k)}
-    step = int(ckpt.read_manifest(resume_from).get("step", 0)) if resume_from else 0
-    line = json.dumps({"fit_id": fit_id, "time": time.time(), "resumed_from": str(resume_from) if resume_from else None,
-                       "from_step": step, "changed": changed, "config": text})
+    old, new, keys = changes(config_file.read_text() if config_file.exists() else None, text)
+    changed = {k: [old.get(k), new.get(k)] for k in keys}
+    where = resume.checkpoint
+    line = json.dumps({"fit_id": fit_id, "time": time.time(), "resumed_from": str(where) if where else None,
+                       "from_step": resume.step, "changed": changed, "config": text})
     before = history.read_text() if history.exists() else ""
     history.write_text(before + line + "\n")
     config_file.write_text(text)
 
 
-def restore_config_if_untrained(run_dir: Any, fit_id: str) -> None:
+def restore_config_if_untrained(run_dir: Any, fit_id: str, latest: Optional[ResumePoint] = None) -> None:
     """After a fit: if it wrote no checkpoint, `config.yaml` goes back to the newest checkpoint's config.
 
     A fit that failed, was unschedulable or interrupted before its first checkpoint
     trained nothing that is kept, so the run directory's description must not change.
+    `latest`: the newest valid checkpoint, when the caller has it (else found now).
     """
     from raytrain_ddp.rundir import CONFIG_FILE
 
-    candidates = ckpt.find_checkpoints(run_dir)
-    try:
-        if candidates and ckpt.read_manifest(candidates[0]).get("fit_id") == fit_id:
-            return  # the usual case: this fit wrote the newest checkpoint (no need to load it)
-    except CheckpointError:
-        pass
-    found = ckpt.load_latest_valid(candidates)
-    if found is None:
-        return
-    state, _ = found
-    recorded = state.get("run", {}).get("config")
-    if state.get("run", {}).get("fit_id") != fit_id and isinstance(recorded, str):
-        (run_dir / CONFIG_FILE).write_text(recorded)
+    run = (latest if latest is not None else newest(run_dir)).state.get("run", {})
+    if run.get("fit_id") != fit_id and isinstance(run.get("config"), str):
+        (run_dir / CONFIG_FILE).write_text(run["config"])
 
 
 def prune_checkpoints(run_dir: Any, keep: int) -> list[str]:

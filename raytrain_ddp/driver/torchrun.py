@@ -1,9 +1,9 @@
 """`scaling.launcher: torchrun`: the workers of one machine started by `torch.distributed.run`,
 with no Ray at all (issue #39), the way Ray Train V2's local mode runs under torchrun.
 
-Owns: the driver's side (`run_torchrun`: torchrun started first, in its own session, so its
-processes import torch while this one reads the data once; the job and its rows handed to
-the ranks in one pickle; Ctrl-C; the summary) and each rank's (`rank_main`, run as
+Owns: the `torchrun` row's launcher (`TorchrunLauncher`, launch/table.py: torchrun started first,
+in its own session, so its processes import torch while this one reads the data once; the job
+and its rows handed to the ranks in one pickle) and each rank's (`rank_main`, run as
 `python -m raytrain_ddp.driver.torchrun`: the
 process group from torchrun's environment, then the same loop as every other host, through
 `worker/runtime.LocalRuntime`). Rank 0's records reach the driver's `Recorder` through a
@@ -38,8 +38,8 @@ from multiprocessing.connection import Client, Listener
 from typing import Any, Optional
 
 from raytrain_ddp.config import Config
+from raytrain_ddp.driver.local import LocalLauncher
 from raytrain_ddp.errors import START_TRIES, start_fault
-from raytrain_ddp.rundir import Location
 
 
 DRIVER_PID_ENV = "RAYTRAIN_DDP_TORCHRUN_DRIVER"  # the ranks wait for their job while this process runs
@@ -131,7 +131,7 @@ class TorchrunLaunch:
     torch while the driver does, and each rank waits for `payload` (`_wait_for_payload`),
     which appears at once, whole (`hand_over`: written beside it, then renamed). `stop()`
     ends it (its agent stops its ranks) and removes the payload; it is a no-op once torchrun
-    has exited. The CLI starts one before it imports torch (`start_early`)."""
+    has exited. `TorchrunLauncher` starts one for each launch."""
 
     def __init__(self, cfg: Config) -> None:
         self.dir = tempfile.mkdtemp(prefix="raytrain_ddp_torchrun_")  # the payload, torchrun's log dir
@@ -175,83 +175,60 @@ class TorchrunLaunch:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def start_early(cfg: Config) -> Optional[TorchrunLaunch]:
-    """torchrun for `cfg`, started before the driver imports torch, if it launches with torchrun."""
-    from raytrain_ddp.launch import table as launchers
+class TorchrunLauncher(LocalLauncher):
+    """This machine's torchrun starts the ranks (launch/base.py's `Launcher`): started at
+    construction (the CLI's, before it imports torch: the row's `early_start`), so that its
+    processes import torch while this one reads the rows (as local mode, once, for every rank)
+    and plans the job. Rank 0's records come through the mailbox served over a local socket."""
 
-    return TorchrunLaunch(cfg) if launchers.of(cfg).early_start else None
+    def __init__(self, cfg: Config) -> None:
+        super().__init__(cfg)
+        self.cfg, self.launch, self.server = cfg, TorchrunLaunch(cfg), None
+        self.start_: Any = None
 
+    def start(self, start: Any, given: Optional[dict[str, Any]]) -> tuple[Any, Any]:
+        self.start_ = start
+        prepared, mailbox = super().start(start, given)
+        self.server = MailboxServer(mailbox)
+        return prepared, mailbox
 
-def run_torchrun(cfg: Config, run_dir: Location, fit_id: str, resume_from: Any, checked: Any, code: Any,
-                 timeline: Any = None, launch: Optional[TorchrunLaunch] = None) -> dict[str, Any]:
-    """Train `cfg` on `scaling.num_workers` torchrun processes; returns the summary.
+    def run(self, job: Any, recorder: Any, interrupt: Any) -> tuple[str, Optional[str]]:
+        """The job handed to the waiting ranks; a launch whose process group did not form for a
+        mendable reason is started again (fresh ports), at most `START_TRIES` launches."""
+        assert self.server is not None
+        mailbox, job = job.mailbox, dataclasses.replace(job, mailbox=self.server.client())
+        given = {"job": job, "shards": self.shards, "run_dir": self.run_dir}
+        try:
+            self.launch.hand_over(given)
+            interrupt.register()
+            (code, cause), launches = self.launch.wait(), 1
+            while cause is not None and not interrupt.fired and launches < START_TRIES:  # mendable: fresh ports
+                self._relaunch(given, mailbox, job.fit_id, cause, launches)
+                (code, cause), launches = self.launch.wait(), launches + 1
+        finally:
+            self.launch.stop()  # the second Ctrl-C, an error: the ranks stop now
+        if cause is not None:  # the tries spent (or a Ctrl-C between them)
+            return ("interrupted", None) if interrupt.fired else \
+                ("failed", f"the ranks' process group did not form, {launches} times: {cause}")
+        if code != 0:
+            return "failed", f"a torchrun rank exited with code {code} (its output is above)"
+        return "ok", None
 
-    torchrun starts first (`launch`: the CLI's, else one started here), so that its
-    processes import torch while this one reads the data and plans the job. A refusal or
-    an error before the job is handed over stops it."""
-    from raytrain_ddp.data.ray_datasets import PreparedData
-    from raytrain_ddp.driver.console import ProgressPrinter
-    from raytrain_ddp.driver.fit import prepare, report
-    from raytrain_ddp.driver.local import ctrl_c_stops, local_data
-    from raytrain_ddp.driver.sinks import make_sinks
-    from raytrain_ddp.driver.stream import LocalMailbox, Recorder
+    def close(self) -> None:
+        self.launch.stop()  # a refusal or an error before the ranks got their payload: they wait for none
+        if self.server is not None:
+            self.server.close()
 
-    started = time.time()  # the fit's own start (a launch from the CLI began before its imports)
-    launch = launch or TorchrunLaunch(cfg)
-    server = None
-    try:
-        shards, spec = local_data(cfg, checked, code)
-        job, _, total_steps = prepare(cfg, run_dir, fit_id, resume_from, checked, code, None,
-                                      prepared=PreparedData({}, spec, None))
-        mailbox = LocalMailbox()
-        server = MailboxServer(mailbox)
-        job = dataclasses.replace(job, mailbox=server.client())
-        recorder = Recorder(run_dir, job.fit_id, [ProgressPrinter(total_steps), *make_sinks(cfg, run_dir, job.fit_id)],
-                            mailbox, write_metrics="jsonl" in cfg.run.loggers, timeline=timeline)
-        if timeline is not None:
-            timeline.mark("ray", applies=False)
-            timeline.mark("datasets", applies=False)  # read in this process; the ranks get the rows
-            timeline.attach(run_dir)
-        given = {"job": job, "shards": shards, "run_dir": run_dir}
-        launch.hand_over(given)
-        status, error = "ok", None
-        with ctrl_c_stops(mailbox) as pressed:
-            try:
-                with recorder:
-                    (code_, cause), launches = launch.wait(), 1
-                    while cause is not None and not pressed and launches < START_TRIES:  # mendable: fresh ports
-                        launch = _relaunch(cfg, launch, given, mailbox, job.fit_id, cause, launches, timeline)
-                        (code_, cause), launches = launch.wait(), launches + 1
-                if cause is not None:  # the tries spent (or a Ctrl-C between them)
-                    status, error = ("interrupted", None) if pressed else \
-                        ("failed", f"the ranks' process group did not form, {launches} times: {cause}")
-                elif code_ != 0:
-                    status, error = "failed", f"a torchrun rank exited with code {code_} (its output is above)"
-                else:
-                    status = "interrupted" if pressed else "ok"
-            except KeyboardInterrupt:  # the second Ctrl-C: stop the ranks now
-                status = "interrupted"
-                launch.stop()
-    finally:
-        launch.stop()  # a refusal or an error before the ranks got their payload: they wait for none
-        if server is not None:
-            server.close()
-    return report(cfg, run_dir, job, recorder, status, error, started)
-
-
-def _relaunch(cfg: Config, failed: TorchrunLaunch, given: dict[str, Any], mailbox: Any, fit_id: str, cause: str,
-              tried: int, timeline: Any) -> TorchrunLaunch:
-    """A new torchrun for the same job after a start that `cause` failed: the failed start is an
-    attempt of its own (said in one line by the recorder, `driver/startup.py`), in the timeline too."""
-    now = time.time()
-    mailbox.attempt({"fit_id": fit_id, "world_size": cfg.scaling.num_workers, "time": now,
-                     "start_failed": cause, "try": tried, "tries": START_TRIES})
-    if timeline is not None:
-        timeline.controller({"begin": failed.began, "failed": now})
+    def _relaunch(self, given: dict[str, Any], mailbox: Any, fit_id: str, cause: str, tried: int) -> None:
+        """A new torchrun for the same job after a start that `cause` failed: the failed start is an
+        attempt of its own (said in one line by the recorder, `driver/startup.py`), in the timeline too."""
+        now, timeline = time.time(), self.start_.timeline
+        mailbox.attempt({"fit_id": fit_id, "world_size": self.cfg.scaling.num_workers, "time": now,
+                         "start_failed": cause, "try": tried, "tries": START_TRIES})
+        timeline.controller({"begin": self.launch.began, "failed": now})
         timeline.controller({"begin": now})  # the new launch's start; its ranks stamp the rest
-    launch = TorchrunLaunch(cfg)
-    launch.hand_over(given)
-    return launch
+        self.launch = TorchrunLaunch(self.cfg)
+        self.launch.hand_over(given)
 
 
 def _start_fault(payload: str, exc: BaseException) -> None:

@@ -92,7 +92,7 @@ def run_trial(values: dict[str, Any], *, base: dict[str, Any], sweep_dir: str, t
               report: Callable[[dict[str, float]], None], stop: threading.Event) -> None:
     """One full fit of ours for `values`, each validation line to `report`; `stop` set from
     another thread stops it as a Ctrl-C does (saved, workers given back)."""
-    from raytrain_ddp.driver.launcher import run_training
+    from raytrain_ddp.driver.fit import run_training
     from raytrain_ddp.driver.resume import NothingToTrain
 
     cfg = trial_config(base, values, Location.parse(sweep_dir), trial_id)

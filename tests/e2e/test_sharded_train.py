@@ -16,7 +16,7 @@ import torch
 
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import load_config
-from raytrain_ddp.driver.launcher import run_training
+from raytrain_ddp.driver.fit import run_training
 from raytrain_ddp.rundir import read_metrics
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]

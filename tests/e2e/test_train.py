@@ -19,7 +19,7 @@ import torch
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import load_config
 from raytrain_ddp.errors import DataError
-from raytrain_ddp.driver.launcher import run_training
+from raytrain_ddp.driver.fit import run_training
 from raytrain_ddp.driver.resume import ResumeError
 from raytrain_ddp.rundir import read_metrics
 from raytrain_ddp.ops.plot import plot_run

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from _elastic import Reference, elastic_cfg, states_by_step
-from raytrain_ddp.driver.launcher import run_training
+from raytrain_ddp.driver.fit import run_training
 
 
 @pytest.fixture(scope="session")

@@ -36,7 +36,7 @@ import pytest
 
 from _elastic import STEPS, elastic_cfg, max_difference, optimizer_difference, states_by_step
 from _procs import descendants, listening_sockets, loopback
-from raytrain_ddp.driver.launcher import run_training
+from raytrain_ddp.driver.fit import run_training
 from raytrain_ddp.rundir import read_jsonl, read_metrics
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(360)]

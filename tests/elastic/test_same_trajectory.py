@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from _elastic import ATOL, STEPS, elastic_cfg, max_difference, optimizer_difference, states_by_step
-from raytrain_ddp.driver.launcher import run_training
+from raytrain_ddp.driver.fit import run_training
 from raytrain_ddp.rundir import read_metrics
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(480)]

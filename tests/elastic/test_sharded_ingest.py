@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from _elastic import ATOL, STEPS, elastic_cfg, max_difference, states_by_step
-from raytrain_ddp.driver.launcher import run_training
+from raytrain_ddp.driver.fit import run_training
 from raytrain_ddp.rundir import read_metrics
 from _hooks import SAMPLE_LOG_ENV
 

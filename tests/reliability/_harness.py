@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from raytrain_ddp.config import Config, load_config
-from raytrain_ddp.driver.launcher import run_training
+from raytrain_ddp.driver.fit import run_training
 from raytrain_ddp.rundir import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]

@@ -59,7 +59,7 @@ from _ledger import committed_rows
 from _procs import descendants as _descendants
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import load_config
-from raytrain_ddp.driver.launcher import run_training
+from raytrain_ddp.driver.fit import run_training
 from raytrain_ddp.rundir import read_jsonl, read_metrics
 from _hooks import ENABLE, FAULT_ENV, SAMPLE_LOG_ENV, STEP_DELAY_ENV
 from _two_node import CLUSTER_SCRIPT, two_node_cluster, two_node_env

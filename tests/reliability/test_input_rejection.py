@@ -21,7 +21,7 @@ import pytest
 
 from _harness import TINY, tiny
 from raytrain_ddp.errors import DataError
-from raytrain_ddp.driver.launcher import run_training
+from raytrain_ddp.driver.fit import run_training
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -97,14 +97,15 @@ def test_torchrun_launcher_needs_a_fixed_count_and_exact_data():
 
 def test_local_mode_refuses_what_needs_ray_by_its_launcher_row_before_anything_starts():
     """The launcher table's `local` row (launch/table.py): exact data read in this process, no
-    Ray Datasets; each row's fit function resolves."""
+    Ray Datasets; each row's launcher resolves, with launch/base.py's members."""
     from raytrain_ddp.launch import table as launchers
 
     with pytest.raises(ConfigError, match=re.escape("(local mode) reads the data in this process")):
         load_config(None, ["scaling.num_workers=0", "data.sharding=streaming"])
     _refuses_ray_datasets(["scaling.num_workers=0"], "(local mode) runs without Ray")
     assert launchers.of(load_config(None, ["scaling.num_workers=0"])).name == "local"
-    assert [callable(row.run_fit()) for row in launchers.LAUNCHERS.values() if row.run] == [True, True]
+    assert [all(callable(getattr(row.cls(), m, None)) for m in ("start", "run", "close"))
+            for row in launchers.LAUNCHERS.values()] == [True, True, True]
 
 
 def test_batch_error_suggests_valid_values():

@@ -239,11 +239,11 @@ def test_the_embedded_ray_is_started_once_more_when_its_startup_wait_ran_out(mon
 
 
 def test_a_stop_from_another_thread_is_one_ctrl_c(capsys):
-    """`Interrupt.press` and the launcher's `_press_on`: a sweep's trial that Tune stops asks
+    """`Interrupt.press` and `interrupt._press_on`: a sweep's trial that Tune stops asks
     its workers once, as the first Ctrl-C does, from the thread that watches Tune."""
     import threading
 
-    from raytrain_ddp.driver.launcher import _press_on
+    from raytrain_ddp.driver.interrupt import _press_on
 
     mailbox = SimpleNamespace(request_stop=_Remote())
     interrupt = Interrupt(mailbox)
@@ -263,4 +263,41 @@ def test_a_stop_from_another_thread_is_one_ctrl_c(capsys):
         assert mailbox.request_stop.calls == 1
     finally:
         interrupt.restore()
+    assert "the workers save the step they are at" in capsys.readouterr().err
+
+
+def test_the_fit_sequence_drives_any_launcher_and_its_one_ctrl_c(tmp_path, capsys):
+    """driver/fit.run_training with a launcher given (as the CLI gives an early one): its
+    members in order (start, run, close), the one Ctrl-C handler asking the ranks through the
+    launcher's mailbox, status `interrupted`, summary.json written, the handler and the hold
+    given back (issue 53)."""
+    from raytrain_ddp.config import load_config
+    from raytrain_ddp.driver.fit import run_training
+    from raytrain_ddp.driver.local import LocalLauncher
+    from raytrain_ddp.rundir import HOLD_FILE
+
+    calls = []
+
+    class Pressing(LocalLauncher):
+        def start(self, start, given):
+            calls.append("start")
+            return super().start(start, given)
+
+        def run(self, job, recorder, interrupt):
+            calls.append("run")
+            interrupt.register()
+            os.kill(os.getpid(), signal.SIGINT)  # the first Ctrl-C: taken, the ranks asked to stop
+            assert job.mailbox.stop_requested()
+            return "ok", None
+
+        def close(self):
+            calls.append("close")
+
+    cfg = load_config(Path(__file__).parents[2] / "examples" / "configs" / "tiny.yaml",
+                      [f"run.storage_path={tmp_path}", "name=seq", "scaling.num_workers=0"])
+    before = signal.getsignal(signal.SIGINT)
+    summary = run_training(cfg, launch=Pressing(cfg))
+    assert calls == ["start", "run", "close"] and summary["status"] == "interrupted", (calls, summary)
+    assert json.loads((tmp_path / "seq" / "summary.json").read_text())["status"] == "interrupted"
+    assert signal.getsignal(signal.SIGINT) is before and not (tmp_path / "seq" / HOLD_FILE).exists()
     assert "the workers save the step they are at" in capsys.readouterr().err

@@ -28,7 +28,7 @@ from raytrain_ddp.driver import preflight, ray_console
 from raytrain_ddp.cli import main
 from raytrain_ddp.driver.resume import (
     CONFIG_HISTORY_FILE, NothingToTrain, ResumeError, check_something_to_train, prune_checkpoints, record_config,
-    resolve_resume, restore_config_if_untrained,
+    ResumePoint, resolve_resume, restore_config_if_untrained, resume_point,
 )
 from raytrain_ddp.rundir import CONFIG_FILE, read_metrics
 
@@ -125,12 +125,12 @@ def test_finished_run_rerun_exits_3_before_ray_and_keeps_its_config(tmp_path, ca
 
     # Both hinted commands get past the check.
     extended = _cfg(tmp_path, "train.epochs=4")
-    check_something_to_train(extended, resolve_resume(extended, run_dir))
+    check_something_to_train(extended, resume_point(extended, run_dir))
     renamed = _cfg(tmp_path, "name=tiny-2")
     assert resolve_resume(renamed, tmp_path / "tiny-2") is None
     # max_steps: the same rule counted in steps
     with pytest.raises(NothingToTrain, match=r"train\.max_steps=20\b.*train\.max_steps=40"):
-        check_something_to_train(_cfg(tmp_path, "train.max_steps=20"), resolve_resume(trained, run_dir))
+        check_something_to_train(_cfg(tmp_path, "train.max_steps=20"), resume_point(trained, run_dir))
 
 
 def test_the_same_command_on_a_complete_run_exits_0_and_says_it_is_complete(tmp_path, capsys, no_ray):
@@ -152,7 +152,7 @@ def test_the_same_command_on_a_complete_run_exits_0_and_says_it_is_complete(tmp_
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 45))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["steps"] == 44 and summary["final_metrics"]["loss"] == 0.25
-    assert check_something_to_train(trained, resolve_resume(trained, run_dir)) is True
+    assert check_something_to_train(trained, resume_point(trained, run_dir)) is True
     assert main(["train", str(TINY), f"run.storage_path={tmp_path}"]) == 0  # and again: still complete
     assert (run_dir / CONFIG_FILE).read_text() == trained.to_yaml()
 
@@ -198,10 +198,10 @@ def test_config_history_and_restore_after_a_fit_that_trained_nothing(tmp_path):
     first = _cfg(tmp_path)
     run_dir = tmp_path / "tiny"
     run_dir.mkdir()
-    record_config(first, run_dir, None, "a" * 32)
+    record_config(first, run_dir, ResumePoint(), "a" * 32)
     checkpoint = _save(run_dir, first, step=44, epoch=2, fit_id="a" * 32)
     second = _cfg(tmp_path, "train.lr=0.001", "train.epochs=4")
-    record_config(second, run_dir, checkpoint, "b" * 32)
+    record_config(second, run_dir, ResumePoint(checkpoint, ckpt.read_manifest(checkpoint)), "b" * 32)
     assert (run_dir / CONFIG_FILE).read_text() == second.to_yaml()
     history = [json.loads(line) for line in (run_dir / CONFIG_HISTORY_FILE).read_text().splitlines()]
     assert [h["fit_id"] for h in history] == ["a" * 32, "b" * 32]

@@ -78,6 +78,12 @@ def test_the_example_loads_and_plans_six_trials():
     assert base.scaling.num_workers == 1 and "sweep" not in data
     with pytest.raises(ConfigError, match="raytrain-ddp sweep"):  # train refuses it, saying what to run
         load_config(SWEEP)
+    # a launcher whose row cannot sweep (launch/table.py) is refused in one line naming it, before Ray
+    for launcher, says in ((["scaling.launcher=torchrun"], "scaling.launcher=torchrun"),
+                           (["scaling.num_workers=0"], "scaling.num_workers=0 (local mode)")):
+        with pytest.raises(ConfigError, match="a sweep's trials run on Ray workers") as err:
+            load_sweep(SWEEP, launcher)
+        assert str(err.value).startswith(says) and "\n" not in str(err.value)
 
 
 def test_concurrency_from_the_cluster_and_one_trials_workers():

@@ -16,7 +16,7 @@ import pytest
 
 from raytrain_ddp.config import load_config
 from raytrain_ddp.driver import local
-from raytrain_ddp.driver.launcher import run_training
+from raytrain_ddp.driver.fit import run_training
 from raytrain_ddp.driver.torchrun import DRIVER_PID_ENV
 
 pytestmark = pytest.mark.timeout(120)
