@@ -74,7 +74,7 @@ def _train(job: Job, cfg: "Config", rank: "Rank", hooks: Hooks, recovery: Union[
     total_steps = total_steps_of(cfg, data.steps_per_epoch)  # as the driver computes it (data/steps.py)
     state = build_state(job, rank, total_steps, recovery.wrapper_group())
     log = RunLog(job, rank, state, data, total_steps)  # records this attempt
-    validator = Validator(job, rank, state, data, log)  # run.validation: inline, or rank 0's thread
+    validator = Validator(job, rank, state, data, log, hooks)  # run.validation: inline, or rank 0's thread
     stamps.mark("model_built")
     hooks.on_attempt(rank, log.attempt, state.module)
     checkpointer = recovery.resume(job, rank, state, log, hooks, data.accumulation_steps)

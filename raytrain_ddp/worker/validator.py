@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from raytrain_ddp.data.worker_data import WorkerData
     from raytrain_ddp.job import Job
     from raytrain_ddp.rundir import Location
+    from raytrain_ddp.worker.hooks import Hooks
     from raytrain_ddp.worker.meter import RunLog
     from raytrain_ddp.worker.state import TrainState
 
@@ -83,7 +84,8 @@ class Validator:
     """`inline`: the loop validates as it always did. Otherwise rank 0 hands each epoch-end
     checkpoint's model to its thread (`submit`); the other ranks' calls do nothing."""
 
-    def __init__(self, job: "Job", rank: Rank, state: "TrainState", data: "WorkerData", log: "RunLog") -> None:
+    def __init__(self, job: "Job", rank: Rank, state: "TrainState", data: "WorkerData", log: "RunLog",
+                 hooks: Optional["Hooks"] = None) -> None:
         self.inline = job.cfg.run.validation != "async"
         self.data, self.log, self.spec = data, log, job.spec
         self.rank = Rank(0, 1, 0, rank.device)  # the thread validates alone
@@ -99,6 +101,8 @@ class Validator:
         with torch.random.fork_rng(devices=[rank.device] if cuda else []):  # the trajectory stays the inline run's
             module = UserCode.for_job(job).build_model(job.cfg, job.spec).to(rank.device)
         self._copy = _Copy(module.eval(), state.autocast, state.batch)
+        if hooks is not None:
+            hooks.on_validator(module)
         self._stream = torch.cuda.Stream(rank.device) if cuda else None
         next(iter(data.val_batches(share=(0, 1))), None)  # the rows are read now (start-up), not on the thread
 
