@@ -114,6 +114,7 @@ class Validator:
             return
         began = time.perf_counter()
         self._join()
+        self.log.outbox.send("validating", step=step)  # the driver's trackers wait for its line
         self._copy.module.load_state_dict(model_state)
         copied = torch.cuda.Event() if self._stream is not None else None
         if copied is not None:
