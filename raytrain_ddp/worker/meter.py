@@ -225,6 +225,7 @@ class RunLog:
         # Rank 0's lines the driver has not said it wrote durably: every checkpoint carries
         # them (`lines_to_save`), so a driver killed before writing them loses none.
         self.unsaved_lines: list[dict[str, Any]] = []
+        self._unsaved_lock = threading.Lock()  # the validator's thread adds lines too (`worker/validator.py`)
 
     def _record_attempt(self) -> int:
         """Rank 0 registers this worker-group start with the driver; every rank learns the number."""
@@ -353,7 +354,8 @@ class RunLog:
         record = {k: _plain(v) for k, v in record.items()}
         self.step_lines.append(record)
         if self.rank.is_main:
-            self.unsaved_lines = self.unsaved_lines[-(MAX_UNSAVED_LINES - 1):] + [record]
+            with self._unsaved_lock:
+                self.unsaved_lines = self.unsaved_lines[-(MAX_UNSAVED_LINES - 1):] + [record]
             self.outbox.send("metrics", record=record)
 
     def lines_to_save(self) -> list[dict[str, Any]]:
@@ -362,8 +364,9 @@ class RunLog:
         attempt). A driver killed before writing them (object stores are rewritten about once a
         second) loses none: the next start takes them from the checkpoint it resumes."""
         durable = self.outbox.durable_step()
-        self.unsaved_lines = [r for r in self.unsaved_lines if int(r.get("step", 0)) > durable]
-        return list(self.unsaved_lines)
+        with self._unsaved_lock:
+            self.unsaved_lines = [r for r in self.unsaved_lines if int(r.get("step", 0)) > durable]
+            return list(self.unsaved_lines)
 
     def _window(self) -> dict[str, Any]:
         blocked, self._blocked_s = self._blocked_s, 0.0
