@@ -389,6 +389,8 @@ def _sequence(reference, tmp_path: Path, store, seed: int, story: list[str], clu
             pytest.fail(f"invocation #{index + 1} did not start Ray in {RAY_START_TRIES} tries: its faults were "
                         f"never applied\n{tail}")
         assert code in (0, 130, -signal.SIGKILL), tail
+        if inv.worker_fault and inv.worker_fault[2] == "validation" and validation == "async":  # it was aimed there
+            assert "[fault injection] rank 0 validation after step" in out, tail
         if continues_at is not None:  # the previous Ctrl-C named where this one starts
             begun = re.search(r"resume +(?:from \S+ \(step (\d+)\)|fresh start)", out)
             assert begun and int(begun.group(1) or 0) == continues_at, tail
