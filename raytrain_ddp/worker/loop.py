@@ -104,7 +104,8 @@ def _train(job: Job, cfg: "Config", rank: "Rank", hooks: Hooks, recovery: Union[
                     with log.paused():
                         val = log.validation(recovery.validate(state, data, rank, job.spec))  # live: a loss skips it
                 elif last:  # async: the final save carries the last validation's line
-                    val = validator.final(state, progress.step, log.epochs)
+                    with log.paused():
+                        val = validator.final(state, progress.step, log.epochs)
                 if checkpointer.epoch_end_due(epoch, last=last):
                     saved = checkpointer.save({"loss": log.last_loss, **val})
                     if not last:
