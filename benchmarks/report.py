@@ -72,6 +72,8 @@ TARGETS = [
      lambda r: r["activation_checkpointing"]["memory_ratio"], 0.6, "<="),
     ("activation checkpointing: step time with / without (gpt preset)",
      lambda r: r["activation_checkpointing"]["step_ratio"], 1.4, "<="),
+    ("run.validation=async: the loop's stall per validation / a steady step",
+     lambda r: r["validation"]["async"]["stall_over_step"], 2.0, "<="),
 ]
 
 
@@ -319,6 +321,12 @@ def _startup_tables(sec: dict[str, Any]) -> list[str]:
 
 
 # The report's sections, in order: the results' key and its tables.
+def _validation_table(sec: dict[str, Any]) -> list[str]:
+    from benchmarks.step_options import validation_table
+
+    return validation_table(sec)
+
+
 def _step_option_tables(sec: dict[str, Any]) -> list[str]:
     """`compile` (rows per strategy) or `activation_checkpointing` (plain vs checkpointed)."""
     if "rows" in sec:
@@ -336,7 +344,9 @@ def _step_option_tables(sec: dict[str, Any]) -> list[str]:
 _SECTIONS = (("strategies", _strategy_tables), ("accumulation", _accumulation_tables), ("memory", _memory_tables),
              ("ray_overhead", _ray_tables), ("checkpoint", _checkpoint_tables), ("ingest", _ingest_tables),
              ("recovery", _recovery_tables), ("startup", _startup_tables), ("gpt", _gpt_tables),
-             ("compile", _step_option_tables), ("activation_checkpointing", _step_option_tables))
+             ("compile", _step_option_tables), ("activation_checkpointing", _step_option_tables),
+             ("validation", lambda sec: ["\n**Validation** (the step loop's stall per validation, local mode)\n",
+                                         "\n".join(_validation_table(sec))]))
 
 
 def markdown(results: dict[str, Any]) -> str:

@@ -1,4 +1,4 @@
-"""What `train.compile` and `model.activation_checkpointing` buy on the GPT preset (issue #55).
+"""What `train.compile`, `model.activation_checkpointing` and `run.validation: async` buy (issue #55).
 
 The GPT preset: `strategies.GPT_SHAPE` on the CPU, `gpu.GPU_GPT` on a GPU (`gpu_checks`).
 
@@ -7,12 +7,15 @@ compiled one, and the seconds compiling took: the backend's, `CompileClock`, and
 step's wall time) and the `activation_checkpointing` section (one process: a step's
 activation memory and time with and without checkpointing the blocks). Must not touch: Ray,
 the wrappers' internals (it calls `wrap_model`, `WrappedModel.compile` and
-`models.checkpoint_activations`, as training does).
+`models.checkpoint_activations`, as training does). The `validation` section trains one
+small run in local mode twice, `run.validation` inline and async, and reads the stall per
+validation from its metrics lines (`python -m benchmarks.step_options` runs it alone).
 
 Memory: on CUDA the step's peak allocation (`torch.cuda.max_memory_allocated`, parameters and
 optimizer state included); on the CPU, which keeps no such counter, the bytes autograd kept
 for backward at the end of the forward (`saved_tensors_hooks`), what checkpointing removes.
-Targets (issue #55): compiled native <= 1.05x eager; checkpointed peak <= 0.6x, step <= 1.4x.
+Targets (issue #55): compiled native <= 1.05x eager; checkpointed peak <= 0.6x, step <= 1.4x;
+async validation's stall <= 2x a steady step.
 """
 
 from __future__ import annotations
@@ -131,3 +134,93 @@ def run_checkpointing(sizes: Sizes, device: str = "cpu", shape: Optional[dict] =
     out["step_ratio"] = ckpt["step_ms"] / plain["step_ms"]
     out["targets"] = "memory_ratio <= 0.6, step_ratio <= 1.4"
     return out
+
+
+VALIDATION_RUN = ["scaling.num_workers=0", "model.name=mlp", "model.hidden_sizes=[512]", "data.source=synthetic",
+                  "data.synthetic.feature_dim=1024", "data.val_fraction=0.5",
+                  "train.global_batch_size=64", "train.micro_batch_size=64", "run.log_every_steps=1",
+                  "run.checkpoint_every_steps=0", "run.loggers=[jsonl]"]
+
+
+def run_validation(sizes: Sizes, log=print) -> dict[str, Any]:
+    """`run.validation`, inline vs async: the step loop's stall at each validation point (the
+    lines' `validation_s`) against a steady step, the same run (local mode: one process, no Ray)
+    trained both ways, every epoch's validation but the last (which async waits for). Also what
+    async costs beside the loop: the validator thread's seconds (`validation_async_s`) and the
+    steps that ran while it validated (they share this machine's cores)."""
+    import tempfile
+
+    from raytrain_ddp.config import load_config
+    from raytrain_ddp.driver.launcher import run_training
+    from raytrain_ddp.rundir import read_metrics
+
+    epochs, rows = 2 + sizes.rounds, 12288 if sizes.rounds > 1 else 2048  # the smoke preset: a check only
+    log(f"  validation: inline vs async, mlp on {rows // 2:,} synthetic val rows, {epochs} epochs in local mode ...")
+    out: dict[str, Any] = {"epochs": epochs, "overrides": [*VALIDATION_RUN, f"data.synthetic.rows={rows}"]}
+    with tempfile.TemporaryDirectory(prefix="bench-validation-") as tmp:
+        for mode in ("inline", "async"):
+            cfg = load_config(None, [*out["overrides"], f"train.epochs={epochs}", f"run.storage_path={tmp}",
+                                     f"name={mode}", f"run.validation={mode}"])
+            done = run_training(cfg)
+            assert done["status"] == "ok", done.get("error")
+            lines = read_metrics(f"{tmp}/{mode}/metrics.jsonl")
+            train = [r for r in lines if "loss" in r]
+            val = [r for r in lines if "val_loss" in r][:-1]  # the last: the run waits for it either way
+            step_ms = [1e3 * r["steps_s"] / r["window_steps"] for r in train if r.get("window_steps")]
+            row = {"steady_step_ms": stats(step_ms)["median"],
+                   "stall_ms": stats([1e3 * r["validation_s"] for r in val])["median"],
+                   "val": [{k: v for k, v in r.items() if k.startswith("val_")} for r in val]}
+            row["stall_over_step"] = row["stall_ms"] / row["steady_step_ms"]
+            if mode == "async":
+                row["validator_ms"] = stats([1e3 * r["validation_async_s"] for r in val])["median"]
+                during = [1e3 * r["steps_s"] / r["window_steps"] for r in train for v in val
+                          if v["time"] - v["validation_async_s"] <= r["time"] <= v["time"] and r.get("window_steps")]
+                row["step_ms_while_validating"] = stats(during)["median"] if during else None
+            out[mode] = row
+    out["val_identical"] = out["inline"].pop("val") == out["async"].pop("val")
+    out["target"] = "async stall_over_step <= 2"
+    return out
+
+
+def validation_table(section: dict[str, Any]) -> list[str]:
+    lines = ["| validation | steady step ms | stall per validation ms | stall / step | validator ms | "
+             "step ms while validating |", "|---|---:|---:|---:|---:|---:|"]
+    for mode in ("inline", "async"):
+        r = section[mode]
+        extra = (f"{r['validator_ms']:.1f} | {r['step_ms_while_validating'] or float('nan'):.2f}"
+                 if mode == "async" else "- | -")
+        lines.append(f"| {mode} | {r['steady_step_ms']:.2f} | {r['stall_ms']:.2f} | {r['stall_over_step']:.2f} | {extra} |")
+    lines.append(f"\nval metrics identical inline and async: {section['val_identical']}; target: {section['target']}")
+    return lines
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """`python -m benchmarks.step_options`: the validation section alone, published under benchmarks/results/."""
+    import argparse
+    import os
+    import sys
+    from pathlib import Path
+
+    from benchmarks.common import FULL, QUICK
+    from benchmarks.session import log, meta, publish, results_path
+
+    parser = argparse.ArgumentParser(description="run.validation inline vs async: the step loop's stall")
+    parser.add_argument("--quick", action="store_true", help="fewer epochs")
+    parser.add_argument("--out", default=None, help="JSON file (default: benchmarks/results/validation-<date>.json)")
+    args = parser.parse_args(argv)
+    out = Path(args.out) if args.out else results_path("validation")
+    started = time.perf_counter()
+    results: dict[str, Any] = {"meta": meta("quick" if args.quick else "full", "cpu")}
+    results["validation"] = run_validation(QUICK if args.quick else FULL, log=log)
+    results["meta"]["duration_s"] = time.perf_counter() - started
+    results["meta"]["load_avg_at_end"] = list(os.getloadavg())
+    table = "\n".join(["**Validation** (the step loop's stall per validation, inline vs async)", "",
+                       *validation_table(results["validation"])])
+    md = publish(results, out, table)
+    print(table)
+    log(f"wrote {out} and {md}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -10,7 +10,8 @@ Sections (top-level JSON keys): `strategies`, `accumulation`, `memory` (bytes pe
 wire bytes and step time of bucketed / zero1 / fsdp), `ray_overhead`,
 `checkpoint` (how long a checkpoint holds the step loop, sync vs async upload), `ingest`,
 `compile` (eager vs torch.compile per replicated strategy, and compile seconds, on the GPT preset),
-`activation_checkpointing` (the GPT step's memory and time with and without it),
+`activation_checkpointing` (the GPT step's memory and time with and without it), `validation`
+(the step loop's stall per validation, `run.validation` inline vs async, local mode),
 `recovery` (a SIGKILLed worker: steps redone and seconds back to training; the replica's
 per-step cost), `startup` (the first step, wall time and last step -> exit of the quickstart
 beside torchrun + torch DDP and a bare TorchTrainer, issue #39) on CPU; on CUDA `strategies` (world size 1: wrapper overhead, plus DataParallel), `gpt`
@@ -59,6 +60,7 @@ def run_cpu(sizes: Sizes) -> dict[str, Any]:
     backend = "aot_eager" if sizes.name == "smoke" else "inductor"
     _section(results, "compile", lambda: step_options.run_compile(sizes, backend=backend, log=log))
     _section(results, "activation_checkpointing", lambda: step_options.run_checkpointing(sizes, log=log))
+    _section(results, "validation", lambda: step_options.run_validation(sizes, log=log))
 
     def on_ray(ray_init_s: float) -> None:
         rounds = 1 if sizes.name in ("quick", "smoke") else 2

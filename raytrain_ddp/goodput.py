@@ -18,6 +18,7 @@ What is read, and who wrote it:
                          (`redone_steps`, `redone_s`, `redone_until`: the dropped lines') (driver)
     metrics.jsonl        the kept lines: `time`, `steps_s` / `window_steps` (the window's step
                          time), `data_wait_fraction`, `exposed_comm_ms`; validation's `validation_s` (rank 0)
+                         and, `run.validation: async`, `validation_async_s` (the validator thread's)
 
 The buckets of one fit, from its start to its end (`fit_end`, else the last timestamp any
 file shows for it: a killed driver writes no end):
@@ -25,13 +26,16 @@ file shows for it: a killed driver writes no end):
     productive   the kept steps' time, less their data wait and exposed communication
     data_wait, exposed_comm   of the kept steps
     checkpoint_stall          the step loop waiting for saves (each attempt's, the last save too)
-    validation   validation passes
+    validation   validation on the critical path: inline passes; async, the hand-off (and the
+                 run's last validation, which the loop waits for)
     redone       steps a later resume threw away (work lost to a fault)
     recovery     an attempt's last recorded step -> the next attempt's first step (detection,
                  restart, restore: a restart's start-up is recovery)
     shutdown     the last attempt's end -> the fit's end
     other        what is left inside the attempts' spans (logging; ~0: a check of the arithmetic)
-and between fits, `idle`: no fit holding the run. Goodput = productive / total.
+and between fits, `idle`: no fit holding the run. Goodput = productive / total. Off the
+critical path, in no bucket (it overlaps the steps): `validation_async_s`, the seconds async
+validation ran beside training.
 Precision: a line covers `run.log_every_steps` steps, so the steps after a failed attempt's
 last line count as recovery, not redone.
 """
@@ -302,7 +306,9 @@ def report(run_dir: Where, current: Optional[dict[str, Any]] = None) -> dict[str
             "goodput": total["productive"] / wall if wall > 0 else 0.0, "buckets": total, "startup_phases": phases,
             "fits": per_fit, "interruptions": events, "by_cause": by_cause,
             "mttr_s": sum(recovered) / len(recovered) if recovered else None,
-            "mtbi_s": held / len(events) if events else None, **cadence_figures(fits)}
+            "mtbi_s": held / len(events) if events else None, **cadence_figures(fits),
+            "validation_async_s": sum(float(r.get("validation_async_s", 0.0)) for f in fits for a in f.attempts
+                                      for r in a.val)}
 
 
 def cadence_figures(fits: list[Fit]) -> dict[str, Optional[float]]:
@@ -388,6 +394,8 @@ def format_table(rep: dict[str, Any]) -> str:
             lines.append(f"  {name:<18}{seconds:>10.2f}{100 * seconds / total:>7.1f}%")
         if name == "startup":
             lines += [f"    {phase:<16}{s:>10.2f}" for phase, s in rep["startup_phases"].items()]
+    if rep.get("validation_async_s"):
+        lines.append(f"  {'validation (async)':<18}{rep['validation_async_s']:>10.2f}  off the critical path, beside the steps")
     lines += ["", f"  {'fit':<10}{'status':<15}{'attempts':>9}{'wall':>10}{'goodput':>9}"]
     for fit in rep["fits"]:
         lines.append(f"  {fit['fit'][:8]:<10}{fit['status']:<15}{fit['attempts']:>9}{_s(fit['total_s']):>10}"

@@ -16,7 +16,9 @@ the model, as Lightning's tests inject faults from the model), which exercises t
 non-finite path; `midstep` SIGKILLs the rank from inside the first forward pass of step
 `step + 1` (also a forward hook), so its peers lose it in the middle of a step;
 `validation` SIGKILLs it from inside the first validation forward pass (eval mode) after
-step `step` (the epoch's last), so its peers lose it while validating. `exit`, `midstep`
+step `step` (the epoch's last), so its peers lose it while validating (`run.validation:
+async`: in rank 0's validator thread, validating the first epoch end at or after `step`,
+while the loop trains on). `exit`, `midstep`
 and `validation` first write the time of death (`time.time()`) to `mark=PATH` if given,
 which the recovery tests and `raytrain-ddp bench`'s recovery section measure from.
 
@@ -310,6 +312,18 @@ class TestHooks(Hooks):
             module.register_forward_hook(self._die_midstep)
         if os.environ.get(SAMPLE_LOG_ENV):
             module.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def on_validator(self, module: Any) -> None:
+        if self.fault is not None and self.fault.mode == "validation":
+            module.register_forward_hook(self._die_validating)
+
+    def _die_validating(self, module: Any, inputs: Any, output: Any) -> Any:
+        """run.validation=async: the validator's copy validates the epoch end at or after the
+        fault's step, on rank 0's thread, while the loop trains on: this process dies there."""
+        step = self.next_step - 1
+        if self.fault.rank == self.world_rank and step >= self.fault.step and self.fault.attempt in (0, self.attempt):
+            self.fault.strike(self.world_rank, step)
+        return output
 
     def _record(self, module: Any, args: Any, kwargs: Any) -> None:
         import hashlib

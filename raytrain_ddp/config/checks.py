@@ -35,6 +35,12 @@ def cross_field(cfg: "Config") -> None:
             "(each rank reads whole chunks)"
         )
     _check_parallel(cfg)
+    if cfg.run.validation == "async" and cfg.run.checkpoint_every_epochs != 1:
+        raise ValueError(  # async validates the epoch-end checkpoint: an epoch without one would go unvalidated
+            f"run.validation=async validates the checkpoint saved at each epoch end, and "
+            f"run.checkpoint_every_epochs={cfg.run.checkpoint_every_epochs} saves one every "
+            f"{cfg.run.checkpoint_every_epochs} epochs: set run.checkpoint_every_epochs=1, or run.validation=inline"
+        )
     refused = launchers.refusal(cfg)  # what the launcher's row does not support
     if refused:
         raise ValueError(refused)

@@ -474,6 +474,13 @@ class RunConfig(_Section):
         "metrics.jsonl); sync: each checkpoint waits for its upload. Just-in-time saves before "
         "a preemption are always sync.",
     )
+    validation: Literal["inline", "async"] = Field(
+        "inline", description="inline: every rank validates at each epoch end, inside the step loop (the loop "
+        "waits for the whole pass); async: rank 0 validates the epoch-end checkpoint just saved on a thread of "
+        "its own, off the training path, and the val_* line lands at that checkpoint's step; the run's end waits "
+        "for it, a resume validates the newest epoch-end checkpoint again. Needs run.checkpoint_every_epochs=1 "
+        "(it validates checkpoints). See docs/usage.md#asynchronous-validation.",
+    )
     loggers: list[Literal["jsonl", "tensorboard", "mlflow", "wandb"]] = Field(
         ["jsonl"], description="Where the driver writes metrics: jsonl (metrics.jsonl in the run "
         "directory), tensorboard (event files in <run dir>/tensorboard), mlflow (the tracking "

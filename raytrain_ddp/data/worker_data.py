@@ -69,13 +69,15 @@ class _Reader:
         """One list of `accumulation_steps` micro-batches per optimizer step."""
         raise NotImplementedError
 
-    def val_batches(self) -> Iterator[Any]:
-        """This rank's disjoint, strided share of the validation rows (each row once overall)."""
+    def val_batches(self, share: Optional[tuple[int, int]] = None) -> Iterator[Any]:
+        """This rank's disjoint, strided share of the validation rows (each row once overall);
+        `share`: (rank, size) instead of this rank's ((0, 1): every row, `worker/validator.py`)."""
         if self._val_shard is None:
             return
         if self._val_columns is None:
             self._val_columns = self._materialize(self._val_shard)
-        mine = {name: column[self.world_rank::self.world_size] for name, column in self._val_columns.items()}
+        rank, size = share or (self.world_rank, self.world_size)
+        mine = {name: column[rank::size] for name, column in self._val_columns.items()}
         size = max(self.micro_batch_size, 256)
         for start in range(0, num_rows(mine), size):
             yield self._batch({name: column[start:start + size] for name, column in mine.items()})
@@ -226,11 +228,12 @@ class ShardedReader(_Reader):
         return {name: torch.from_numpy(array if array.flags.writeable else array.copy())  # views of Arrow's buffers
                 for name, array in column_arrays(arrays, self.cfg, self.spec).items()}
 
-    def val_batches(self) -> Iterator[Any]:
+    def val_batches(self, share: Optional[tuple[int, int]] = None) -> Iterator[Any]:
         """Every `world_size`-th chunk of the validation store from this rank's (each row once)."""
         if self._val_store is None:
             return
-        mine = list(range(self.world_rank, self._val_store.manifest.chunks, self.world_size))
+        rank, size = share or (self.world_rank, self.world_size)
+        mine = list(range(rank, self._val_store.manifest.chunks, size))
         per = max(1, max(self.micro_batch_size, 256) // self._val_store.manifest.chunk_rows)
         for start in range(0, len(mine), per):
             yield self._batch(self._columns(self._val_store, mine[start:start + per]))
@@ -325,9 +328,9 @@ class WorkerData:
         """Yield one list of `accumulation_steps` micro-batches per optimizer step."""
         return self.reader.train_windows(epoch, skip_steps)
 
-    def val_batches(self) -> Iterator[Any]:
-        """This rank's disjoint share of the validation rows (each row once overall)."""
-        return self.reader.val_batches()
+    def val_batches(self, share: Optional[tuple[int, int]] = None) -> Iterator[Any]:
+        """This rank's disjoint share of the validation rows (each row once overall); `share`: (rank, size)."""
+        return self.reader.val_batches(share)
 
     def epoch_order(self, rows: int, epoch: int) -> Any:
         """The same permutation on every rank and at every world size: seeded by (seed, epoch)."""

@@ -17,7 +17,9 @@ has), so the trackers here say `committed_only = True` and the recorder hands th
 only once no restart can redo its step: when a checkpoint at or after that step is
 reported, or when the fit ends; in step order, each (step, train|validation) once. The
 console's progress lines stay live. The cost: trackers run one checkpoint interval behind
-(`run.checkpoint_every_steps`; by default an epoch). A fit that resumes a run's earlier
+(`run.checkpoint_every_steps`; by default an epoch). With `run.validation: async` an epoch's val
+line comes after its checkpoint, from rank 0's validator thread: the recorder hands the trackers
+nothing past that step until it has come (W&B would refuse it after a later step). A fit that resumes a run's earlier
 fit redoes that fit's steps past its checkpoint: TensorBoard (one log directory for every
 fit) is told with a `SessionLog.START` at the first redone step (`fit_starts_at`), which
 makes TensorBoard drop the earlier fit's points from there on (what torch's

@@ -35,6 +35,8 @@ holds an event back until every earlier one of its attempt was applied -- see `R
                                              `checkpoint_blocked_s`, `preempted` after a save
                                              before a preemption); a resume adds to it what
                                              the dropped lines had cost (`redone_*`)
+    {"kind": "validating", "step": N}        run.validation=async: step N's val line comes later, from
+                                             rank 0's validator thread (`worker/validator.py`)
     {"kind": "fault", "cause": "node lost"}  the controller declared a node dead before the
                                              restart (`node_loss.py`): the next attempt's `cause`
     {"kind": "timeline", "source": "worker" | "controller", "stamps": {...}}  the start-up
@@ -259,6 +261,11 @@ class Recorder:
         self._held: dict[tuple[int, str], dict[str, Any]] = {}  # lines the trackers have not had yet
         self._handed: set[tuple[int, str]] = set()  # (step, kind) the trackers have had in this fit
         self._handed_up_to = 0  # the highest step of those
+        # run.validation=async: the step whose val line is still coming (`validating` events), and the
+        # newest checkpoint's step: the trackers get nothing past the first before its line (W&B
+        # refuses a step lower than one it has), then everything up to the second
+        self._awaiting: Optional[int] = None
+        self._checkpointed = 0
         self._fit_started = False  # the first `resumed` event: where this fit starts
         self._tracked_before = tracked_step(run_dir) if self._trackers else None  # what earlier fits' trackers had
         self._tracked_said: Optional[int] = self._tracked_before
@@ -378,6 +385,8 @@ class Recorder:
             self.checkpoints.append({k: event[k] for k in ("step", "name", "blocked_s") if k in event})
             self._amend_attempt_stall(event)
             self._commit(int(event["step"]))
+        elif kind == "validating":
+            self._awaiting = int(event["step"])
 
     def _say_start_retry(self, record: dict[str, Any]) -> None:
         """One line per failed start that is retried; the next attempt's cause names it."""
@@ -402,11 +411,15 @@ class Recorder:
                 self._call(sink, "record", record)
         if self._trackers and key not in self._handed:
             self._held[key] = record
+        if key == (self._awaiting, "validation"):  # the awaited val line: the trackers catch up
+            self._awaiting = None
+            self._commit(self._checkpointed)
 
     def _apply_resumed(self, event: dict[str, Any]) -> None:
         """Lines past the resumed step are dropped; the checkpoint's own lines fill in what is missing."""
         step = int(event["step"])
         self._resumed_attempt = max(self._resumed_attempt, int(event.get("attempt", 0)))
+        self._awaiting = None  # a resumed group validates again what it must (`worker/validator.py`)
         redone = _redone(self.metrics.records, step)  # what the dropped lines had cost (goodput.py)
         self.metrics.keep(lambda r: r.get("step", 0) <= step)
         self._held = {key: r for key, r in self._held.items() if key[0] <= step}
@@ -463,7 +476,11 @@ class Recorder:
         self.close("ok")
 
     def _commit(self, step: Optional[int]) -> None:
-        """Hand the trackers the held lines up to `step` (None: all), in step order, train first."""
+        """Hand the trackers the held lines up to `step` (None: all), in step order, train first;
+        while a val line is awaited, none past its step."""
+        if step is not None:
+            self._checkpointed = max(self._checkpointed, step)
+            step = step if self._awaiting is None else min(step, self._awaiting)
         ready = sorted((key for key in self._held if step is None or key[0] <= step),
                        key=lambda k: (k[0], k[1] != "train"))
         for key in ready:

@@ -244,14 +244,15 @@ class Checkpointer:
         the run's last step, and where a signal arrived at the epoch's last step."""
         return last or self._signalled_at_epoch_end or (epoch + 1) % self.every_epochs == 0
 
-    def save(self, metrics: dict[str, Any], durable: bool = False) -> None:
+    def save(self, metrics: dict[str, Any], durable: bool = False) -> Optional[dict[str, Any]]:
         """Rank 0 writes the checkpoint; every rank reports (Ray's report is a barrier).
 
         `durable`: wait until the checkpoint is in storage (synchronous upload), as a
-        just-in-time save before a preemption must.
+        just-in-time save before a preemption must. Returns the model's state as saved (rank
+        0: whole; `worker/validator.py` validates it), None when the save was skipped.
         """
         if self._before_report is not None and not self._before_report():
-            return
+            return None
         progress = self.state.progress
         # The epoch position is in the name: a periodic save on a streaming epoch's last
         # window and the epoch-end save can share a step, and must not share a directory.
@@ -274,6 +275,7 @@ class Checkpointer:
         # What the preemption policy plans with. Asynchronous saves block for less than
         # a synchronous just-in-time save takes; its own duration replaces this one.
         self.guard.checkpoint_took(blocked)
+        return state.get("model")
 
 
 def report_checkpoint(state_dict: Optional[Any], metrics: dict[str, Any], name: str,

@@ -37,6 +37,9 @@ class Hooks:
     def on_attempt(self, rank: "Rank", attempt: int, module: Any) -> None:
         """A worker group started (attempt 1, 2, ...); `module` is the bare model."""
 
+    def on_validator(self, module: Any) -> None:
+        """Rank 0 built its validator's copy of the model (`run.validation: async`, `validator.py`)."""
+
     def before_step(self, step: int) -> None:
         """Optimizer step `step` starts on this rank: its first micro-batch is next."""
 

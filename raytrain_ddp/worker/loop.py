@@ -1,7 +1,8 @@
 """`train_loop_per_worker`: what every rank does, from first step to last checkpoint.
 
 Owns: the order of events in training — step, log, checkpoint, and at each epoch end
-validate and save; a failure that is a lost peer first leaves the last completed step
+validate and save (`run.validation: async`: save, then rank 0's thread validates what was
+saved, `validator.py`); a failure that is a lost peer first leaves the last completed step
 behind (`Checkpointer.last_step_on_peer_loss`, `replica.py`). Each component decides its own cadence (`RunLog` when to write a
 line, `Checkpointer` when to save, `StepProfiler` which steps to trace: it wraps the
 window iterator to see where a step starts and ends), so the story below is the whole story.
@@ -36,6 +37,7 @@ from raytrain_ddp.worker.meter import RunLog
 from raytrain_ddp.worker.profiler import StepProfiler
 from raytrain_ddp.worker.state import build_state
 from raytrain_ddp.worker.step import NonFiniteAbort
+from raytrain_ddp.worker.validator import Validator
 from raytrain_ddp.timeline import WorkerStamps
 from raytrain_ddp.worker.optim import preload_optimizer_imports
 
@@ -72,11 +74,13 @@ def _train(job: Job, cfg: "Config", rank: "Rank", hooks: Hooks, recovery: Union[
     total_steps = total_steps_of(cfg, data.steps_per_epoch)  # as the driver computes it (data/steps.py)
     state = build_state(job, rank, total_steps, recovery.wrapper_group())
     log = RunLog(job, rank, state, data, total_steps)  # records this attempt
+    validator = Validator(job, rank, state, data, log, hooks)  # run.validation: inline, or rank 0's thread
     stamps.mark("model_built")
     hooks.on_attempt(rank, log.attempt, state.module)
     checkpointer = recovery.resume(job, rank, state, log, hooks, data.accumulation_steps)
     stamps.mark("state_restored")
     progress = state.progress
+    validator.revalidate(runtime.run_dir(job.run_dir), progress.step)  # async: what a crash left unvalidated
     profiler = StepProfiler(job, rank, state, total_steps)  # run.profile: a trace of a few steps
     with checkpointer.last_step_on_peer_loss():  # a worker dies: the survivors write the last step
         try:
@@ -92,12 +96,21 @@ def _train(job: Job, cfg: "Config", rank: "Rank", hooks: Hooks, recovery: Union[
                     if progress.step >= total_steps:
                         break
                     if checkpointer.after_step(progress.epoch_ended(data.steps_per_epoch)):
-                        return  # the driver asked to stop (Ctrl-C), and this step is saved
+                        return validator.close()  # the driver asked to stop (Ctrl-C), and this step is saved
                 if progress.step < total_steps or progress.epoch_ended(data.steps_per_epoch):
                     progress.next_epoch(epoch)  # exhausted (see the invariants above)
-                with log.paused():
-                    val = log.validation(recovery.validate(state, data, rank, job.spec))  # live: a loss skips it
-                if checkpointer.epoch_end_due(epoch, last=progress.step >= total_steps):
-                    checkpointer.save({"loss": log.last_loss, **val})
+                last, val = progress.step >= total_steps, {}
+                if validator.inline:
+                    with log.paused():
+                        val = log.validation(recovery.validate(state, data, rank, job.spec))  # live: a loss skips it
+                elif last:  # async: the final save carries the last validation's line
+                    with log.paused():
+                        val = validator.final(state, progress.step, log.epochs)
+                if checkpointer.epoch_end_due(epoch, last=last):
+                    saved = checkpointer.save({"loss": log.last_loss, **val})
+                    if not last:
+                        with log.paused():  # the hand-off is all the step loop waits for
+                            validator.submit(saved, progress.step, log.epochs)
+            validator.close()
         except NonFiniteAbort as exc:
             log.abort(str(exc))

@@ -22,7 +22,8 @@ step), `exposed_comm_ms` (the part of it the step waited for after backward) and
 line), `steps_s` and `window_steps` (the wall seconds and the number of the optimizer steps
 since the previous line: what `raytrain-ddp goodput` adds up), `nonfinite_steps`
 (cumulative) and `attempt`. Validation lines carry `step`,
-`epoch`, `time`, `validation_s` (how long validation held the step loop), `attempt`, `val_loss`, `val_accuracy` (classifiers, and token accuracy for lm:
+`epoch`, `time`, `validation_s` (how long validation held the step loop), `validation_async_s`
+(`run.validation: async`: the validator thread's seconds, off the training path), `attempt`, `val_loss`, `val_accuracy` (classifiers, and token accuracy for lm:
 `worker/step.accuracy_counts`), `val_perplexity` (lm) and `val_<name>` for each of the
 user's `train.metrics` (`worker/user_metrics.py`).
 """
@@ -32,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
@@ -143,6 +145,7 @@ class Outbox:
         self.attempt = 0
         self.seq = 0
         self._durable, self._durable_ref = 0, None
+        self._sending = threading.Lock()  # the loop's thread and the validator's (`worker/validator.py`)
 
     def start_attempt(self, record: dict[str, Any]) -> int:
         """This worker group's attempt number (1, 2, ...), counted by the driver's mailbox."""
@@ -152,8 +155,9 @@ class Outbox:
 
     def send(self, kind: str, **fields: Any) -> None:
         if self.mailbox is not None:
-            self.seq += 1
-            self._call("put", {"kind": kind, "attempt": self.attempt, "seq": self.seq, **fields}, wait=False)
+            with self._sending:  # one number per event, in the order they are put
+                self.seq += 1
+                self._call("put", {"kind": kind, "attempt": self.attempt, "seq": self.seq, **fields}, wait=False)
 
     def flush(self) -> None:
         if self.mailbox is not None:
@@ -221,6 +225,7 @@ class RunLog:
         # Rank 0's lines the driver has not said it wrote durably: every checkpoint carries
         # them (`lines_to_save`), so a driver killed before writing them loses none.
         self.unsaved_lines: list[dict[str, Any]] = []
+        self._unsaved_lock = threading.Lock()  # the validator's thread adds lines too (`worker/validator.py`)
 
     def _record_attempt(self) -> int:
         """Rank 0 registers this worker-group start with the driver; every rank learns the number."""
@@ -245,7 +250,9 @@ class RunLog:
         self.meter = StepMeter(self.job.cfg.train.global_batch_size, self.data.wait_seconds,
                                self.state.wrapper.comm_stats)
 
-    def _epochs(self) -> float:
+    @property
+    def epochs(self) -> float:
+        """Epochs trained now, fractions included (what a line's `epoch` says)."""
         return self.state.progress.epochs_done(self.data.steps_per_epoch)
 
     def step(self, result: Any, end_of_epoch: bool) -> None:
@@ -255,7 +262,7 @@ class RunLog:
         self._announce_decisions()
         step = self.state.progress.step
         if step % self.job.cfg.run.log_every_steps == 0 or step >= self.total_steps or end_of_epoch:
-            self._line({"step": step, "epoch": self._epochs(), "time": time.time(), "loss": result.loss,
+            self._line({"step": step, "epoch": self.epochs, "time": time.time(), "loss": result.loss,
                         "lr": result.lr, **self._window()})
 
     @property
@@ -269,10 +276,19 @@ class RunLog:
         and the flush after it are step time, as every train line's sending is."""
         validation_s = self._end_pause()
         if val:
-            self._line({"step": self.state.progress.step, "epoch": self._epochs(), "time": time.time(),
+            self._line({"step": self.state.progress.step, "epoch": self.epochs, "time": time.time(),
                         "validation_s": validation_s, "attempt": self.attempt, **val})
         self.outbox.flush()  # the epoch's lines are with the driver before its checkpoint
         return val
+
+    def validated(self, step: int, epochs: float, val: dict[str, float], stall_s: float, async_s: float) -> None:
+        """run.validation=async (`worker/validator.py`, from its thread): the line of the checkpoint
+        at `step`; `validation_s` is what the hand-off held the step loop, `validation_async_s` the
+        thread's seconds, off the training path."""
+        if val:
+            self._line({"step": step, "epoch": epochs, "time": time.time(), "validation_s": stall_s,
+                        "validation_async_s": async_s, "attempt": self.attempt, **val})
+        self.outbox.flush()
 
     def checkpoint_saved(self, step: int, name: str, blocked_s: float, preemption: bool = False) -> None:
         """A checkpoint held the step loop for `blocked_s` (counted into the next train line);
@@ -289,7 +305,7 @@ class RunLog:
     def abort(self, reason: str) -> None:
         """Every rank stops together (non-finite policy): the failed step's line and why."""
         progress = self.state.progress
-        self._line({"step": progress.step + 1, "epoch": self._epochs(), "time": time.time(), "loss": math.nan,
+        self._line({"step": progress.step + 1, "epoch": self.epochs, "time": time.time(), "loss": math.nan,
                     "lr": self.state.schedule.lr, **self._window()})
         self.outbox.send("abort", record={"step": progress.step + 1, "reason": reason})
         self.outbox.flush()
@@ -338,7 +354,8 @@ class RunLog:
         record = {k: _plain(v) for k, v in record.items()}
         self.step_lines.append(record)
         if self.rank.is_main:
-            self.unsaved_lines = self.unsaved_lines[-(MAX_UNSAVED_LINES - 1):] + [record]
+            with self._unsaved_lock:
+                self.unsaved_lines = self.unsaved_lines[-(MAX_UNSAVED_LINES - 1):] + [record]
             self.outbox.send("metrics", record=record)
 
     def lines_to_save(self) -> list[dict[str, Any]]:
@@ -347,8 +364,9 @@ class RunLog:
         attempt). A driver killed before writing them (object stores are rewritten about once a
         second) loses none: the next start takes them from the checkpoint it resumes."""
         durable = self.outbox.durable_step()
-        self.unsaved_lines = [r for r in self.unsaved_lines if int(r.get("step", 0)) > durable]
-        return list(self.unsaved_lines)
+        with self._unsaved_lock:
+            self.unsaved_lines = [r for r in self.unsaved_lines if int(r.get("step", 0)) > durable]
+            return list(self.unsaved_lines)
 
     def _window(self) -> dict[str, Any]:
         blocked, self._blocked_s = self._blocked_s, 0.0

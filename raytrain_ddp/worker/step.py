@@ -114,9 +114,10 @@ def _skip_step(state: TrainState, policy: Any) -> None:
 
 
 @torch.no_grad()
-def validate(state: TrainState, data: "WorkerData", rank: Rank, spec: "DataSpec") -> dict[str, float]:
+def validate(state: TrainState, data: "WorkerData", rank: Rank, spec: "DataSpec", alone: bool = False) -> dict[str, float]:
     """Loss, accuracy (`accuracy_counts`), perplexity (lm) and the user's `train.metrics` over
     the whole validation set, summed over ranks: exact, whatever the split of rows.
+    `alone`: this rank validates every row, with no collective (`worker/validator.py`'s thread).
 
     The loss is each batch's mean weighted by its rows. Runs the bare module: ranks may
     hold different numbers of validation batches, and a wrapper's forward could take part
@@ -124,14 +125,14 @@ def validate(state: TrainState, data: "WorkerData", rank: Rank, spec: "DataSpec"
     drift apart after the last training forward), so what is validated is the model the
     checkpoint saves.
     """
-    if rank.world_size > 1 and getattr(state.wrapper, "broadcast_buffers", True):
+    if rank.world_size > 1 and not alone and getattr(state.wrapper, "broadcast_buffers", True):
         broadcast_coalesced(list(state.module.buffers()), None)
     state.module.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=rank.device)  # loss sum, rows, correct, rows scored
     user: dict[str, torch.Tensor] = {}  # train.metrics: name -> (sum, count) on this rank
     shifted = shifts_labels(state.module, state.batch)
     with state.wrapper.summon_full_params():  # fsdp: gathered once, so no forward communicates
-        for batch in data.val_batches():
+        for batch in (data.val_batches(share=(0, 1)) if alone else data.val_batches()):
             with state.autocast():
                 output, loss = state.batch.run(state.module, batch)
             n = state.batch.rows(batch)
@@ -145,8 +146,8 @@ def validate(state: TrainState, data: "WorkerData", rank: Rank, spec: "DataSpec"
                 user.setdefault(name, torch.zeros(2, dtype=torch.float64, device=rank.device))
                 user[name][0] += total
                 user[name][1] += rows
-    loss_sum, count, correct, scored = sum_over_ranks(totals)
-    user_means = _user_metrics_over_ranks(user, rank) if state.batch.user_metrics is not None else {}
+    loss_sum, count, correct, scored = totals.tolist() if alone else sum_over_ranks(totals)
+    user_means = _user_metrics_over_ranks(user, rank, alone) if state.batch.user_metrics is not None else {}
     state.module.train()
     if count == 0:
         return {}
@@ -158,16 +159,17 @@ def validate(state: TrainState, data: "WorkerData", rank: Rank, spec: "DataSpec"
     return {**out, **user_means}
 
 
-def _user_metrics_over_ranks(user: dict[str, torch.Tensor], rank: Rank) -> dict[str, float]:
+def _user_metrics_over_ranks(user: dict[str, torch.Tensor], rank: Rank, alone: bool = False) -> dict[str, float]:
     """`train.metrics`: every rank's (sum, count) of each name, summed over ranks -> `val_<name>`.
 
     The names are agreed first (a rank may have seen no validation batch), so every rank
     sends the same tensor."""
-    names = union_over_ranks(list(user))
+    names = sorted(user) if alone else union_over_ranks(list(user))
     if not names:
         return {}
     zero = torch.zeros(2, dtype=torch.float64, device=rank.device)
-    sums = sum_over_ranks(torch.stack([user.get(name, zero) for name in names]))
+    stacked = torch.stack([user.get(name, zero) for name in names])
+    sums = stacked.flatten().tolist() if alone else sum_over_ranks(stacked)
     return {f"val_{name}": sums[2 * i] / sums[2 * i + 1] for i, name in enumerate(names) if sums[2 * i + 1]}
 
 

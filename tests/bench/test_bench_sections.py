@@ -78,7 +78,8 @@ def step_option_sections() -> dict:
     from benchmarks import step_options
 
     return {"compile": step_options.run_compile(TOY, backend="aot_eager", strategies=("native",), log=_quiet),
-            "activation_checkpointing": step_options.run_checkpointing(TOY, log=_quiet)}
+            "activation_checkpointing": step_options.run_checkpointing(TOY, log=_quiet),
+            "validation": step_options.run_validation(TOY, log=_quiet)}
 
 
 @pytest.fixture
@@ -98,6 +99,9 @@ def test_compile_and_activation_checkpointing_sections(step_option_sections):
     ac = step_option_sections["activation_checkpointing"]
     assert ac["memory_measure"] == "saved_for_backward_bytes" and ac["memory_ratio"] < 0.6, ac  # counts, not time
     assert _positive(ac["step_ratio"])
+    val = step_option_sections["validation"]
+    assert val["val_identical"] and all(_positive(val[m]["stall_over_step"]) for m in ("inline", "async")), val
+    assert _positive(val["async"]["validator_ms"])  # validated off the loop: the thread's seconds
 
 
 @pytest.mark.distributed
@@ -188,6 +192,7 @@ def test_report_of_the_sections(sections):
     assert "replica's cost per step, % of step time (quickstart)" in names
     assert "**torch.compile** (aot_eager" in text and "**Activation checkpointing**" in text
     assert "native: compiled step / eager step (gpt preset)" in names
+    assert "**Validation**" in text and "run.validation=async: the loop's stall per validation / a steady step" in names
     with tempfile.TemporaryDirectory() as tmp:
         png = report.plot(results, Path(tmp) / "bench.png")
         assert Path(png).stat().st_size > 1000

@@ -131,3 +131,76 @@ def test_local_mode_never_imports_ray(tmp_path):
                           timeout=120)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "RAY MODULES []" in done.stdout, done.stdout[-2000:]
+
+
+def test_async_validation_runs_on_the_validator_thread_equals_inline_and_a_resume_validates_what_was_left(
+        tmp_path, monkeypatch):
+    """run.validation=async (issue #55), in this process (local mode: cheap, and spies reach the loop).
+
+    An async run whose loop validated inline fails here: every validation runs on the validator's
+    thread, alone, none through the loop's `recovery.validate`; its figures equal the inline run's
+    exactly, whose checkpoint holds the same weights (the copy's construction moved no RNG). Then a
+    validation that dies (as with its process) leaves step 22 unvalidated: the same command again
+    validates that epoch-end checkpoint, and every epoch's val metrics are in metrics.jsonl once."""
+    import threading
+
+    import torch
+
+    from raytrain_ddp import checkpoint as ckpt
+    from raytrain_ddp.config import ConfigError, load_config
+    from raytrain_ddp.driver.launcher import run_training
+    from raytrain_ddp.goodput import report
+    from raytrain_ddp.worker import recovery, validator
+
+    tiny = REPO / "examples" / "configs" / "tiny.yaml"
+
+    def fit(name: str, *more: str) -> tuple[dict, Path]:
+        cfg = load_config(tiny, ["scaling.num_workers=0", f"run.storage_path={tmp_path}", f"name={name}", *more])
+        return run_training(cfg), tmp_path / name
+
+    calls: list[tuple[str, str, bool]] = []
+    real = validator.validate
+    fail_once: list[int] = []
+
+    def on_thread(state, data, rank, spec, alone=False):
+        calls.append(("validator", threading.current_thread().name, alone))
+        if fail_once:
+            fail_once.pop()
+            raise RuntimeError("the validation died")
+        return real(state, data, rank, spec, alone=alone)
+
+    def in_loop(*args, **kwargs):
+        calls.append(("loop", threading.current_thread().name, False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(validator, "validate", on_thread)
+    monkeypatch.setattr(recovery.Steady, "validate", staticmethod(in_loop))
+    done, async_dir = fit("async", "run.validation=async")
+    assert done["status"] == "ok", done.get("error")
+    assert calls == [("validator", "raytrain-ddp-validator", True)] * 2, calls  # never the loop's
+    val = [r for r in read_metrics(async_dir / "metrics.jsonl") if "val_loss" in r]
+    assert [r["step"] for r in val] == [22, 44]
+    assert val[0]["validation_async_s"] > 0 and val[1]["validation_async_s"] == 0  # the last one: waited for
+    assert report(async_dir)["validation_async_s"] == val[0]["validation_async_s"]  # goodput: off the path
+
+    calls.clear()
+    done, inline_dir = fit("inline")
+    assert done["status"] == "ok" and [c[0] for c in calls] == ["loop"] * 2, calls
+    inline_val = [r for r in read_metrics(inline_dir / "metrics.jsonl") if "val_loss" in r]
+    strip = ("time", "validation_s", "validation_async_s")
+    assert [{k: v for k, v in r.items() if k not in strip} for r in val] == \
+        [{k: v for k, v in r.items() if k not in strip} for r in inline_val]
+    weights = [ckpt.load_checkpoint(ckpt.find_checkpoints(d)[0])["model"] for d in (async_dir, inline_dir)]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[1])
+
+    fail_once.append(1)  # step 22's validation dies; the error is the run's at the next hand-off
+    done, again_dir = fit("again", "run.validation=async", "train.max_steps=30")
+    assert done["status"] != "ok" and "the validation died" in str(done.get("error")), done
+    assert not [r for r in read_metrics(again_dir / "metrics.jsonl") if "val_loss" in r]
+    done, _ = fit("again", "run.validation=async")
+    assert done["status"] == "ok", done.get("error")
+    val = [r for r in read_metrics(again_dir / "metrics.jsonl") if "val_loss" in r]
+    assert [r["step"] for r in val] == [22, 44], val  # 22: the resumed group's validation of its checkpoint
+
+    with pytest.raises(ConfigError, match="run.checkpoint_every_epochs=2"):
+        load_config(tiny, ["run.validation=async", "run.checkpoint_every_epochs=2"])

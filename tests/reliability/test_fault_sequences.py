@@ -22,6 +22,10 @@ Three properties are checked against one uninterrupted run of the same config:
 The suite runs the fixed seeds in `SEEDS` (each once failed or covers a distinct path);
 `RAYTRAIN_DDP_FAULT_SEEDS=0-19` runs others (docs/reliability.md quotes that run);
 `RAYTRAIN_DDP_FAULT_RECOVERY=live` runs every invocation with that `run.recovery`.
+The seeds in `ASYNC_SEEDS` run every invocation with `run.validation=async` (issue #55), their
+second invocation's rank 0 killed during an async validation, against the same (inline)
+uninterrupted run: the weights and rows are the inline run's, and every epoch's val metrics
+are in metrics.jsonl once; `RAYTRAIN_DDP_FAULT_VALIDATION=async|inline` sets it for any seed.
 `RAYTRAIN_DDP_FAULT_KINDS=s3,load,late` (the soak's, `benchmarks/soak.py`) adds fault kinds,
 drawn from a second stream so each seed's base plan stays what it is: `s3`, the run directory
 in a bucket (moto on 127.0.0.1) for the whole sequence; `load`, one CPU-bound process per core
@@ -71,6 +75,8 @@ EPOCHS, STEPS_PER_EPOCH = 2, 22  # tiny.yaml: 22 steps per epoch, a checkpoint e
 TOTAL = EPOCHS * STEPS_PER_EPOCH
 STEP_DELAY_S = "0.12"  # ~5 s of training: room to aim a Ctrl-C or a kill at a step
 RECOVERY_ENV = "RAYTRAIN_DDP_FAULT_RECOVERY"  # e.g. live: every invocation with that run.recovery (issue #28)
+VALIDATION_ENV = "RAYTRAIN_DDP_FAULT_VALIDATION"  # async | inline, for every seed (else ASYNC_SEEDS say)
+ASYNC_SEEDS = {15}  # run.validation=async, the second invocation's rank 0 killed validating (issue #55)
 KINDS_ENV, ROWS_ENV = "RAYTRAIN_DDP_FAULT_KINDS", "RAYTRAIN_DDP_SOAK_ROWS"
 NODE_MORE_STEPS = 4  # a node-loss invocation ends (Ctrl-C, SIGKILL) this many steps after its node was lost
 RAY_DID_NOT_START = "the local Ray instance did not start, 3 times"  # exit 2: the machine too busy for Ray's start
@@ -101,6 +107,7 @@ class Invocation:
     node_loss: bool = False  # the second node's processes SIGKILLed once `after_steps` were logged (KINDS_ENV: node)
     cluster: Optional[Path] = None  # the two-node cluster's state dir that this invocation joins (KINDS_ENV: node)
     extra: tuple[str, ...] = ()  # more overrides (the two-node seeds' reference: their CPUs per worker)
+    validation: str = "inline"  # run.validation
     outcome: dict = field(default_factory=dict)
 
 
@@ -181,7 +188,8 @@ def _overrides(tmp, name: str, inv: Invocation) -> list[str]:
     workers = f"[1,{inv.workers}]" if inv.cluster is not None and inv.workers > 1 else str(inv.workers)  # elastic
     return [*trackers, f"run.storage_path={tmp / 'runs'}", f"name={name}", f"train.epochs={EPOCHS}", "run.log_every_steps=1",
             f"scaling.num_workers={workers}", *(NODE_WORKER if inv.cluster is not None else ()),
-            f"run.checkpoint_upload={inv.upload}", "run.max_failures=2", *inv.extra,
+            f"run.checkpoint_upload={inv.upload}", "run.max_failures=2", f"run.validation={inv.validation}",
+            *inv.extra,
             *([f"run.recovery={os.environ[RECOVERY_ENV]}"] if os.environ.get(RECOVERY_ENV) else [])]
 
 
@@ -204,7 +212,10 @@ def run_command(tmp: Path, name: str, inv: Invocation, samples: Path, index: int
             if (store / "runs" / name).exists() else None
         at = newest[0]["progress"]["step"] if newest else 0
         step = at + offset if offset else (at // 10 + 1) * 10  # tiny.yaml checkpoints every 10 steps
-        env[FAULT_ENV] = f"rank={rank},step={min(step, TOTAL - 1)},attempt=1,mode={mode}"
+        if mode == "validation":  # the next epoch end's validation
+            step = (at // STEPS_PER_EPOCH + 1) * STEPS_PER_EPOCH
+        env[FAULT_ENV] = f"rank={rank},step={min(step, TOTAL - 1)},attempt=1,mode={mode}" + \
+            (f",mark={tmp / f'killed-validating-{index}'}" if mode == "validation" else "")  # its time of death
     command = [str(CLI), "train", str(TINY), *_overrides(store, name, inv)]
     log_path = tmp / f"invocation-{index}.log"
     run_dir = store / "runs" / name
@@ -355,11 +366,15 @@ def _keep_bucket(store, where: Path) -> None:
 def _sequence(reference, tmp_path: Path, store, seed: int, story: list[str], cluster: Optional[Path] = None) -> None:
     ref_rows, ref_model = reference
     plan = draw_plan(seed)
+    validation = os.environ.get(VALIDATION_ENV) or ("async" if seed in ASYNC_SEEDS else "inline")
+    if validation == "async" and seed in ASYNC_SEEDS:  # rank 0 dies in its validator thread, the loop past it
+        plan[1].worker_fault, plan[1].after_steps = (0, 0, "validation"), max(plan[1].after_steps, 20)
+    story[0] += f" validation={validation}"
     samples, run_dir = tmp_path / "samples", store / "runs" / "seq"
     continues_at = None
     for index in range(len(plan) + 5):  # the faulted invocations, then plain reruns until done
         inv = plan[index] if index < len(plan) else Invocation()
-        inv.cluster = cluster
+        inv.cluster, inv.validation = cluster, validation
         for _ in range(RAY_START_TRIES):  # the machine too busy for Ray's 30 s start (exit 2, one line):
             inv.outcome = run_command(tmp_path, "seq", inv, samples, len(story), store)  # this invocation again
             code, out = inv.outcome["code"], inv.outcome["out"]
@@ -375,6 +390,8 @@ def _sequence(reference, tmp_path: Path, store, seed: int, story: list[str], clu
             pytest.fail(f"invocation #{index + 1} did not start Ray in {RAY_START_TRIES} tries: its faults were "
                         f"never applied\n{tail}")
         assert code in (0, 130, -signal.SIGKILL), tail
+        if inv.worker_fault and inv.worker_fault[2] == "validation" and validation == "async":  # it was aimed there
+            assert (tmp_path / f"killed-validating-{len(story) - 1}").exists(), tail  # rank 0 died validating
         if continues_at is not None:  # the previous Ctrl-C named where this one starts
             begun = re.search(r"resume +(?:from \S+ \(step (\d+)\)|fresh start)", out)
             assert begun and int(begun.group(1) or 0) == continues_at, tail
@@ -389,7 +406,8 @@ def _sequence(reference, tmp_path: Path, store, seed: int, story: list[str], clu
     else:
         pytest.fail("the run never completed:\n" + "\n".join(story))
     tail = "\n".join(story)
-    again = run_command(tmp_path, "seq", Invocation(cluster=cluster), samples, len(story), store)  # before Ray: seconds
+    again = run_command(tmp_path, "seq", Invocation(cluster=cluster, validation=validation), samples, len(story),
+                        store)  # before Ray: seconds
     assert again["code"] == 0 and "is complete" in again["out"], tail + "\n" + again["out"][-2000:]
     _check_the_three_properties(run_dir, samples, plan, ref_rows, ref_model, tail)
 
@@ -398,6 +416,8 @@ def _check_the_three_properties(run_dir, samples: Path, plan: list[Invocation], 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["steps"] == TOTAL, (tail, summary)
     assert _train_steps(run_dir) == list(range(1, TOTAL + 1)), tail  # each step once, none missing
+    val = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "val_loss" in r]
+    assert sorted(val) == [STEPS_PER_EPOCH * (e + 1) for e in range(EPOCHS)], (tail, val)  # every epoch's once
     if not isinstance(run_dir, Path):  # in a bucket: TensorBoard's own reader agrees (issue #44)
         import pyarrow.fs as pafs
         from _trackers import tensorboard_scalars

@@ -148,7 +148,9 @@ def test_public_key_set_is_frozen():
         "train.compile", "train.compile_backend", "model.activation_checkpointing",
         # issue #57: "save every N epochs"; the task a target is, inferred or set
         "run.checkpoint_every_epochs", "data.task",
+        # issue #55: validation off the training path
+        "run.validation",
     }
     keys = set(config_keys())
     assert contract <= keys
-    assert len(keys) == 84, sorted(keys - contract)
+    assert len(keys) == 85, sorted(keys - contract)

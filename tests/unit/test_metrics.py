@@ -276,6 +276,7 @@ def test_rank0s_checkpoints_carry_each_line_until_the_driver_wrote_it():
     """Issue #44: each checkpoint carries every line the driver has not said it wrote durably
     (before, each line went into one checkpoint only, so a driver killed with two checkpoints
     reported since its last write of metrics.jsonl lost the older one's lines)."""
+    import threading
     import types
 
     import torch
@@ -286,7 +287,7 @@ def test_rank0s_checkpoints_carry_each_line_until_the_driver_wrote_it():
     mailbox = LocalMailbox()
     log = RunLog.__new__(RunLog)
     log.rank = types.SimpleNamespace(is_main=True)
-    log.step_lines, log.unsaved_lines = [], []
+    log.step_lines, log.unsaved_lines, log._unsaved_lock = [], [], threading.Lock()
     log.outbox = Outbox(mailbox)
     log.outbox.attempt = 2
     for step in (1, 2, 3):

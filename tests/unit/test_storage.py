@@ -252,6 +252,21 @@ def test_trackers_get_each_step_once_the_committed_line(tmp_path, caplog):
     assert [(r["step"], r["loss"]) for r in tracker.lines] == [(1, 4.0), (2, 3.0), (3, 2.0), (4, 1.7)]
     assert "below a reported checkpoint" in caplog.text
 
+    # run.validation=async (issue #55): step 2's val line comes from rank 0's validator thread
+    # after a later checkpoint; the trackers get nothing past step 2 before it (W&B would refuse it)
+    tracker = _Tracker()
+    recorder = Recorder(Location.parse(tmp_path / "async"), FIT, [tracker])
+    recorder.handle(_start(1, 0) + [_m(1, 2, 1, 4.0), _m(1, 3, 2, 3.0),
+                                    {"kind": "checkpoint", "attempt": 1, "seq": 4, "step": 2, "name": "c2"},
+                                    {"kind": "validating", "attempt": 1, "seq": 5, "step": 2},
+                                    _m(1, 6, 3, 2.0), {"kind": "checkpoint", "attempt": 1, "seq": 7, "step": 3,
+                                                       "name": "c3"}, _m(1, 8, 4, 1.9)])
+    assert [r["step"] for r in tracker.lines] == [1, 2]
+    recorder.handle([_m(1, 9, 2, val_loss=2.5, validation_async_s=0.1)])
+    assert [(r["step"], "loss" in r) for r in tracker.lines] == [(1, True), (2, True), (2, False), (3, True)]
+    recorder.stop()
+    assert [r["step"] for r in tracker.lines] == [1, 2, 2, 3, 4]
+
 
 def test_tensorboard_shows_one_point_per_step_across_fits(tmp_path):
     """The second fit resumes at step 2 of a run whose first fit reached step 4: TensorBoard's
