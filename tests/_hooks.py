@@ -76,10 +76,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from raytrain_ddp.worker.hooks import HOOKS_ENV, Hooks
-from raytrain_ddp.worker.preemption import Signal
 
 if TYPE_CHECKING:
     from raytrain_ddp.worker.context import Rank
+    from raytrain_ddp.worker.preemption import Signal  # imports Ray Train: only where a signal is made
 
 FAULT_ENV = "RAYTRAIN_DDP_FAULT"
 START_FAULT_ENV = "RAYTRAIN_DDP_FAULT_AT_START"
@@ -259,6 +259,8 @@ class SimulatedPreemption:
 
     def source(self, attempt: int, real: Callable[[int], Optional[Signal]],
                clock: Callable[[], float]) -> Callable[[int], Optional[Signal]]:
+        from raytrain_ddp.worker.preemption import Signal
+
         fired_at: list[float] = []
 
         def poll(step: int) -> Optional[Signal]:

@@ -113,10 +113,22 @@ def _alone_cases(world_rank, world_size):
     return out
 
 
+def _spawned(world_rank, world_size):
+    """Both checks' rank side in one spawn per world size: the late-unused runs, then the rest."""
+    return {"late": _late_unused(world_rank, world_size), "alone": _alone_cases(world_rank, world_size)}
+
+
+@pytest.fixture(scope="module")
+def spawned() -> dict[int, list[dict]]:
+    """{world size: per-rank results}: one 1-rank group and one 2-rank group for the whole module
+    (two spawns, where each test once spawned both sizes)."""
+    return {1: run_ranks(_spawned, 1, timeout_s=90), 2: run_ranks(_spawned, 2, timeout_s=90, pg_timeout_s=40)}
+
+
 @pytest.mark.distributed
-def test_a_parameter_unused_from_step_two_fails_at_world_size_one_as_at_two():
-    (grouped,) = run_ranks(_late_unused, 1, timeout_s=90)
-    pair = run_ranks(_late_unused, 2, timeout_s=90, pg_timeout_s=40)
+def test_a_parameter_unused_from_step_two_fails_at_world_size_one_as_at_two(spawned):
+    grouped = spawned[1][0]["late"]
+    pair = [out["late"] for out in spawned[2]]
     alone = _late_unused(0, 1)  # no process group at all (wrap_model in a script)
     for strategy in CHECKED:
         two = {(kind, step, _no_rank(message)) for kind, step, message in (out[strategy] for out in pair)}
@@ -134,13 +146,9 @@ def test_a_parameter_unused_from_step_two_fails_at_world_size_one_as_at_two():
         assert out["fsdp"] == ("", 4, ""), out["fsdp"]  # FSDP2 reduce-scatters zeros, at every size
 
 
-def _zero1_change(world_rank, world_size):
-    return _alone_cases(world_rank, world_size)["zero1_after_optimizer"]
-
-
 @pytest.mark.distributed
-def test_world_size_one_follows_or_refuses_what_world_size_two_does():
-    (grouped,) = run_ranks(_alone_cases, 1, timeout_s=90)
+def test_world_size_one_follows_or_refuses_what_world_size_two_does(spawned):
+    grouped = spawned[1][0]["alone"]
     for out in (grouped, _alone_cases(0, 1)):
         for strategy in ("naive", "bucketed", "zero1"):
             assert out[(strategy, "freeze")] and out[(strategy, "window")], (strategy, out)
@@ -148,7 +156,7 @@ def test_world_size_one_follows_or_refuses_what_world_size_two_does():
             assert out[(strategy, "allowed")], strategy
         kind, message = out["zero1_after_optimizer"]
         assert kind == RequiresGradChangeError.__name__ and "'late.weight'" in message, message
-    pair = run_ranks(_zero1_change, 2, timeout_s=90, pg_timeout_s=40)
+    pair = [out["alone"]["zero1_after_optimizer"] for out in spawned[2]]
     assert pair[0] == pair[1] == grouped["zero1_after_optimizer"]
 
 

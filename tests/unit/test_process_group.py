@@ -1,8 +1,10 @@
 """`driver/process_group.py`: Ray Train's controller gets a backend config and backend that
 import no torch where they are unpickled, and that set the process group up as `TorchConfig` does.
 
-Fresh interpreters stand in for the controller: each unpickles what the driver pickles and
-reports whether torch was imported (it must not be, until the backend's loader runs).
+One fresh interpreter stands in for the controller (a module fixture: one interpreter's
+start, not three): it unpickles what the driver pickles, in order -- the config and the
+survivors' shutdown grace first, each reporting whether torch was imported by then (it must
+not be), then the backend, whose loader imports Ray's torch backend on a thread.
 """
 
 from __future__ import annotations
@@ -16,21 +18,38 @@ import pytest
 
 pytestmark = pytest.mark.timeout(120)
 
-UNPICKLE = r"""
+CONTROLLER = r"""
 import pickle, sys
-obj = pickle.loads(sys.stdin.buffer.read())
-print(type(obj).__module__, type(obj).__qualname__, "torch" in sys.modules)
+torch_free, backend = pickle.loads(sys.stdin.buffer.read())
+for blob in torch_free:  # each on its own, in order: torch must still be absent after each
+    obj = pickle.loads(blob)
+    print(type(obj).__module__, type(obj).__qualname__, "torch" in sys.modules)
+pickle.loads(backend)
+from raytrain_ddp.driver import process_group
+assert process_group._LOADING is not None
+process_group._LOADING.join(60)
+print("backend", "torch" in sys.modules)
 """
 
 
-def _unpickled_elsewhere(obj) -> tuple[str, str, bool]:
-    out = subprocess.run([sys.executable, "-c", UNPICKLE], input=pickle.dumps(obj), capture_output=True, timeout=90)
+@pytest.fixture(scope="module")
+def controller() -> list[tuple[str, ...]]:
+    """What one controller-like interpreter printed: (module, qualname, torch loaded) for the
+    config and the grace, then ("backend", torch loaded after its loader joined)."""
+    from raytrain_ddp.config import load_config
+    from raytrain_ddp.driver.process_group import ProcessGroupBackend, ProcessGroupConfig
+    from raytrain_ddp.driver.recovery import SurvivorsCopy
+
+    (grace,) = SurvivorsCopy(load_config(None, [])).callbacks()
+    payload = ([pickle.dumps(ProcessGroupConfig(backend="gloo", timeout_s=77)), pickle.dumps(grace)],
+               pickle.dumps(ProcessGroupBackend()))
+    out = subprocess.run([sys.executable, "-c", CONTROLLER], input=pickle.dumps(payload), capture_output=True,
+                         timeout=90)
     assert out.returncode == 0, out.stderr.decode()[-3000:]
-    module, name, torch_loaded = out.stdout.decode().split()
-    return module, name, torch_loaded == "True"
+    return [tuple(line.split()) for line in out.stdout.decode().splitlines()]
 
 
-def test_the_config_is_torch_config_s_own_fields_and_framework_without_torch():
+def test_the_config_is_torch_config_s_own_fields_and_framework_without_torch(controller):
     from ray.train.torch import TorchConfig
 
     from raytrain_ddp.driver.process_group import ProcessGroupBackend, ProcessGroupConfig
@@ -43,23 +62,11 @@ def test_the_config_is_torch_config_s_own_fields_and_framework_without_torch():
     assert ours.backend_cls is ProcessGroupBackend
     for flag in ("share_cuda_visible_devices", "has_replica_groups"):
         assert getattr(ProcessGroupBackend, flag) == getattr(theirs.backend_cls, flag), flag
-    assert _unpickled_elsewhere(ours) == ("raytrain_ddp.driver.process_group", "ProcessGroupConfig", False)
+    assert controller[0] == ("raytrain_ddp.driver.process_group", "ProcessGroupConfig", "False")
 
 
-def test_the_backend_loads_ray_s_torch_backend_on_a_thread_where_it_is_unpickled():
-    from raytrain_ddp.driver.process_group import ProcessGroupBackend
-
-    script = r"""
-import pickle, sys, time
-backend = pickle.loads(sys.stdin.buffer.read())
-from raytrain_ddp.driver import process_group
-assert process_group._LOADING is not None
-process_group._LOADING.join(60)
-print("torch" in sys.modules)
-"""
-    out = subprocess.run([sys.executable, "-c", script], input=pickle.dumps(ProcessGroupBackend()),
-                         capture_output=True, timeout=90)
-    assert out.returncode == 0 and out.stdout.decode().split() == ["True"], out.stderr.decode()[-3000:]
+def test_the_backend_loads_ray_s_torch_backend_on_a_thread_where_it_is_unpickled(controller):
+    assert controller[2] == ("backend", "True"), controller
 
 
 def test_the_backend_hands_every_call_to_ray_s_torch_backend_with_the_equal_torch_config(monkeypatch):
@@ -84,10 +91,10 @@ def test_the_backend_hands_every_call_to_ray_s_torch_backend_with_the_equal_torc
     assert calls == [(hook, "group", expected) for hook in ("on_start", "on_training_start", "on_shutdown")]
 
 
-def test_replica_s_shutdown_grace_is_unpickled_without_torch():
+def test_replica_s_shutdown_grace_is_unpickled_without_torch(controller):
     from raytrain_ddp.config import load_config
     from raytrain_ddp.driver.recovery import SurvivorsCopy
 
     (grace,) = SurvivorsCopy(load_config(None, [])).callbacks()
-    assert _unpickled_elsewhere(grace) == ("raytrain_ddp.driver.recovery", "GraceForSurvivors", False)
+    assert controller[1] == ("raytrain_ddp.driver.recovery", "GraceForSurvivors", "False")
     assert (grace.start_s, grace.finish_s) == (0.25, 4.0)
