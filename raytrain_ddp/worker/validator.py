@@ -72,9 +72,8 @@ class _Copy:
     batch: Any
     broadcast_buffers = False
 
-    @property
-    def wrapper(self) -> "_Copy":
-        return self
+    def __post_init__(self) -> None:
+        self.wrapper = self  # `state.wrapper.module` and `state.module` are the same module here
 
     def summon_full_params(self) -> ContextManager:
         return contextlib.nullcontext()
