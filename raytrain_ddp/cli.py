@@ -330,6 +330,10 @@ def console() -> None:
     command writes is closed before `main` returns; the exit handlers (logging, trackers) run here."""
     import atexit
 
+    from raytrain_ddp.ray_compat import override_on
+
+    if not override_on("fast_exit"):
+        sys.exit(main())
     code = main()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):

@@ -49,6 +49,13 @@ RAY_WORKER_OUTPUT_HANDLER = "ray_print_logs"  # the name of Ray's handler on its
 CONTROLLER_RESTART_STATES = ("RestartingState", "ReschedulingState")  # Ray Train V2's controller states
 COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")  # Ray Data's actor: (name, namespace)
 PREEMPTION_GRACE_SINCE = (2, 60)  # FailureConfig(preemption_grace_s, relax_collectives_on_preemption)
+STARTUP_WITHOUT_ENV = "RAYTRAIN_DDP_STARTUP_WITHOUT"  # a diagnostic (docs/compat.md): start-up overrides left out
+
+
+def override_on(name: str) -> bool:
+    """Whether start-up override `name` applies: yes unless `STARTUP_WITHOUT_ENV` (comma-separated) names
+    it, which the startup bench's A/B does (benchmarks/startup.py)."""
+    return name not in os.environ.get(STARTUP_WITHOUT_ENV, "").split(",")
 
 
 def ray_version() -> tuple[int, int]:
@@ -151,6 +158,8 @@ def lean_trainer(trainer_cls: type, *, local: bool) -> type:
       for the workers' resources; there is none);
     - the preemption watcher (it polls for draining nodes; nothing drains this one).
     Falls back to `trainer_cls` itself where this Ray lacks one of the names."""
+    if not override_on("lean_trainer"):
+        return trainer_cls
     try:
         from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
         from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
@@ -418,6 +427,9 @@ def lean_local_node() -> Iterator[bool]:
       with a graceful wait; docs/design.md has the figures).
     Yields False, and changes nothing, where this Ray's `Node` lacks either method. For the
     `with` only: the methods are Ray's own again when it closes."""
+    if not override_on("lean_node"):
+        yield False
+        return
     try:
         from ray._private.node import Node
     except ImportError:  # pragma: no cover - Ray moved it: the full start

@@ -274,6 +274,11 @@ def test_lean_trainer():
     joined()._initialize_and_run_controller(callbacks=[cleaner, data, keep], scaling_policy=policy)
     assert seen["callbacks"] == [cleaner, keep] and seen["scaling_policy"] is policy and seen["env"] is None
     assert TorchTrainer in ray_compat.lean_trainer(TorchTrainer, local=True).__mro__
+    os.environ[ray_compat.STARTUP_WITHOUT_ENV] = "lean_node,lean_trainer"  # the startup bench's A/B
+    try:
+        assert ray_compat.lean_trainer(Base, local=True) is Base
+    finally:
+        del os.environ[ray_compat.STARTUP_WITHOUT_ENV]
 
 
 # ------------------------------------------------------------------ Ray Data, core, autoscaler
@@ -379,6 +384,14 @@ def test_lean_local_node():
         assert Node.start_api_server(node, include_dashboard=False, raise_on_failure=False) is None
         assert node._webui_url is None and Node.start_monitor(node) is None
     assert {name: Node.__dict__[name] for name in own} == own  # Ray's own again
+    import os
+
+    os.environ[ray_compat.STARTUP_WITHOUT_ENV] = "lean_node"  # the startup bench's A/B: Ray's own start
+    try:
+        with ray_compat.lean_local_node() as lean:
+            assert lean is False and {name: Node.__dict__[name] for name in own} == own
+    finally:
+        del os.environ[ray_compat.STARTUP_WITHOUT_ENV]
 
 
 def test_local_instance_kwargs():
