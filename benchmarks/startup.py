@@ -92,7 +92,7 @@ def run(sizes: Any, log: Callable[[str], None] = print, rounds: Optional[int] = 
             one: dict[str, dict[str, Any]] = {}
             loads.append({"before": _loadavg()})
             for system in order:
-                where = Path(tmp) / f"r{number}_{system}"
+                where = Path(tmp) / f"r{number}_{every.index(system)}"  # short (AF_UNIX), as tmp
                 where.mkdir()
                 try:
                     one[system] = _runner(system)(where, head)
