@@ -74,8 +74,10 @@ TARGETS: tuple[tuple[str, str, Any, Any], ...] = (
 )
 
 
-def run(sizes: Any, log: Callable[[str], None] = print, rounds: Optional[int] = None) -> dict[str, Any]:
-    """Every system and A/B, `rounds` times (1 in --quick, 3 in full); the smoke preset skips it."""
+def run(sizes: Any, log: Callable[[str], None] = print, rounds: Optional[int] = None,
+        partial: Optional[Path] = None) -> dict[str, Any]:
+    """Every system and A/B, `rounds` times (1 in --quick, 3 in full); the smoke preset skips it.
+    `partial`: the rounds so far are written there after each (a long run on a busy machine)."""
     if sizes.name == "smoke":
         return {"skipped": "the smoke preset runs no fit (python -m benchmarks.startup --quick does)"}
     rounds = rounds or (1 if sizes.name == "quick" else 3)
@@ -105,6 +107,8 @@ def run(sizes: Any, log: Callable[[str], None] = print, rounds: Optional[int] = 
             loads[-1]["after"] = _loadavg()
             log(f"  startup round {number + 1}/{rounds}: load {loads[-1]['before']} -> {loads[-1]['after']}")
             results.append(one)
+            if partial is not None:
+                partial.write_text(json.dumps({"rounds": results, "loads": loads}, indent=1, default=str))
     table, ab = figures(results), overrides(results)
     for line in table_lines(table) + ab_lines(ab):
         log(line)
@@ -407,7 +411,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     out = Path(args.out) if args.out else results_path("startup")
     started = time.perf_counter()
     results: dict[str, Any] = {"meta": meta("quick" if args.quick else "full", "cpu")}
-    results["startup"] = run(QUICK if args.quick else FULL, log=log)
+    results["startup"] = run(QUICK if args.quick else FULL, log=log, partial=out.with_suffix(".partial.json"))
+    out.with_suffix(".partial.json").unlink(missing_ok=True)
     results["meta"]["duration_s"] = time.perf_counter() - started
     results["meta"]["load_avg_at_end"] = list(os.getloadavg())
     section = results["startup"]
