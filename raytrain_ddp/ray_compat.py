@@ -424,7 +424,7 @@ def lean_local_node() -> Iterator[bool]:
     - the dashboard's head process: with `include_dashboard=False` Ray still starts it, with
       only its usage-stats module, and waits for it;
     - the autoscaler's monitor: one node, nothing to scale (Ray then stops it at shutdown
-      with a graceful wait; docs/design.md has the figures).
+      with a graceful wait; re-measured: docs/compat.md).
     Yields False, and changes nothing, where this Ray's `Node` lacks either method. For the
     `with` only: the methods are Ray's own again when it closes."""
     if not override_on("lean_node"):
