@@ -145,13 +145,13 @@ def torch_framework() -> Any:
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"  # Ray Train V2 (2.60): its drain watcher actor
 
 
-def lean_trainer(trainer_cls: type, *, local: bool) -> type:
-    """`trainer_cls` (Ray Train V2's `TorchTrainer`) without the actors this fit has no use
-    for: each is a fresh Python process importing Ray Train on the start-up's critical path
-    (docs/design.md#the-embedded-instance-starts-lean). On any Ray, no dataset manager when
-    the fit hands Ray Train no Ray Dataset (`data.sharding: exact` sends its shards through
-    the object store). `local`: an embedded instance, which lives and dies with this process,
-    on one node with no autoscaler and no drain notices, also runs without:
+def lean_trainer(trainer_cls: type) -> type:
+    """`trainer_cls` (Ray Train V2's `TorchTrainer`) for an embedded instance, without the actors
+    this fit has no use for: each is a fresh Python process importing Ray Train on the start-up's
+    critical path (docs/design.md#the-embedded-instance-starts-lean; its figure: docs/compat.md).
+    No dataset manager when the fit hands Ray Train no Ray Dataset (`data.sharding: exact` sends
+    its shards through the object store). The instance lives and dies with this process, on one
+    node with no autoscaler and no drain notices, so it also runs without:
     - the placement-group cleaner (it frees the groups of a controller that died while the
       cluster lived on; here the cluster dies with it);
     - Ray Data's autoscaling coordinator, under a fixed worker count (it asks an autoscaler
@@ -182,10 +182,8 @@ def lean_trainer(trainer_cls: type, *, local: bool) -> type:
         def _initialize_and_run_controller(self, **kwargs: Any) -> Any:
             datasets = getattr(self, "datasets", True)  # a Ray that names them otherwise: keep the manager
             kwargs["callbacks"] = [cb for cb in kwargs.get("callbacks", [])
-                                   if not (local and isinstance(cb, PlacementGroupCleanerCallback))
+                                   if not isinstance(cb, PlacementGroupCleanerCallback)
                                    and not (isinstance(cb, DatasetsCallback) and not datasets)]
-            if not local:
-                return super()._initialize_and_run_controller(**kwargs)
             policy = kwargs.get("scaling_policy")
             if type(policy) is FixedScalingPolicy:
                 kwargs["scaling_policy"] = LocalFixedScalingPolicy(policy.scaling_config)

@@ -57,7 +57,7 @@ def test_each_override_s_gain_is_paired_within_a_round_and_decides_whether_it_st
         one["ours_embedded-fast_exit"] = {"first_step_s": 1.0, "last_to_exit_s": 1.5 + later_exit}
     del rounds[2]["ours_embedded"]["wall_s"]  # a failed metric: left out of the median, not counted as 0
     ab = startup.overrides(rounds)
-    assert set(ab) == set(startup.AB_SYSTEMS) and "ours_joined-lean_trainer" in ab
+    assert set(ab) == set(startup.AB_SYSTEMS) and "ours_embedded-lean_trainer" in ab
     node, exit_ = ab["ours_embedded-lean_node"], ab["ours_embedded-fast_exit"]
     assert node["first_step_s_gain_by_round"] == [3.0, 0.5, 1.5] and node["first_step_s_gain"] == 1.5
     assert node["wall_s_gain_by_round"] == [6.0, 1.0, None] and node["wall_s_gain"] == 3.5
