@@ -15,6 +15,11 @@ Systems, each on the quickstart (benchmarks/startup_refs.py holds the references
                     compared with ours_embedded's, tensor for tensor
     torchrun_ref    `torchrun --nproc_per_node=2` + a plain torch DDP script
     bare_trainer    a bare two-worker `TorchTrainer`: one DDP step of a linear layer
+    bare_joined     the same `TorchTrainer` joining the head ours_joined joins
+A/B of each start-up override (issue #53): `<ours system>-<override>` is that system with the
+override left out (`RAYTRAIN_DDP_STARTUP_WITHOUT`, read in `ray_compat.override_on`); its gain
+is paired within a round (without minus with), then the median. None is about restarts: each
+acts once per fit (a controller's actors, the node, the backend's import, the exit).
 Kill -> next step (replica, live) are the `recovery` section's figures; the table points there.
 
 `python -m benchmarks.startup [--quick] [--out FILE.json]` (or `make bench-startup`) runs this
@@ -39,14 +44,27 @@ from typing import Any, Callable, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "examples" / "configs" / "quickstart.yaml"
-SYSTEMS = ("ours_embedded", "ours_joined", "ours_torchrun", "torchrun_ref", "bare_trainer")
+SYSTEMS = ("ours_embedded", "ours_joined", "ours_torchrun", "torchrun_ref", "bare_trainer", "bare_joined")
+# override (ray_compat.override_on's name) -> (the ours systems it acts on, the metric it buys)
+OVERRIDES: dict[str, tuple[tuple[str, ...], str]] = {
+    "lean_trainer": (("ours_embedded",), "first_step_s"),  # a joined fit's (its dataset manager) went: 2026-12-08
+    "lean_node": (("ours_embedded",), "first_step_s"),
+    "torch_free_backend": (("ours_embedded",), "first_step_s"),
+    "fast_exit": (("ours_embedded",), "last_to_exit_s"),
+}
+AB_SYSTEMS = tuple(f"{system}-{name}" for name, (systems, _) in OVERRIDES.items() for system in systems)
+KEEP_S = 1.0  # an override stays if it buys at least this (issue #53)
 RUN_TIMEOUT_S = 900
 # (figure, how it is computed, required, aim): "<system>.<metric>" or "<a>/<b>" (a paired ratio)
 TARGETS: tuple[tuple[str, str, Any, Any], ...] = (
     ("first step, embedded Ray (s)", "ours_embedded.first_step_s", 14.0, 10.0),
     ("first step / bare TorchTrainer's, same run", "ours_embedded.first_step_s/bare_trainer.first_step_s", 0.7, None),
     ("first step, running Ray head (s after the driver starts)", "ours_joined.first_step_s", 10.0, 6.0),
+    ("first step, running head / a bare TorchTrainer joining it", "ours_joined.first_step_s/bare_joined.first_step_s",
+     0.8, None),
     ("first step, scaling.launcher=torchrun, no Ray (s)", "ours_torchrun.first_step_s", 6.0, None),
+    ("first step, torchrun launcher / torchrun + torch DDP's", "ours_torchrun.first_step_s/torchrun_ref.first_step_s",
+     1.2, None),
     ("torchrun launcher's weights == the Ray path's", "ours_torchrun.same_weights", True, None),
     ("wall time, embedded Ray (s)", "ours_embedded.wall_s", 20.0, 18.0),
     ("last step -> exit (s)", "ours_embedded.last_to_exit_s", 2.0, None),
@@ -56,41 +74,88 @@ TARGETS: tuple[tuple[str, str, Any, Any], ...] = (
 )
 
 
-def run(sizes: Any, log: Callable[[str], None] = print, rounds: Optional[int] = None) -> dict[str, Any]:
-    """Every system, `rounds` times (1 in --quick, 3 in full); the smoke preset skips it."""
+def run(sizes: Any, log: Callable[[str], None] = print, rounds: Optional[int] = None,
+        partial: Optional[Path] = None) -> dict[str, Any]:
+    """Every system and A/B, `rounds` times (1 in --quick, 3 in full); the smoke preset skips it.
+    `partial`: the rounds so far are written there after each (a long run on a busy machine)."""
     if sizes.name == "smoke":
         return {"skipped": "the smoke preset runs no fit (python -m benchmarks.startup --quick does)"}
     rounds = rounds or (1 if sizes.name == "quick" else 3)
     results: list[dict[str, dict[str, Any]]] = []
+    loads: list[dict[str, str]] = []  # /proc/loadavg before and after each round: how shared the machine was
+    every = SYSTEMS + AB_SYSTEMS
     # short: Ray's socket paths under it must stay within AF_UNIX's 107 bytes
     with tempfile.TemporaryDirectory(prefix="rtds_") as tmp, _ray_head(Path(tmp)) as head:
         if head is None:
-            log("  startup: the section's ray start --head did not come up; ours_joined is skipped")
+            log("  startup: the section's ray start --head did not come up; the joined systems are skipped")
         for number in range(rounds):
-            order = SYSTEMS[number % len(SYSTEMS):] + SYSTEMS[:number % len(SYSTEMS)]
+            shift = number * len(every) // rounds  # each system starts a round in a different third
+            order = every[shift:] + every[:shift]
             one: dict[str, dict[str, Any]] = {}
+            loads.append({"before": _loadavg()})
             for system in order:
-                where = Path(tmp) / f"r{number}_{system}"
+                where = Path(tmp) / f"r{number}_{every.index(system)}"  # short (AF_UNIX), as tmp
                 where.mkdir()
                 try:
-                    one[system] = RUNNERS[system](where, head)
+                    one[system] = _runner(system)(where, head)
                 except Exception as exc:  # noqa: BLE001 - recorded; the other systems still run
                     one[system] = {"error": f"{type(exc).__name__}: {str(exc)[-1500:]}"}
                 log(f"  startup round {number + 1}/{rounds}: {system} {_brief(one[system])}")
             if "checkpoint" in one.get("ours_torchrun", {}) and "checkpoint" in one.get("ours_embedded", {}):
                 one["ours_torchrun"]["same_weights"] = same_weights(one["ours_torchrun"]["checkpoint"],
                                                                     one["ours_embedded"]["checkpoint"])
+            loads[-1]["after"] = _loadavg()
+            log(f"  startup round {number + 1}/{rounds}: load {loads[-1]['before']} -> {loads[-1]['after']}")
             results.append(one)
-    table = figures(results)
-    for line in table_lines(table):
+            if partial is not None:
+                partial.write_text(json.dumps({"rounds": results, "loads": loads}, indent=1, default=str))
+    table, ab = figures(results), overrides(results)
+    for line in table_lines(table) + ab_lines(ab):
         log(line)
-    return {"rounds": results, "medians": medians(results), "figures": table}
+    return {"rounds": results, "loads": loads, "medians": medians(results), "figures": table, "overrides": ab}
+
+
+def _loadavg() -> str:
+    try:
+        return Path("/proc/loadavg").read_text().strip()
+    except OSError:
+        return " ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+def overrides(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Each `<system>-<override>`'s gain: its metric without the override minus with it, paired
+    within a round, then the median (also the wall time's); `keep` if it buys `KEEP_S` or more."""
+    out = {}
+    for name, (systems, metric) in OVERRIDES.items():
+        for system in systems:
+            row: dict[str, Any] = {"override": name, "system": system, "metric": metric}
+            for what in dict.fromkeys((metric, "first_step_s", "wall_s")):
+                pairs = [(r.get(f"{system}-{name}", {}).get(what), r.get(system, {}).get(what)) for r in rounds]
+                gains = [None if None in pair else pair[0] - pair[1] for pair in pairs]
+                row[f"{what}_gain_by_round"] = gains
+                known = [g for g in gains if g is not None]
+                row[f"{what}_gain"] = statistics.median(known) if known else None
+            row["keep"] = None if row[f"{metric}_gain"] is None else row[f"{metric}_gain"] >= KEEP_S
+            out[f"{system}-{name}"] = row
+    return out
+
+
+def ab_lines(ab: dict[str, dict[str, Any]]) -> list[str]:
+    lines = ["", "**Start-up overrides** (issue #53: each left out, paired within a round; kept if it buys >= "
+             f"{KEEP_S:g} s)", "", "| override | on | metric | gain (s), by round | median gain (s) | wall gain (s) | kept |",
+             "|---|---|---|---|---|---|---|"]
+    for row in ab.values():
+        metric, shown = row["metric"], lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+        lines.append(f"| `{row['override']}` | `{row['system']}` | {metric} | "
+                     f"{', '.join(shown(g) for g in row[metric + '_gain_by_round'])} | {shown(row[metric + '_gain'])} | "
+                     f"{shown(row['wall_s_gain'])} | {({True: 'yes', False: 'no', None: '-'})[row['keep']]} |")
+    return lines
 
 
 def medians(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, float]]:
     """Each system's numeric metrics, the median over rounds: what the docs cite."""
     out: dict[str, dict[str, float]] = {}
-    for system in SYSTEMS:
+    for system in SYSTEMS + AB_SYSTEMS:
         records = [r.get(system, {}) for r in rounds]
         keys = {k for rec in records for k, v in rec.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         out[system] = {k: statistics.median(rec[k] for rec in records if isinstance(rec.get(k), (int, float)))
@@ -102,7 +167,7 @@ def rounds_table(rounds: list[dict[str, dict[str, Any]]]) -> list[str]:
     """Each system's figures round by round, as the docs show them."""
     lines = ["| system | first step (s), by round | wall (s) | last step -> exit (s) | step ms | val_accuracy |",
              "|---|---|---|---|---|---|"]
-    for system in SYSTEMS:
+    for system in SYSTEMS + AB_SYSTEMS:
         cells = []
         for metric in ("first_step_s", "wall_s", "last_to_exit_s", "step_ms", "val_accuracy"):
             values = [r.get(system, {}).get(metric) for r in rounds]
@@ -229,13 +294,29 @@ def bare_trainer(where: Path, head: Optional[dict[str, str]] = None) -> dict[str
     return {"first_step_s": record["first_step_t"] - started, "wall_s": ended - started}
 
 
-RUNNERS: dict[str, Callable[[Path, Optional[dict[str, str]]], dict[str, Any]]] = {
-    "ours_embedded": lambda where, address: ours(where, env=_env(RAY_TMPDIR=str(where))),
-    "ours_joined": lambda where, head: ours(where, env=_env(**_required(head))),
-    "ours_torchrun": lambda where, address: ours(where, "scaling.launcher=torchrun"),
+def bare_joined(where: Path, head: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    out = where / "bare.json"
+    started, ended, _ = _timed([sys.executable, "-m", "benchmarks.startup_refs", "bare", str(out)],
+                               _env(**_required(head)), REPO)
+    return {"first_step_s": json.loads(out.read_text())["first_step_t"] - started, "wall_s": ended - started}
+
+
+RUNNERS: dict[str, Callable[..., dict[str, Any]]] = {
+    "ours_embedded": lambda where, head, **without: ours(where, env=_env(RAY_TMPDIR=str(where), **without)),
+    "ours_joined": lambda where, head, **without: ours(where, env=_env(**_required(head), **without)),
+    "ours_torchrun": lambda where, head: ours(where, "scaling.launcher=torchrun"),
     "torchrun_ref": torchrun_ref,
     "bare_trainer": bare_trainer,
+    "bare_joined": bare_joined,
 }
+
+
+def _runner(system: str) -> Callable[[Path, Optional[dict[str, str]]], dict[str, Any]]:
+    """`system`'s run; `<ours system>-<override>`: that run with the override left out."""
+    base, _, override = system.partition("-")
+    if not override:
+        return RUNNERS[system]
+    return lambda where, head: RUNNERS[base](where, head, RAYTRAIN_DDP_STARTUP_WITHOUT=override)
 
 
 def _required(head: Optional[dict[str, str]]) -> dict[str, str]:
@@ -330,11 +411,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     out = Path(args.out) if args.out else results_path("startup")
     started = time.perf_counter()
     results: dict[str, Any] = {"meta": meta("quick" if args.quick else "full", "cpu")}
-    results["startup"] = run(QUICK if args.quick else FULL, log=log)
+    results["startup"] = run(QUICK if args.quick else FULL, log=log, partial=out.with_suffix(".partial.json"))
+    out.with_suffix(".partial.json").unlink(missing_ok=True)
     results["meta"]["duration_s"] = time.perf_counter() - started
     results["meta"]["load_avg_at_end"] = list(os.getloadavg())
+    section = results["startup"]
+    loads = [f"round {n + 1}: {load['before']} -> {load['after']}" for n, load in enumerate(section["loads"])]
     table = "\n".join(["**Start-up** (the quickstart; each system a command timed from its start)", "",
-                        *rounds_table(results["startup"]["rounds"]), *table_lines(results["startup"]["figures"])])
+                        "Load (/proc/loadavg before -> after each round): " + "; ".join(loads), "",
+                        *rounds_table(section["rounds"]), *table_lines(section["figures"]),
+                        *ab_lines(section["overrides"])])
     md = publish(results, out, table)
     print(table)
     log(f"wrote {out} and {md}")

@@ -5,8 +5,9 @@ warm-up and cosine, 264 steps.
 `torchrun_rank` (under `python -m torch.distributed.run --nproc_per_node=2 -m
 benchmarks.startup_refs torchrun OUT`): a plain torch DDP script, as a user writes one.
 `bare_trainer` (`python -m benchmarks.startup_refs bare OUT`): a bare two-worker Ray Train
-`TorchTrainer` on an embedded instance whose loop only wraps a linear layer in torch DDP and
-takes one AdamW step (no data, nothing of ours): Ray Train's own start.
+`TorchTrainer` on an embedded instance (or, with `RAY_ADDRESS` set, joining that running head)
+whose loop only wraps a linear layer in torch DDP and takes one AdamW step (no data, nothing
+of ours): Ray Train's own start.
 Each writes one JSON object to OUT (rank 0): wall-clock `first_step_t`, `last_step_t`, and
 the torchrun script's `step_ms` (every step's time after the first).
 """
@@ -97,8 +98,13 @@ def bare_trainer(out: str) -> None:
         if dist.get_rank() == 0:
             Path(config["out"]).write_text(json.dumps({"first_step_t": time.time()}))
 
-    ray.init(address="local", num_cpus=4, logging_level="WARNING", include_dashboard=True,
-             dashboard_host="127.0.0.1")
+    import os
+
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], logging_level="WARNING")
+    else:
+        ray.init(address="local", num_cpus=4, logging_level="WARNING", include_dashboard=True,
+                 dashboard_host="127.0.0.1")
     try:
         TorchTrainer(loop, train_loop_config={"out": out},
                      scaling_config=ray.train.ScalingConfig(num_workers=2),

@@ -325,10 +325,14 @@ def _terminate_as_interrupt() -> Any:
 def console() -> None:
     """The `raytrain-ddp` command: `main`, then the exit handlers, then the end of the process
     without tearing the interpreter down (about 1 s after a fit: torch's and Ray's modules
-    finalised one by one; docs/design.md, "Measurements behind the code"). Everything a
+    finalised one by one; re-measured: docs/compat.md). Everything a
     command writes is closed before `main` returns; the exit handlers (logging, trackers) run here."""
     import atexit
 
+    from raytrain_ddp.ray_compat import override_on
+
+    if not override_on("fast_exit"):
+        sys.exit(main())
     code = main()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):

@@ -49,6 +49,13 @@ RAY_WORKER_OUTPUT_HANDLER = "ray_print_logs"  # the name of Ray's handler on its
 CONTROLLER_RESTART_STATES = ("RestartingState", "ReschedulingState")  # Ray Train V2's controller states
 COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")  # Ray Data's actor: (name, namespace)
 PREEMPTION_GRACE_SINCE = (2, 60)  # FailureConfig(preemption_grace_s, relax_collectives_on_preemption)
+STARTUP_WITHOUT_ENV = "RAYTRAIN_DDP_STARTUP_WITHOUT"  # a diagnostic (docs/compat.md): start-up overrides left out
+
+
+def override_on(name: str) -> bool:
+    """Whether start-up override `name` applies: yes unless `STARTUP_WITHOUT_ENV` (comma-separated) names
+    it, which the startup bench's A/B does (benchmarks/startup.py)."""
+    return name not in os.environ.get(STARTUP_WITHOUT_ENV, "").split(",")
 
 
 def ray_version() -> tuple[int, int]:
@@ -138,19 +145,21 @@ def torch_framework() -> Any:
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"  # Ray Train V2 (2.60): its drain watcher actor
 
 
-def lean_trainer(trainer_cls: type, *, local: bool) -> type:
-    """`trainer_cls` (Ray Train V2's `TorchTrainer`) without the actors this fit has no use
-    for: each is a fresh Python process importing Ray Train on the start-up's critical path
-    (docs/design.md#the-embedded-instance-starts-lean). On any Ray, no dataset manager when
-    the fit hands Ray Train no Ray Dataset (`data.sharding: exact` sends its shards through
-    the object store). `local`: an embedded instance, which lives and dies with this process,
-    on one node with no autoscaler and no drain notices, also runs without:
+def lean_trainer(trainer_cls: type) -> type:
+    """`trainer_cls` (Ray Train V2's `TorchTrainer`) for an embedded instance, without the actors
+    this fit has no use for: each is a fresh Python process importing Ray Train on the start-up's
+    critical path (docs/design.md#the-embedded-instance-starts-lean; its figure: docs/compat.md).
+    No dataset manager when the fit hands Ray Train no Ray Dataset (`data.sharding: exact` sends
+    its shards through the object store). The instance lives and dies with this process, on one
+    node with no autoscaler and no drain notices, so it also runs without:
     - the placement-group cleaner (it frees the groups of a controller that died while the
       cluster lived on; here the cluster dies with it);
     - Ray Data's autoscaling coordinator, under a fixed worker count (it asks an autoscaler
       for the workers' resources; there is none);
     - the preemption watcher (it polls for draining nodes; nothing drains this one).
     Falls back to `trainer_cls` itself where this Ray lacks one of the names."""
+    if not override_on("lean_trainer"):
+        return trainer_cls
     try:
         from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
         from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
@@ -173,10 +182,8 @@ def lean_trainer(trainer_cls: type, *, local: bool) -> type:
         def _initialize_and_run_controller(self, **kwargs: Any) -> Any:
             datasets = getattr(self, "datasets", True)  # a Ray that names them otherwise: keep the manager
             kwargs["callbacks"] = [cb for cb in kwargs.get("callbacks", [])
-                                   if not (local and isinstance(cb, PlacementGroupCleanerCallback))
+                                   if not isinstance(cb, PlacementGroupCleanerCallback)
                                    and not (isinstance(cb, DatasetsCallback) and not datasets)]
-            if not local:
-                return super()._initialize_and_run_controller(**kwargs)
             policy = kwargs.get("scaling_policy")
             if type(policy) is FixedScalingPolicy:
                 kwargs["scaling_policy"] = LocalFixedScalingPolicy(policy.scaling_config)
@@ -415,9 +422,12 @@ def lean_local_node() -> Iterator[bool]:
     - the dashboard's head process: with `include_dashboard=False` Ray still starts it, with
       only its usage-stats module, and waits for it;
     - the autoscaler's monitor: one node, nothing to scale (Ray then stops it at shutdown
-      with a graceful wait; docs/design.md has the figures).
+      with a graceful wait; re-measured: docs/compat.md).
     Yields False, and changes nothing, where this Ray's `Node` lacks either method. For the
     `with` only: the methods are Ray's own again when it closes."""
+    if not override_on("lean_node"):
+        yield False
+        return
     try:
         from ray._private.node import Node
     except ImportError:  # pragma: no cover - Ray moved it: the full start

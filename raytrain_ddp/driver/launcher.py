@@ -345,9 +345,8 @@ def build_trainer(cfg: Config, run_dir: Location, job: Job, prepared: Any) -> An
     env_vars.update(nccl_env(cfg.scaling.use_gpu, os.environ))
     recovery = table.driver_half(cfg)(cfg)  # the run's recovery mode, Ray Train's side (recovery/table.py)
     env_vars.update(recovery.env())
-    # Only the actors this fit uses; an embedded instance dies with this process: none of
-    # Ray Train's actors for clusters either (ray_compat.lean_trainer)
-    return lean_trainer(TorchTrainer, local=started_here())(
+    # An embedded instance dies with this process: none of Ray Train's actors for clusters (ray_compat.lean_trainer)
+    return (lean_trainer(TorchTrainer) if started_here() else TorchTrainer)(
         train_loop_per_worker,
         train_loop_config=loop_config(job, prepared),
         torch_config=recovery.torch_config(pg_timeout_s),

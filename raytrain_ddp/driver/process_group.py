@@ -11,7 +11,7 @@ for the placement group and creates the workers. `TorchConfig`'s module imports 
 second of one core, there, on the start-up's critical path, in a process that never touches a
 tensor (docs/design.md#the-controller-loads-torch-off-its-critical-path). These classes are defined in a module
 without torch. An unpickled backend starts loading Ray's torch backend on a thread, while the
-controller places and starts the workers, and waits for it when the group is up.
+controller places and starts the workers, and waits for it when the group is up (re-measured: docs/compat.md).
 `live` keeps Ray's torchft config (`driver/live.py`).
 """
 

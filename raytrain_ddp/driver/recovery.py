@@ -33,7 +33,10 @@ class Restart:
 
     def torch_config(self, timeout_s: int) -> Any:
         from raytrain_ddp.driver.process_group import ProcessGroupConfig  # TorchConfig's, torch-free class
+        from raytrain_ddp.ray_compat import override_on
 
+        if not override_on("torch_free_backend"):
+            from ray.train.torch import TorchConfig as ProcessGroupConfig  # type: ignore[no-redef]
         return ProcessGroupConfig(backend="nccl" if self.cfg.scaling.use_gpu else "gloo", timeout_s=timeout_s)
 
     def callbacks(self) -> list[Any]:

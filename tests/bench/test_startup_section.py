@@ -19,8 +19,9 @@ def _round(ours_first: float, bare_first: float, ours_ms: float, ref_ms: float, 
                               "step_ms": ours_ms},
             "ours_joined": {"first_step_s": ours_first - 4},
             "ours_torchrun": {"first_step_s": 5.0, "same_weights": same},
-            "torchrun_ref": {"first_step_s": 3.8, "step_ms": ref_ms},
-            "bare_trainer": {"first_step_s": bare_first}}
+            "torchrun_ref": {"first_step_s": 4.0, "step_ms": ref_ms},
+            "bare_trainer": {"first_step_s": bare_first},
+            "bare_joined": {"first_step_s": bare_first - 2}}
 
 
 def test_medians_paired_ratios_and_the_table_beside_each_target():
@@ -31,6 +32,9 @@ def test_medians_paired_ratios_and_the_table_beside_each_target():
     assert table["first step / bare TorchTrainer's, same run"]["value"] == pytest.approx(0.6)
     assert table["steady step / torchrun + torch DDP's"]["value"] == pytest.approx(1.1)
     assert table["torchrun launcher's weights == the Ray path's"]["value"] is True
+    # the references issue #53 states its targets against: a bare TorchTrainer on the same head, torchrun
+    assert table["first step, running head / a bare TorchTrainer joining it"]["value"] == pytest.approx(8 / 18)
+    assert table["first step, torchrun launcher / torchrun + torch DDP's"]["value"] == pytest.approx(1.25)
     assert table["wall time, embedded Ray (s)"]["met"] is True and table["last step -> exit (s)"]["value"] == 1.5
     assert table["kill -> next trained step, live (s)"]["value"] is None  # the recovery section's
     assert len(table) == len(startup.TARGETS)
@@ -43,6 +47,29 @@ def test_medians_paired_ratios_and_the_table_beside_each_target():
     assert any(line.startswith("| kill -> next trained step, replica (s) | the recovery section") for line in lines)
     rounds[1]["ours_torchrun"]["same_weights"] = False
     assert {r["figure"]: r for r in startup.figures(rounds)}["torchrun launcher's weights == the Ray path's"]["met"] is False
+
+
+def test_each_override_s_gain_is_paired_within_a_round_and_decides_whether_it_stays():
+    rounds = [_round(12.0, 20.0, 11.0, 10.0), _round(9.0, 10.0, 10.0, 10.0), _round(15.0, 30.0, 30.0, 10.0)]
+    for one, (slower, later_exit) in zip(rounds, ((3.0, 0.5), (0.5, 0.2), (1.5, 2.0))):
+        one["ours_embedded-lean_node"] = {"first_step_s": one["ours_embedded"]["first_step_s"] + slower,
+                                          "wall_s": one["ours_embedded"]["wall_s"] + 2 * slower}
+        one["ours_embedded-fast_exit"] = {"first_step_s": 1.0, "last_to_exit_s": 1.5 + later_exit}
+    del rounds[2]["ours_embedded"]["wall_s"]  # a failed metric: left out of the median, not counted as 0
+    ab = startup.overrides(rounds)
+    assert set(ab) == set(startup.AB_SYSTEMS) and "ours_embedded-lean_trainer" in ab
+    node, exit_ = ab["ours_embedded-lean_node"], ab["ours_embedded-fast_exit"]
+    assert node["first_step_s_gain_by_round"] == [3.0, 0.5, 1.5] and node["first_step_s_gain"] == 1.5
+    assert node["wall_s_gain_by_round"] == [6.0, 1.0, None] and node["wall_s_gain"] == 3.5
+    assert node["keep"] is True
+    assert exit_["metric"] == "last_to_exit_s" and exit_["last_to_exit_s_gain"] == pytest.approx(0.5)
+    assert exit_["keep"] is False  # judged on what it is for (the exit), not the first step
+    assert ab["ours_embedded-torch_free_backend"]["keep"] is None  # not run: no verdict
+    lines = startup.ab_lines(ab)
+    assert "| `lean_node` | `ours_embedded` | first_step_s | 3.00, 0.50, 1.50 | 1.50 | 3.50 | yes |" in lines
+    # every system is run each round, each round starting at a different point of the order
+    assert set(startup.SYSTEMS + startup.AB_SYSTEMS) <= set(startup.RUNNERS) | set(startup.AB_SYSTEMS)
+    assert startup._runner("ours_embedded-lean_node") is not startup.RUNNERS["ours_embedded"]
 
 
 def test_a_run_directory_is_read_into_the_figures(tmp_path):

@@ -216,9 +216,9 @@ def test_preemption_grace():
 
 
 def test_lean_trainer():
-    """The names the lean start relies on, and what it does to the controller's arguments:
-    on any Ray no dataset manager without datasets; on an embedded instance also no cleaner,
-    a fixed policy that sends no resource request, no preemption watcher (set only for the call)."""
+    """The names the lean start relies on, and what it does to the controller's arguments: no
+    dataset manager without datasets, no cleaner, a fixed policy that sends no resource request,
+    no preemption watcher (set only for the call)."""
     import os
 
     from ray.train.torch import TorchTrainer
@@ -249,7 +249,7 @@ def test_lean_trainer():
             seen.update(kwargs, env=os.environ.get(ray_compat.PREEMPTION_WATCHER_ENV))
             return "result"
 
-    lean = ray_compat.lean_trainer(Base, local=True)
+    lean = ray_compat.lean_trainer(Base)
     assert lean is not Base and issubclass(lean, Base)
 
     class Keep:
@@ -270,10 +270,12 @@ def test_lean_trainer():
     with_data.datasets = {"train": object()}
     with_data._initialize_and_run_controller(callbacks=[cleaner, data], scaling_policy=policy)
     assert seen["callbacks"] == [data]
-    joined = ray_compat.lean_trainer(Base, local=False)  # a cluster's: only the dataset manager goes
-    joined()._initialize_and_run_controller(callbacks=[cleaner, data, keep], scaling_policy=policy)
-    assert seen["callbacks"] == [cleaner, keep] and seen["scaling_policy"] is policy and seen["env"] is None
-    assert TorchTrainer in ray_compat.lean_trainer(TorchTrainer, local=True).__mro__
+    assert TorchTrainer in ray_compat.lean_trainer(TorchTrainer).__mro__
+    os.environ[ray_compat.STARTUP_WITHOUT_ENV] = "lean_node,lean_trainer"  # the startup bench's A/B
+    try:
+        assert ray_compat.lean_trainer(Base) is Base
+    finally:
+        del os.environ[ray_compat.STARTUP_WITHOUT_ENV]
 
 
 # ------------------------------------------------------------------ Ray Data, core, autoscaler
@@ -379,6 +381,14 @@ def test_lean_local_node():
         assert Node.start_api_server(node, include_dashboard=False, raise_on_failure=False) is None
         assert node._webui_url is None and Node.start_monitor(node) is None
     assert {name: Node.__dict__[name] for name in own} == own  # Ray's own again
+    import os
+
+    os.environ[ray_compat.STARTUP_WITHOUT_ENV] = "lean_node"  # the startup bench's A/B: Ray's own start
+    try:
+        with ray_compat.lean_local_node() as lean:
+            assert lean is False and {name: Node.__dict__[name] for name in own} == own
+    finally:
+        del os.environ[ray_compat.STARTUP_WITHOUT_ENV]
 
 
 def test_local_instance_kwargs():
