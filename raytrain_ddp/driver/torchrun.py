@@ -8,6 +8,9 @@ and its rows handed to the ranks in one pickle) and each rank's (`rank_main`, ru
 process group from torchrun's environment, then the same loop as every other host, through
 `worker/runtime.LocalRuntime`). Rank 0's records reach the driver's `Recorder` through a
 local socket (`MailboxServer` / `MailboxClient`, the calls of `stream.LocalMailbox`).
+A user's own `torchrun --nproc-per-node=N -m raytrain_ddp train ...` runs the same fit
+(`under_torchrun`, `torchrun_config`): rank 0 is the driver and rank 0 (`RankZeroLauncher`),
+the other ranks take its job from torchrun's store (`follow_rank_0`); all run `run_rank`.
 Must not touch: the loop, the data's order (`ExactReader`: every rank gets the whole table,
 as on Ray under data.sharding=exact, so the weights are the Ray path's bit for bit), files.
 

@@ -153,7 +153,9 @@ def test_torchrun_launcher_ends_on_the_ray_paths_weights_bit_for_bit(finished_ru
     assert cli["status"] == "ok" and cli["steps"] == 44 and cli["workers"] == 2 and cli["attempts"] == 1, cli
     assert len({r["fit_id"] for r in read_jsonl(tmp_path / "cli" / "attempts.jsonl")}) == 1  # one fit
     assert _train_steps(tmp_path / "cli") == _train_steps(Path(summary["run_dir"]))
-    assert sorted(p.name for p in (tmp_path / "cli").iterdir()) == sorted(p.name for p in Path(summary["run_dir"]).iterdir())
+    files = [sorted(p.name.rsplit("_", 1)[0] if p.name.startswith("checkpoint_") else p.name  # less the fit's id
+                    for p in run_dir.iterdir()) for run_dir in (tmp_path / "cli", Path(summary["run_dir"]))]
+    assert files[0] == files[1] and "config.yaml" in files[0], files
     assert (tmp_path / "cli" / "config.yaml").read_text() == \
         (Path(summary["run_dir"]) / "config.yaml").read_text().replace("name: torchrun", "name: cli")
     mine = ckpt.load_checkpoint(cli["checkpoint"])["model"]
