@@ -161,6 +161,7 @@ def test_torchrun_launcher_ends_on_the_ray_paths_weights_bit_for_bit(finished_ru
     mine = ckpt.load_checkpoint(cli["checkpoint"])["model"]
     assert [k for k in ours if not torch.equal(ours[k], mine[k])] == [] and mine.keys() == ours.keys()
     assert cli["final_metrics"]["val_accuracy"] == summary["final_metrics"]["val_accuracy"]
+    assert timeline_problems(tmp_path / "cli", cli) == []
 
 
 @pytest.mark.timeout(400)
