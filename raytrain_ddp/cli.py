@@ -44,14 +44,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from raytrain_ddp.config import load_config
     from raytrain_ddp.driver.hold import refuse_if_held
     from raytrain_ddp.driver.preflight import preflight
+    from raytrain_ddp.driver.torchrun import RankZeroLauncher, follow_rank_0, torchrun_config, under_torchrun
     from raytrain_ddp.launch.table import start_early
 
-    path, overrides = _config_and_overrides(args)
-    cfg = load_config(path, overrides)  # once
-    preflight(cfg)  # refusals before the launcher imports torch and Ray
-    refuse_if_held(cfg)  # another live fit of this run: exit 2 in about a second (driver/hold.py)
-    launch = start_early(cfg)  # scaling.launcher=torchrun: its processes import torch while this one does
+    ranks = under_torchrun()  # a user's `torchrun --nproc-per-node=N ... train`: one fit, rank 0 its driver
+    if ranks is not None and ranks[0] != 0:
+        return follow_rank_0()
+    launch = RankZeroLauncher() if ranks is not None else None
     try:
+        path, overrides = _config_and_overrides(args)
+        cfg = torchrun_config(path, overrides, *ranks[1:]) if ranks else load_config(path, overrides)  # once
+        preflight(cfg)  # refusals before the launcher imports torch and Ray
+        refuse_if_held(cfg)  # another live fit of this run: exit 2 in about a second (driver/hold.py)
+        launch = launch or start_early(cfg)  # scaling.launcher=torchrun: its processes import torch while this one does
         from raytrain_ddp.driver.fit import run_training
         from raytrain_ddp.timeline import process_start_time
         from raytrain_ddp.user import resolve

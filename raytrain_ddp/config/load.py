@@ -66,6 +66,11 @@ def _holds_a_value(path: list[str]) -> bool:
 
 def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[list[str]] = None) -> Config:
     """Read YAML (or start from defaults), apply overrides, validate; errors name the key."""
+    return validate_config(read_config(path, overrides), source=str(path) if path else "<overrides>")
+
+
+def read_config(path: Optional[Union[str, Path]] = None, overrides: Optional[list[str]] = None) -> dict[str, Any]:
+    """The YAML with the overrides applied, not validated: the keys a user set (`load_config`)."""
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -86,8 +91,7 @@ def load_config(path: Optional[Union[str, Path]] = None, overrides: Optional[lis
     storage = os.environ.get(STORAGE_ENV)
     if storage and isinstance(data.get("run", {}), dict) and "storage_path" not in data.get("run", {}):
         data = {**data, "run": {**data.get("run", {}), "storage_path": storage}}  # file and overrides win
-    data = apply_overrides(data, list(overrides or []))
-    return validate_config(data, source=str(path) if path else "<overrides>")
+    return apply_overrides(data, list(overrides or []))
 
 
 def validate_config(data: Any, source: str = "<config>") -> Config:

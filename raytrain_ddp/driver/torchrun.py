@@ -8,6 +8,9 @@ and its rows handed to the ranks in one pickle) and each rank's (`rank_main`, ru
 process group from torchrun's environment, then the same loop as every other host, through
 `worker/runtime.LocalRuntime`). Rank 0's records reach the driver's `Recorder` through a
 local socket (`MailboxServer` / `MailboxClient`, the calls of `stream.LocalMailbox`).
+A user's own `torchrun --nproc-per-node=N -m raytrain_ddp train ...` runs the same fit
+(`under_torchrun`, `torchrun_config`): rank 0 is the driver and rank 0 (`RankZeroLauncher`),
+the other ranks take its job from torchrun's store (`follow_rank_0`); all run `run_rank`.
 Must not touch: the loop, the data's order (`ExactReader`: every rank gets the whole table,
 as on Ray under data.sharding=exact, so the weights are the Ray path's bit for bit), files.
 
@@ -318,7 +321,20 @@ def _rank_env(cfg: Config) -> dict[str, str]:
 
 
 def rank_main(payload: str, stamps: Optional[dict[str, float]] = None) -> None:
-    """One rank: the process group from torchrun's environment, then the loop."""
+    """One rank of a `TorchrunLaunch`: its job from the driver's payload, then `run_rank`."""
+    from raytrain_ddp.worker.optim import preload_optimizer_imports
+
+    preload_optimizer_imports()  # while the driver plans (issue #39)
+    stamps = dict(stamps or {}, workers_up=time.time())  # this process up, torch imported
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver asks for a stop through the mailbox
+    _wait_for_payload(payload, int(os.environ[DRIVER_PID_ENV]))
+    with open(payload, "rb") as handle:
+        given = pickle.load(handle)
+    run_rank(given, stamps, on_start_fault=lambda exc: _start_fault(payload, exc))
+
+
+def run_rank(given: dict[str, Any], stamps: dict[str, float], on_start_fault: Any = None) -> None:
+    """This rank's process group from torchrun's environment, then the loop on `given`'s job."""
     import datetime
 
     import torch
@@ -328,16 +344,8 @@ def rank_main(payload: str, stamps: Optional[dict[str, float]] = None) -> None:
     from raytrain_ddp.worker.context import Rank, quiet_worker_console
     from raytrain_ddp.worker.hooks import load_hooks
     from raytrain_ddp.worker.loop import train_loop_per_worker
-    from raytrain_ddp.worker.optim import preload_optimizer_imports
     from raytrain_ddp.worker.runtime import LocalRuntime
 
-    preload_optimizer_imports()  # while the process group forms (issue #39)
-
-    stamps = dict(stamps or {}, workers_up=time.time())  # this process up, torch imported
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver asks for a stop through the mailbox
-    _wait_for_payload(payload, int(os.environ[DRIVER_PID_ENV]))
-    with open(payload, "rb") as handle:
-        given = pickle.load(handle)
     job = given["job"]
     cfg = job.cfg
     world_rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -351,7 +359,8 @@ def rank_main(payload: str, stamps: Optional[dict[str, float]] = None) -> None:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 timeout=datetime.timedelta(seconds=timeout))
     except Exception as exc:
-        _start_fault(payload, exc)  # a fault a new launch can mend: the driver starts one
+        if on_start_fault is not None:
+            on_start_fault(exc)  # a fault a new launch can mend: the driver starts one
         raise
     stamps["process_group"] = time.time()
     quiet_worker_console()
@@ -361,6 +370,105 @@ def rank_main(payload: str, stamps: Optional[dict[str, float]] = None) -> None:
                                "runtime": LocalRuntime(given["shards"], given["run_dir"], device, rank=rank)})
     finally:
         dist.destroy_process_group()
+
+
+def under_torchrun() -> Optional[tuple[int, int, int]]:
+    """(RANK, WORLD_SIZE, LOCAL_WORLD_SIZE) where a user's torchrun started this process
+    (`torchrun --nproc-per-node=N -m raytrain_ddp train ...`), else None."""
+    env = os.environ
+    if "TORCHELASTIC_RUN_ID" not in env or "RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))
+
+
+def torchrun_config(path: Any, overrides: list[str], world_size: int, local_world_size: int) -> Config:
+    """The config of a fit a user's torchrun started: that of `raytrain-ddp train ...
+    scaling.launcher=torchrun scaling.num_workers=WORLD_SIZE`; a scaling key the file or the
+    command sets otherwise, or ranks on more than this machine, refused in one line."""
+    from raytrain_ddp.config import ConfigError, load_config
+    from raytrain_ddp.config.load import read_config
+
+    scaling = read_config(path, overrides).get("scaling") or {}
+    if local_world_size != world_size:
+        raise ConfigError(f"torchrun started {world_size} ranks, {local_world_size} on this machine: "
+                          "scaling.launcher=torchrun runs on one machine (--nnodes=1); for more, scaling.launcher=ray")
+    if scaling.get("num_workers", world_size) != world_size:
+        raise ConfigError(f"scaling.num_workers={scaling['num_workers']} but torchrun started WORLD_SIZE={world_size} "
+                          f"ranks: set scaling.num_workers={world_size}, or leave it out (torchrun's count is taken)")
+    if scaling.get("launcher", "torchrun") != "torchrun":
+        raise ConfigError(f"scaling.launcher={scaling['launcher']} but torchrun started this fit's ranks: "
+                          "set scaling.launcher=torchrun, or leave it out")
+    return load_config(path, [*overrides, "scaling.launcher=torchrun", f"scaling.num_workers={world_size}"])
+
+
+class RankZeroLauncher(LocalLauncher):
+    """Rank 0 of a user's `torchrun --nproc-per-node=N ... train` (launch/base.py's `Launcher`):
+    this process runs the fit's steps and is rank 0; the job and the rows reach the other ranks
+    (`follow_rank_0`) through the store torchrun serves at MASTER_ADDR:MASTER_PORT, rank 0's
+    records the recorder through the mailbox served here, as `TorchrunLauncher`'s do."""
+
+    def __init__(self, cfg: Any = None) -> None:
+        super().__init__(cfg)
+        self.server: Optional[MailboxServer] = None
+        self.handed = False
+
+    def start(self, start: Any, given: Optional[dict[str, Any]]) -> tuple[Any, Any]:
+        prepared, mailbox = super().start(start, given)
+        self.server = MailboxServer(mailbox)
+        return prepared, mailbox
+
+    def run(self, job: Any, recorder: Any, interrupt: Any) -> tuple[str, Optional[str]]:
+        assert self.server is not None
+        given = {"job": dataclasses.replace(job, mailbox=self.server.client()), "shards": self.shards,
+                 "run_dir": self.run_dir}
+        self._hand_over(given)
+        interrupt.register()
+        run_rank(given, {"workers_up": time.time()})
+        return "ok", None
+
+    def close(self) -> None:
+        self._hand_over(None)  # a refusal, nothing to train, an error before the job: the ranks end quietly
+        if self.server is not None:
+            self.server.close()
+
+    def _hand_over(self, given: Optional[dict[str, Any]]) -> None:
+        if not self.handed:
+            self.handed = True
+            _store().set(_job_key(), pickle.dumps(given))
+
+
+def follow_rank_0() -> int:
+    """A rank other than 0 of a user's torchrun: rank 0's job, then `run_rank`; none (rank 0
+    refused, or found nothing to train, and said so): exit 0, printing nothing."""
+    from raytrain_ddp.worker.optim import preload_optimizer_imports
+
+    preload_optimizer_imports()
+    stamps = {"workers_up": time.time()}
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 asks for a stop
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's agent stopping its ranks: no line from each
+    store, deadline = _store(), time.monotonic() + PAYLOAD_WAIT_S
+    while not store.check([_job_key()]):  # polled: a signal is taken between two checks
+        if time.monotonic() > deadline:
+            raise SystemExit(f"raytrain-ddp: torchrun rank: no job from rank 0 after {PAYLOAD_WAIT_S:.0f} s")
+        time.sleep(0.05)
+    given = pickle.loads(store.get(_job_key()))
+    if given is not None:
+        run_rank(given, stamps)
+    return 0
+
+
+def _store() -> Any:
+    """A client of the store torchrun's agent serves to its ranks (TORCHELASTIC_USE_AGENT_STORE)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=datetime.timedelta(seconds=PAYLOAD_WAIT_S))
+
+
+def _job_key() -> str:  # one per start of the ranks (torchrun --max-restarts starts them again)
+    return f"raytrain_ddp/job/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def _wait_for_payload(payload: str, driver_pid: int, timeout_s: float = PAYLOAD_WAIT_S) -> None:

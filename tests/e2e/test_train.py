@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -21,7 +24,7 @@ from raytrain_ddp.config import load_config
 from raytrain_ddp.errors import DataError
 from raytrain_ddp.driver.fit import run_training
 from raytrain_ddp.driver.resume import ResumeError
-from raytrain_ddp.rundir import read_metrics
+from raytrain_ddp.rundir import read_jsonl, read_metrics
 from raytrain_ddp.ops.plot import plot_run
 from _timeline import timeline_problems
 
@@ -116,6 +119,7 @@ def test_an_embedded_instance_starts_only_the_actors_a_fit_needs(finished_run):
                                                 "SynchronizationActor", "TrainController"], _ACTORS_STARTED
 
 
+@pytest.mark.timeout(420)
 def test_torchrun_launcher_ends_on_the_ray_paths_weights_bit_for_bit(finished_run, tmp_path, monkeypatch, capfd):
     """scaling.launcher=torchrun (no Ray actors, driver/torchrun.py): the same loop, data and
     checkpoints as the Ray fit above, so the same final state_dict, tensor for tensor. Its first
@@ -134,6 +138,30 @@ def test_torchrun_launcher_ends_on_the_ray_paths_weights_bit_for_bit(finished_ru
     for key in ("loss", "val_loss", "val_accuracy"):  # the timings differ, the numbers do not
         assert summary["final_metrics"][key] == ray_summary["final_metrics"][key], key
     assert timeline_problems(Path(summary["run_dir"]), summary, attempts=2) == []
+
+    # What Ray's docs tell users to run on one machine, torchrun starting the CLI's ranks
+    # (docs/usage.md#torchrun): one fit of 2 ranks, rank 0 its driver, the same run directory
+    # files and the same weights, bit for bit, as the launcher's run above.
+    env = {k: v for k, v in os.environ.items() if k != "RAYTRAIN_DDP_PORT_FAULT"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           "-m", "raytrain_ddp", "train", str(TINY), f"run.storage_path={tmp_path}", "name=cli"],
+                          env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("raytrain-ddp: status ok") == 1, done.stdout  # one console: rank 0's
+    assert done.stdout.count("raytrain-ddp: run 'cli' -> ") == 1, done.stdout
+    cli = json.loads((tmp_path / "cli" / "summary.json").read_text())
+    assert cli["status"] == "ok" and cli["steps"] == 44 and cli["workers"] == 2 and cli["attempts"] == 1, cli
+    assert len({r["fit_id"] for r in read_jsonl(tmp_path / "cli" / "attempts.jsonl")}) == 1  # one fit
+    assert _train_steps(tmp_path / "cli") == _train_steps(Path(summary["run_dir"]))
+    files = [sorted(p.name.rsplit("_", 1)[0] if p.name.startswith("checkpoint_") else p.name  # less the fit's id
+                    for p in run_dir.iterdir()) for run_dir in (tmp_path / "cli", Path(summary["run_dir"]))]
+    assert files[0] == files[1] and "config.yaml" in files[0], files
+    assert (tmp_path / "cli" / "config.yaml").read_text() == \
+        (Path(summary["run_dir"]) / "config.yaml").read_text().replace("name: torchrun", "name: cli")
+    mine = ckpt.load_checkpoint(cli["checkpoint"])["model"]
+    assert [k for k in ours if not torch.equal(ours[k], mine[k])] == [] and mine.keys() == ours.keys()
+    assert cli["final_metrics"]["val_accuracy"] == summary["final_metrics"]["val_accuracy"]
+    assert timeline_problems(tmp_path / "cli", cli) == []
 
 
 @pytest.mark.timeout(400)

@@ -122,3 +122,36 @@ def test_a_stop_at_any_moment_of_the_launch_ends_in_seconds_and_leaves_nothing(t
         assert time.monotonic() - started < STOP_WAIT_S, f"stop {i} waited {time.monotonic() - started:.1f} s"
         assert launch.proc.poll() is not None, i
         assert _processes_naming(str(payloads)) == [] and _ours(payloads) == [], i
+
+
+def test_a_users_torchrun_is_detected_and_its_world_size_is_the_fits(monkeypatch, tmp_path):
+    """`torchrun --nproc-per-node=N ... raytrain-ddp train` (docs/usage.md#torchrun): the CLI
+    sees torchrun's environment; the fit is that of scaling.launcher=torchrun
+    scaling.num_workers=WORLD_SIZE, and a scaling key set otherwise is one line naming both."""
+    from raytrain_ddp.driver.torchrun import torchrun_config, under_torchrun
+    from raytrain_ddp.config import ConfigError
+
+    for key in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    assert under_torchrun() is None
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert under_torchrun() is None  # RANK alone (another tool's): not torchrun's
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert under_torchrun() == (0, 4, 4)
+
+    storage = [f"run.storage_path={tmp_path}"]
+    cfg = torchrun_config(TINY, [*storage, "scaling.num_workers=4"], 4, 4)
+    assert (cfg.scaling.launcher, cfg.scaling.num_workers) == ("torchrun", 4)
+    unsized = tmp_path / "unsized.yaml"  # tiny.yaml less its scaling: section
+    unsized.write_text(TINY.read_text().replace("scaling:\n  num_workers: 2\n", ""))
+    assert torchrun_config(unsized, storage, 4, 4).scaling.num_workers == 4  # not given: WORLD_SIZE
+    with pytest.raises(ConfigError) as exc:
+        torchrun_config(TINY, storage, 4, 4)  # tiny.yaml says 2
+    assert str(exc.value) == ("scaling.num_workers=2 but torchrun started WORLD_SIZE=4 ranks: set "
+                              "scaling.num_workers=4, or leave it out (torchrun's count is taken)")
+    with pytest.raises(ConfigError, match=r"^scaling.launcher=ray but torchrun started"):
+        torchrun_config(TINY, [*storage, "scaling.launcher=ray"], 2, 2)
+    with pytest.raises(ConfigError, match=r"^torchrun started 4 ranks, 2 on this machine: .*--nnodes=1"):
+        torchrun_config(TINY, storage, 4, 2)
