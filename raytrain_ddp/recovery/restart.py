@@ -1,17 +1,17 @@
-"""Driver halves of `run.recovery: checkpoint` and `replica` (the recovery table: `recovery/table.py`).
+"""Driver halves of `run.recovery: checkpoint` and `replica` (a `DriverRecovery` of `table.py`).
 
-Owns: what Ray Train is given for these modes: torch's own backend (`TorchConfig`'s, through
-`driver/process_group.py`: one process group of all workers) and, for `replica`, the callback that lets a survivor finish
-writing the last step before Ray stops it (`GraceForSurvivors`, waiting on `worker/replica.py`'s
-`CopyWindow`).
-Must not touch: the rest of the trainer (`launcher.py`), what the workers do.
-`driver/live.py` holds live's half, with the same four members.
+Owns: what Ray Train is given for these modes: the launcher's own backend (torch's, one
+process group of all workers) and, for `replica`, the worker callback that lets a survivor
+finish writing the last step before Ray stops it (`GraceForSurvivors`, waiting on
+`replica.py`'s `CopyWindow`). Must not touch: the rest of the trainer, what the workers do.
+Imported only by a fit on Ray (`table.driver_half`), so Ray's import here costs local mode nothing.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any, Callable
+
+from raytrain_ddp import ray_compat
 
 if TYPE_CHECKING:
     from raytrain_ddp.config import Config
@@ -31,10 +31,8 @@ class Restart:
     def env(self) -> dict[str, str]:
         return {}
 
-    def torch_config(self, timeout_s: int) -> Any:
-        from raytrain_ddp.driver.process_group import ProcessGroupConfig  # TorchConfig's, torch-free class
-
-        return ProcessGroupConfig(backend="nccl" if self.cfg.scaling.use_gpu else "gloo", timeout_s=timeout_s)
+    def torch_config(self, own: Any, guard: Callable[..., None]) -> Any:
+        return own  # `driver/process_group.py`'s, started through the guard already
 
     def callbacks(self) -> list[Any]:
         return []
@@ -44,37 +42,22 @@ class SurvivorsCopy(Restart):
     """`replica`: as `checkpoint`, and Ray's stop of a survivor waits for its copy of the last step."""
 
     def callbacks(self) -> list[Any]:
-        return [_grace_for_survivors()()]
+        return [GraceForSurvivors()]
 
 
-@functools.cache  # one class: what pickling finds by name (`__getattr__`) is the class it pickled
-def _grace_for_survivors() -> type:
-    """`GraceForSurvivors`, built on first use: its base is Ray Train's (`ray_compat`), and
-    importing Ray costs local mode, which never uses it, about a second. Defined here, not
-    beside `CopyWindow` in `worker/replica.py`: the controller unpickles it, and that module
-    imports torch (`driver/process_group.py` says why the controller should not)."""
-    from raytrain_ddp import ray_compat
+class GraceForSurvivors(ray_compat.worker_callback_base()):  # type: ignore[misc]
+    """Ray Train worker callback: a worker being stopped first leaves its copy of the last step.
 
-    class GraceForSurvivors(ray_compat.worker_callback_base()):  # type: ignore[misc]
-        """Ray Train worker callback: a worker being stopped first leaves its copy of the last step.
+    Passed through `RunConfig(callbacks=...)`, which hands non-user callbacks to the workers;
+    its base is Ray Train's `WorkerCallback`, a DeveloperAPI under `_internal` with no public
+    name (`ray_compat.worker_callback_base`). Defined here, not beside `CopyWindow`: the
+    controller unpickles it, and `replica.py` imports torch. The waits stay inside Ray's 5 s patience.
+    """
 
-        Passed through `RunConfig(callbacks=...)`, which hands non-user callbacks to the
-        workers (a DeveloperAPI of Ray Train). The waits stay inside Ray's 5 s patience.
-        """
+    def __init__(self, start_s: float = 0.25, finish_s: float = 4.0) -> None:
+        self.start_s, self.finish_s = start_s, finish_s
 
-        def __init__(self, start_s: float = 0.25, finish_s: float = 4.0) -> None:
-            self.start_s, self.finish_s = start_s, finish_s
+    def before_worker_shutdown(self) -> None:
+        from raytrain_ddp.recovery.replica import WINDOW  # on a worker: its loop has it already
 
-        def before_worker_shutdown(self) -> None:
-            from raytrain_ddp.worker.replica import WINDOW  # on a worker: its loop has it already
-
-            WINDOW.on_shutdown(self.start_s, self.finish_s)
-
-    GraceForSurvivors.__qualname__ = "GraceForSurvivors"  # pickled by reference: this module's attribute
-    return GraceForSurvivors
-
-
-def __getattr__(name: str) -> Any:
-    if name == "GraceForSurvivors":  # unpickling it (the controller, the workers)
-        return _grace_for_survivors()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        WINDOW.on_shutdown(self.start_s, self.finish_s)

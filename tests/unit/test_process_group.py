@@ -86,8 +86,8 @@ def test_the_backend_hands_every_call_to_ray_s_torch_backend_with_the_equal_torc
 
 def test_replica_s_shutdown_grace_is_unpickled_without_torch():
     from raytrain_ddp.config import load_config
-    from raytrain_ddp.driver.recovery import SurvivorsCopy
+    from raytrain_ddp.recovery.restart import SurvivorsCopy
 
     (grace,) = SurvivorsCopy(load_config(None, [])).callbacks()
-    assert _unpickled_elsewhere(grace) == ("raytrain_ddp.driver.recovery", "GraceForSurvivors", False)
+    assert _unpickled_elsewhere(grace) == ("raytrain_ddp.recovery.restart", "GraceForSurvivors", False)
     assert (grace.start_s, grace.finish_s) == (0.25, 4.0)
