@@ -120,7 +120,7 @@ class LiveSession:
         self.subgroups = self._group.ahead = SUBGROUPS.get(registry.get(cfg.parallel.strategy).load(), 0)
         self.state: Optional[TrainState] = None
         self.received: Optional[dict[str, Any]] = None  # a newcomer's state, until loaded
-        self.bytes_sent = self.bytes_received = 0
+        self.bytes_received = 0
         self.write_copy: Callable[[str], None] = lambda why: None
         servers: list = []  # torchft's ManagerServer (the first rank's)
         self.manager = bound_manager(
@@ -134,7 +134,6 @@ class LiveSession:
         _say(rank, f"live: torchft's manager listens on {servers[0].address() if servers else '?'}, the lighthouse on "
                    f"{lighthouse_address()} (this node's address only; no token: docs/security.md)")
         self.log: Optional[RunLog] = None
-        self.hooks: Optional[Hooks] = None
         self.checkpointer: Optional[Checkpointer] = None
         self._previous_default: Any = None
         self.marks = {"entered": entered or time.time(), "group": time.time()}  # a newcomer's timeline, said once
@@ -173,7 +172,6 @@ class LiveSession:
         # own (after the step, before its line), and the newcomer hands them on as rank 0.
         step = self.state.progress.step
         state["lines"] = [r for r in list(getattr(self.log, "step_lines", [])) if r.get("step") == step]
-        self.bytes_sent += tensor_bytes(state)
         _say(self.rank, f"live: sending step {self.state.progress.step} to a replacement ({tensor_bytes(state)} bytes)")
         return state
 
@@ -185,7 +183,7 @@ class LiveSession:
                accumulation_steps: int) -> "Checkpointer":
         """A full start restores like any attempt; a newcomer loads what a survivor sent."""
         made = self.parts.checkpointer  # the class
-        self.state, self.log, self.hooks = state, log, hooks
+        self.state, self.log = state, log
         tolerant = {"before_report": self._before_report, "agree": self._agree}  # a lost member ends neither
         if self.received is None:
             checkpointer = made.resume(job, rank, state, log, hooks, accumulation_steps, self.runtime, **tolerant)
@@ -245,7 +243,7 @@ class LiveSession:
             if self._group.quorum != self.wrapped_quorum:  # a member lost while wrapping: a failed try too
                 self._rewrap(state)
             result = self.parts.train_step(state, window, accumulation_steps, train, rank,
-                                commit=self._commit if self._vote_due else None)
+                                           commit=self._commit if self._vote_due else None)
             self._vote_due = False
             return result
         except StepNotCommitted as exc:
@@ -323,21 +321,19 @@ class LiveSession:
         synchronisation actor that a dead worker's replacement never reaches for that step:
         first a collective on our group, which fails at once when a member is gone; then the
         report is skipped (said), and the next step waits for the replacement as any step does."""
-        from raytrain_ddp.parallel.collectives import max_over_ranks
-
-        try:
-            max_over_ranks([0.0], self.rank.device)
-        except RuntimeError as exc:
-            if not self._lost(exc):
-                raise
-            _say(self.rank, f"live: the checkpoint of step {self.state.progress.step} is skipped: a worker was "
-                            "lost before Ray's report; training goes on once its replacement has joined")
-            self._quorum_due = True
-            return False
-        return True
+        if self._agreed([0.0]) is not None:
+            return True
+        _say(self.rank, f"live: the checkpoint of step {self.state.progress.step} is skipped: a worker was "
+                        "lost before Ray's report; training goes on once its replacement has joined")
+        return False
 
     def _agree(self, values: Sequence[float]) -> list[float]:
         """The preemption poll's agreement (a collective): a lost member makes it this rank's own answer."""
+        agreed = self._agreed(values)
+        return [float(v) for v in values] if agreed is None else agreed
+
+    def _agreed(self, values: Sequence[float]) -> Optional[list[float]]:
+        """The maximum of `values` over the group; None if a member is lost (the next step re-forms it)."""
         from raytrain_ddp.parallel.collectives import max_over_ranks
 
         try:
@@ -346,7 +342,7 @@ class LiveSession:
             if not self._lost(exc):
                 raise
             self._quorum_due = True
-            return [float(v) for v in values]
+            return None
 
     def close(self) -> None:
         """The manager stops serving (a late joiner must not find a finished worker), and torch's

@@ -110,16 +110,6 @@ class GuardedTorchftConfig(TorchftConfig):
         return GuardedTorchftBackend
 
 
-def torch_config(cfg: Config, timeout_s: int, host: str, guard: Callable[..., None]) -> Any:
-    """Ray Train's torchft backend: one replica group per worker, a lighthouse for all of them,
-    listening on `host` (`lighthouse_host`)."""
-    lighthouse = {"bind": f"{bracketed(host)}:0",
-                  "min_replicas": int(cfg.scaling.num_workers),
-                  "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS, "quorum_tick_ms": QUORUM_TICK_MS}
-    return GuardedTorchftConfig(guard, lighthouse_kwargs=lighthouse, backend="nccl" if cfg.scaling.use_gpu else "gloo",
-                                timeout_s=timeout_s)
-
-
 class LiveDatasets(ray_compat.controller_callback_base()):  # type: ignore[misc]
     """Ray Train controller callback: a replacement worker reads the datasets the group started with.
 
@@ -137,9 +127,9 @@ class LiveDatasets(ray_compat.controller_callback_base()):  # type: ignore[misc]
 
 
 class Live(SurvivorsCopy):
-    """The driver half of `run.recovery: live`: Ray's torchft
-    backend with a lighthouse on `lighthouse_host()`, its address in the workers' environment, and
-    the survivors' copy (the fallback when no replacement comes) plus `LiveDatasets`."""
+    """The driver half of `run.recovery: live`: Ray's torchft backend with a lighthouse on
+    `lighthouse_host()`, its address in the workers' environment, and the survivors' copy (the
+    fallback when no replacement comes) plus `LiveDatasets`."""
 
     resolve = staticmethod(resolve)
 
@@ -151,7 +141,11 @@ class Live(SurvivorsCopy):
         return worker_env(self.host)
 
     def torch_config(self, own: Any, guard: Callable[..., None]) -> Any:
-        return torch_config(self.cfg, own.timeout_s, self.host, guard)
+        """Ray Train's torchft backend: one replica group per worker, a lighthouse for all of them
+        on `self.host`, the launcher's backend name and timeout."""
+        lighthouse = {"bind": f"{bracketed(self.host)}:0", "min_replicas": int(self.cfg.scaling.num_workers),
+                      "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS, "quorum_tick_ms": QUORUM_TICK_MS}
+        return GuardedTorchftConfig(guard, lighthouse_kwargs=lighthouse, backend=own.backend, timeout_s=own.timeout_s)
 
     def callbacks(self) -> list[Any]:
         return [*super().callbacks(), LiveDatasets()]

@@ -32,25 +32,20 @@ if TYPE_CHECKING:
 
 
 class DriverRecovery(Protocol):
-    """Ray Train's side of a mode, for one run."""
+    """Ray Train's side of a mode, for one run: `resolve` (the config the run really uses; live
+    may fall back to replica, said in one line), then built on it, what Ray Train is given."""
 
     def __init__(self, cfg: "Config") -> None: ...
-
     @staticmethod
-    def resolve(cfg: "Config", say: Callable[[str], None] = ...) -> "Config":
-        """The config the run really uses (live may fall back to replica, said in one line)."""
-
+    def resolve(cfg: "Config", say: Callable[[str], None] = ...) -> "Config": ...
     def env(self) -> dict[str, str]: ...
-
     def torch_config(self, own: Any, guard: Callable[..., None]) -> Any:
-        """Ray Train's `torch_config`: the launcher's own (`own`) or this mode's, whose start of a
-        group goes through `guard` (`driver/startup.guarded_start`)."""
-
+        """The launcher's own backend config (`own`), or this mode's, starting groups through `guard`."""
     def callbacks(self) -> list[Any]: ...
 
 
 class WorkerParts(NamedTuple):
-    """What a worker half composes from the worker, given by the loop (`worker/loop.py`)."""
+    """What a worker half composes from the worker, handed in by the loop (`worker/loop.py`)."""
 
     train_step: Callable[..., Any]  # step.train_step
     validate: Callable[..., Any]  # step.validate
@@ -60,24 +55,18 @@ class WorkerParts(NamedTuple):
 
 
 class WorkerRecovery(Protocol):
-    """A worker's side of a mode: the loop's resume, step and validation go through it."""
+    """A worker's side of a mode: the loop resumes, steps and validates through it, and its
+    wrapper runs on `wrapper_group()` (None: torch's default group)."""
 
     runtime: Any  # the worker's `Runtime`, as this mode lets the loop use it
 
     @classmethod
     def for_worker(cls, job: "Job", runtime: Any, parts: WorkerParts,
                    entered: Optional[float] = None) -> "WorkerRecovery": ...
-
-    def wrapper_group(self) -> Any:
-        """The process group the wrapper runs on (None: torch's default one)."""
-
-    def resume(self, job: "Job", rank: Any, state: Any, log: Any, hooks: Any, accumulation_steps: int) -> Any:
-        """The run's `Checkpointer`, with `state` restored (or received)."""
-
+    def wrapper_group(self) -> Any: ...
+    def resume(self, job: "Job", rank: Any, state: Any, log: Any, hooks: Any, accumulation_steps: int) -> Any: ...
     def train_step(self, state: Any, window: list, accumulation_steps: int, train: Any, rank: Any) -> Any: ...
-
     def validate(self, state: Any, data: Any, rank: Any, spec: Any) -> dict[str, float]: ...
-
     def close(self) -> None: ...
 
 
