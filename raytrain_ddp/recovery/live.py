@@ -15,7 +15,10 @@ On torchft's public API: `Manager` (`start_quorum`, `should_commit`, `report_err
 `load_state_dict`, state transfer over `PGTransport`) and its reconfigurable group's
 `configure` (which hands it the quorum id). Not its `OptimizerWrapper`: its `zero_grad` starts
 a quorum every step, a round trip to the lighthouse that a steady step here does not make.
-Not its `DistributedDataParallel` / `ManagedProcessGroup`: `torchft_compat.py` says why.
+Not its `DistributedDataParallel` / `ManagedProcessGroup`: `torchft_compat.py` says why. The group
+is still installed as torch's default (c10d's registry, `parallel/torch_compat.py`): the collectives
+that name no group (`worker/step.py`'s loss and finiteness vote, the preemption agreement, validation,
+`NativeDDP`'s side group from `dist.new_group`) run on it; naming it in each is left to those modules.
 
 How a loss goes (the survivors' side):
 1. A peer dies. This rank's next collective in the step fails at once (gloo: connection
@@ -59,7 +62,7 @@ from raytrain_ddp.parallel import registry, torch_compat
 from raytrain_ddp.parallel.native import NativeDDP
 from raytrain_ddp.recovery.live_group import (LIGHTHOUSE_ENV, install_default_group, lighthouse_address,
                                               live_group_class, node_address)
-from raytrain_ddp.recovery.replica import is_peer_loss
+from raytrain_ddp.recovery.replica import is_peer_loss, map_tensors
 from raytrain_ddp.recovery.steady import Steady
 from raytrain_ddp.torchft_compat import bound_manager, raised_in_torchft
 
@@ -392,13 +395,9 @@ def rewind(state: "TrainState") -> None:
 
 def tensor_bytes(tree: Any) -> int:
     """Bytes of every tensor in a state dict (what a newcomer is sent)."""
-    if isinstance(tree, torch.Tensor):
-        return tree.numel() * tree.element_size()
-    if isinstance(tree, dict):
-        return sum(tensor_bytes(v) for v in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return sum(tensor_bytes(v) for v in tree)
-    return 0
+    sizes: list[int] = []
+    map_tensors(tree, lambda t: sizes.append(t.numel() * t.element_size()) or t)
+    return sum(sizes)
 
 
 def _say(rank: "Rank", message: str) -> None:

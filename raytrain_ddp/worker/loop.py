@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 from raytrain_ddp.data.steps import total_steps as total_steps_of
 from raytrain_ddp.data.worker_data import WorkerData
