@@ -2,7 +2,7 @@
 
 Owns: one measurement, every mode from one invocation, interleaved run by run so a busy
 machine loads them alike. Must not touch: the training loop, the recovery machinery
-(`worker/replica.py`, `worker/live.py`), any run directory but the temporary ones it makes.
+(`recovery/replica.py`, `recovery/live.py`), any run directory but the temporary ones it makes.
 
 `kills` runs per mode of the quickstart (2 workers, `train.max_steps=40`, a durable
 checkpoint every 10 steps, a metrics line every step), each through
@@ -145,7 +145,7 @@ def _cfg(mode: str, storage: Path, name: str, steps: int = MAX_STEPS) -> Any:
 
 class _Console:
     """The run's console lines go to stderr (progress, not the report); the newcomer's own
-    account of its seconds (`worker/live.py`) is kept for the timeline."""
+    account of its seconds (`recovery/live.py`) is kept for the timeline."""
 
     def __init__(self) -> None:
         self.newcomer: list[str] = []
@@ -170,7 +170,7 @@ _NEWCOMER = re.compile(r"training function started at (\d+):(\d+):([\d.]+), then
 
 def newcomer_timeline(killed_at: float, lines: list[str], next_step_s: float) -> dict[str, Any]:
     """Where the seconds from the kill to the next step went, from the replacement's own line
-    (`worker/live.py`), each point in s from the kill: `function_s` (Ray's part: noticing the
+    (`recovery/live.py`), each point in s from the kill: `function_s` (Ray's part: noticing the
     loss, a new process, its imports of Ray Train and torch, the train context), `group_s`
     (torchft imported, its manager up), `state_s` (quorum, the survivors' state received),
     `loaded_s` (data, model, optimizer, state loaded), then `first_step_s` to the next step's line."""
@@ -209,7 +209,7 @@ def kill_run(mode: str, storage: Path, log=print) -> dict[str, Any]:
     """One quickstart run in `mode` with rank 1 SIGKILLed after step `KILL_AT`."""
     from raytrain_ddp import checkpoint as ckpt
     from raytrain_ddp.rundir import read_jsonl, read_metrics
-    from raytrain_ddp.worker.live import tensor_bytes
+    from raytrain_ddp.recovery.live import tensor_bytes
 
     cfg = _cfg(mode, storage, f"kill-{mode}")
     console = _Console()

@@ -1,7 +1,7 @@
 """The `recovery` section: what a SIGKILLed worker costs, and what keeping the replica costs (#15, #28).
 
 Owns: the section's parts and their sizes per preset. Must not touch: the training loop,
-the recovery machinery (`worker/replica.py`, `worker/live.py`), any run directory but the
+the recovery machinery (`recovery/replica.py`, `recovery/live.py`), any run directory but the
 temporary ones it makes.
 
 `kill` (`live_recovery.side_by_side`): real runs of the quickstart (2 workers, through
@@ -86,7 +86,7 @@ def _state_mb(model: Any, optimizer: Any) -> float:
 def overhead_section(rounds: int, steps: int, log=print) -> dict[str, Any]:
     import torch
 
-    from raytrain_ddp.worker.replica import LastStep
+    from raytrain_ddp.recovery.replica import LastStep
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as one rank of the 2-worker run on this machine

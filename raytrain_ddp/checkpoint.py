@@ -16,7 +16,7 @@ Layout of a checkpoint directory:
                     Python values only; see `worker/state.py` for the components)
     manifest.json   {"format", "step", "epoch", "fit_id", "files": {name: {sha256, size}},
                     "lines": the metrics lines since the previous checkpoint, and, for a
-                    survivor's copy of the last step (worker/replica.py), "origin")
+                    survivor's copy of the last step (recovery/replica.py), "origin")
 
 Why a manifest written last: a directory holding `manifest.json` whose sizes and sha256
 match is a complete checkpoint; anything else (a crash mid-write, an upload to storage

@@ -8,7 +8,7 @@ below and never spell a private name themselves (`tests/unit/test_ray_compat.py`
 the package for it); each function has a test there that fails by its name when a Ray
 release moves what it relies on. Must not touch: training, the worker loop, what is
 printed. A leaf: it imports no module of this package and Ray only inside functions, so
-the refusals before Ray starts (`preflight.py`) and the worker (`worker/replica.py`, the
+the refusals before Ray starts (`preflight.py`) and the worker (`recovery/replica.py`, the
 one module below the driver that needs a Ray Train hook) may import it.
 
 Tested with Ray 2.59 and 2.60 (docs/compat.md); where those releases differ, the
@@ -513,7 +513,7 @@ def replace_worker_output_handler(name: str, handler: Callable[[dict[str, Any]],
 
 def serve_partial_groups_whole_datasets() -> bool:
     """Make Ray Train's `DatasetsCallback` hand a partial group (a live-recovery replacement,
-    driver/live.py) the full group's dataset-shard provider. Once per process; False if done."""
+    recovery/live_driver.py) the full group's dataset-shard provider. Once per process; False if done."""
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 
     original = DatasetsCallback.before_init_train_context

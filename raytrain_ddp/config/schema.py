@@ -488,7 +488,7 @@ class RunConfig(_Section):
         "project named after the run or $WANDB_PROJECT; needs the wandb package). The trackers "
         "get a step's point once a checkpoint covers it, so redone steps count once.",
     )
-    # issue #28 seam: "live" (worker/live.py, driver/live.py)
+    # issue #28 seam: "live" (recovery/live.py, recovery/live_driver.py)
     recovery: Literal["replica", "checkpoint", "live"] = Field(
         "replica", description="When a worker dies mid-run: replica (the surviving workers, which "
         "hold identical copies of the model and optimizer, write the last completed step as their "

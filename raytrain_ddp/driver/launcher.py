@@ -335,11 +335,15 @@ def build_trainer(cfg: Config, run_dir: Location, job: Job, prepared: Any) -> An
     from ray.train.torch import TorchTrainer
 
     from raytrain_ddp.worker.loop import train_loop_per_worker
-    from raytrain_ddp.driver.node_loss import NodeLossWatch
-    from raytrain_ddp.driver.startup import StartHooks, StartupStamps
+    from raytrain_ddp.driver.process_group import ProcessGroupConfig
+    from raytrain_ddp.ray_compat import override_on
+    from raytrain_ddp.driver.startup import StartHooks, StartupStamps, guarded_start
     from raytrain_ddp.recovery import table
+    from raytrain_ddp.recovery.node_loss import NodeLossWatch
     from raytrain_ddp.parallel.watch import process_group_timeout_s
 
+    if not override_on("torch_free_backend"):  # the A/B's other side (docs/compat.md)
+        from ray.train.torch import TorchConfig as ProcessGroupConfig  # type: ignore[no-redef]
     pg_timeout_s = process_group_timeout_s(cfg.parallel.collective_timeout_s, cfg.scaling.use_gpu)
     env_vars = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}
     env_vars.update(nccl_env(cfg.scaling.use_gpu, os.environ))
@@ -349,7 +353,8 @@ def build_trainer(cfg: Config, run_dir: Location, job: Job, prepared: Any) -> An
     return (lean_trainer(TorchTrainer) if started_here() else TorchTrainer)(
         train_loop_per_worker,
         train_loop_config=loop_config(job, prepared),
-        torch_config=recovery.torch_config(pg_timeout_s),
+        torch_config=recovery.torch_config(ProcessGroupConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo",
+                                                              timeout_s=pg_timeout_s), guarded_start),
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
             resources_per_worker=worker_resources(cfg), placement_strategy=cfg.scaling.placement_strategy,
@@ -364,8 +369,8 @@ def build_trainer(cfg: Config, run_dir: Location, job: Job, prepared: Any) -> An
                 **preemption_grace(cfg.run.preemption_grace_s),  # Ray 2.60 only (ray_compat.py)
             ),
             worker_runtime_env={"env_vars": env_vars} if env_vars else None,
-            # A survivor's copy of the last step is not cut short by the restart (worker/replica.py);
-            # a lost node is declared dead before the new group is sized (driver/node_loss.py).
+            # A survivor's copy of the last step is not cut short by the restart (recovery/replica.py);
+            # a lost node is declared dead before the new group is sized (recovery/node_loss.py).
             callbacks=[NodeLossWatch(mailbox=job.mailbox), *recovery.callbacks(),
                        StartHooks(),
                        *([StartupStamps(job.mailbox, job.fit_id)] if job.mailbox is not None else [])],

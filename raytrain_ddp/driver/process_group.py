@@ -12,7 +12,7 @@ second of one core, there, on the start-up's critical path, in a process that ne
 tensor (docs/design.md#the-controller-loads-torch-off-its-critical-path). These classes are defined in a module
 without torch. An unpickled backend starts loading Ray's torch backend on a thread, while the
 controller places and starts the workers, and waits for it when the group is up (re-measured: docs/compat.md).
-`live` keeps Ray's torchft config (`driver/live.py`).
+`live` keeps Ray's torchft config (`recovery/live_driver.py`).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ class PeerLost(RuntimeError):
     """A collective failed on this rank because a peer is gone (or hangs): not this rank's own fault.
 
     Raised where our code meets a failed collective (`wait_work`, torch DDP's comm hook, the
-    agreement helpers of `collectives.py`); recovery (`worker/replica.py`, `worker/live.py`)
+    agreement helpers of `collectives.py`); recovery (`recovery/replica.py`, `recovery/live.py`)
     recognises a lost peer by this type.
     """
 

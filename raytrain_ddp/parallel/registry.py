@@ -5,7 +5,7 @@ first use), whether it is replicated or sharded, the `wrap_model` options it acc
 beyond the common ones (the same names as the `parallel.*` config keys where one
 exists), whether it tunes its layout (`bucket_cap_mb` / `compress` = "auto"), and the
 `train.precision` values it supports, whether `train.compile` compiles it. `wrap_model`, the config's checks, survivors'
-recovery (`worker/replica.py`) and `raytrain-ddp verify` all read it; a test fails on a
+recovery (`recovery/replica.py`) and `raytrain-ddp verify` all read it; a test fails on a
 strategy name written anywhere else in the package. Adding a strategy: one row here and
 its own module.
 
@@ -36,12 +36,6 @@ class Strategy:
     shards_parameters: bool = False  # parameters themselves are sharded (a gather to read them)
     precision: tuple[str, ...] = PRECISIONS
     local: Optional[str] = None  # "module:attribute" of the class used without a process group
-    # run.recovery=live (worker/live.py; the recovery table reads `replicated` to allow it): the
-    # group the wrapper gets there: 0, the reconfigurable group itself; N, a plain c10d
-    # sub-group of the current quorum, N of them made with the quorum (torch DDP's C++ reducer
-    # reads the group's size from its C++ base, which torchft builds once with size 1; native
-    # takes its DDP group and the side group of its unused-parameter check)
-    live_subgroups: int = 0
     # without find_unused_parameters, a trainable parameter no gradient reached is an error
     # (`UnusedParameterError`), as in torch DDP; FSDP2 reduce-scatters zeros for it instead
     requires_all_used: bool = True
@@ -67,7 +61,7 @@ _TABLE = (
              options=("bucket_cap_mb", "compress", "first_bucket_mb", "shm"), tunes=True),
     Strategy("native", "raytrain_ddp.parallel.native:NativeDDP", "replicated",
              options=("bucket_cap_mb", "compress", "first_bucket_mb", "device_ids"),
-             local="raytrain_ddp.parallel.native:LocalModel", live_subgroups=2),
+             local="raytrain_ddp.parallel.native:LocalModel"),
     Strategy("zero1", "raytrain_ddp.parallel.zero1:Zero1DDP", "sharded",
              options=("bucket_cap_mb", "compress", "first_bucket_mb")),
     Strategy("fsdp", "raytrain_ddp.parallel.fsdp:FullyShardedDP", "sharded",

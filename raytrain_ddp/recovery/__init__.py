@@ -1,5 +1,2 @@
-"""What happens when a worker dies: the recovery table (`table.py`), one row per `run.recovery` value."""
-
-from raytrain_ddp.recovery.table import Recovery, driver_half, is_live, of, survivors_copy, worker_half
-
-__all__ = ["Recovery", "driver_half", "is_live", "of", "survivors_copy", "worker_half"]
+"""What happens when a worker dies: the recovery table (`table.py`, one row per `run.recovery` value,
+the halves' Protocols) and each mode's driver and worker halves."""

@@ -49,7 +49,7 @@ from raytrain_ddp.rundir import Location
 from raytrain_ddp.worker.context import Rank
 from raytrain_ddp.worker.meter import RunLog
 from raytrain_ddp.worker.preemption import PreemptionGuard
-from raytrain_ddp.worker.replica import WINDOW, is_peer_loss, write_last_step, written_by_survivor
+from raytrain_ddp.recovery.replica import WINDOW, is_peer_loss, write_last_step, written_by_survivor
 from raytrain_ddp.worker.runtime import RayTrainRuntime
 from raytrain_ddp.worker.state import TrainState
 

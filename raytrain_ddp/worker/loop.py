@@ -24,19 +24,21 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 from raytrain_ddp.data.steps import total_steps as total_steps_of
 from raytrain_ddp.data.worker_data import WorkerData
 from raytrain_ddp.job import Job
 from raytrain_ddp.recovery import table as recovery_table
+from raytrain_ddp.worker.checkpointer import Checkpointer
+from raytrain_ddp.worker.compiled import compile_wrapper
 from raytrain_ddp.worker.runtime import RayTrainRuntime, Runtime
 from raytrain_ddp.worker.hooks import Hooks, load_hooks
 from raytrain_ddp.worker.failure import tell_driver
 from raytrain_ddp.worker.meter import RunLog
 from raytrain_ddp.worker.profiler import StepProfiler
-from raytrain_ddp.worker.state import build_state
-from raytrain_ddp.worker.step import NonFiniteAbort
+from raytrain_ddp.worker.state import build_state, wrap
+from raytrain_ddp.worker.step import NonFiniteAbort, train_step, validate
 from raytrain_ddp.worker.validator import Validator
 from raytrain_ddp.timeline import WorkerStamps
 from raytrain_ddp.worker.optim import preload_optimizer_imports
@@ -44,8 +46,9 @@ from raytrain_ddp.worker.optim import preload_optimizer_imports
 if TYPE_CHECKING:
     from raytrain_ddp.config import Config
     from raytrain_ddp.worker.context import Rank
-    from raytrain_ddp.worker.live import LiveSession
-    from raytrain_ddp.worker.recovery import Steady
+
+
+PARTS = recovery_table.WorkerParts(train_step, validate, Checkpointer, wrap, compile_wrapper)  # what a recovery half composes
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
@@ -55,7 +58,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     hooks.on_start(rank)
     entered = time.time()  # the training function's start (a live newcomer says its timeline from here)
     # the run's recovery mode, this worker's half (recovery/table.py): it resumes, steps, and names the group
-    recovery = recovery_table.worker_half(cfg).for_worker(job, runtime, entered)
+    recovery = recovery_table.worker_half(cfg).for_worker(job, runtime, PARTS, entered)
     stamps = WorkerStamps(rank.is_main, loop_config.get("startup_stamps"))  # the start-up timeline (timeline.py)
     preload_optimizer_imports()  # while the data loads (worker/optim.py)
     try:
@@ -67,7 +70,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         recovery.close()
 
 
-def _train(job: Job, cfg: "Config", rank: "Rank", hooks: Hooks, recovery: Union["Steady", "LiveSession"],
+def _train(job: Job, cfg: "Config", rank: "Rank", hooks: Hooks, recovery: recovery_table.WorkerRecovery,
            runtime: Runtime, stamps: WorkerStamps) -> None:
     data = WorkerData(cfg, job.spec, rank.world_rank, rank.world_size, rank.device, shards=runtime.shards())
     stamps.mark("data_ready")

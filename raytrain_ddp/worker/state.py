@@ -32,7 +32,7 @@ from raytrain_ddp.worker.compiled import compile_wrapper
 from raytrain_ddp.worker.context import Rank
 from raytrain_ddp.worker.optim import build_optimizer, build_schedule
 from raytrain_ddp.recovery import table as recovery_table
-from raytrain_ddp.worker.replica import LastStep
+from raytrain_ddp.recovery.replica import LastStep
 
 if TYPE_CHECKING:
     from raytrain_ddp.config import Config
@@ -171,7 +171,7 @@ def seed_everything(seed: int) -> None:
 
 def wrap(module: torch.nn.Module, cfg: "Config", rank: Rank, process_group: Any = None) -> Any:
     """`module` wrapped for `cfg.parallel`. `process_group`: run.recovery=live's reconfigurable
-    group (worker/live.py), which also re-wraps with this after each reconfiguration (shared
+    group (recovery/live.py), which also re-wraps with this after each reconfiguration (shared
     memory works there too: its barrier is the group's all-reduce, so a dead peer fails it
     at once, and every re-wrap opens fresh segments with the new members)."""
     from raytrain_ddp.parallel import wrap_model

@@ -62,7 +62,7 @@ def train_step(state: TrainState, window: list, accumulation_steps: int, train: 
 
     Reads one device value on the host (the ranks' verdict on non-finite values, which
     decides whether the optimizer steps); everything else stays on the device.
-    `commit`: run.recovery=live's decision (`worker/live.py`), after the step's last
+    `commit`: run.recovery=live's decision (`recovery/live.py`), after the step's last
     collective and before anything it changes: it raises when a member's collective failed.
     """
     lr = state.schedule.lr
@@ -85,7 +85,7 @@ def train_step(state: TrainState, window: list, accumulation_steps: int, train: 
     skip = votes[1].item() > 0
     if commit is not None:
         commit()
-    with state.updating():  # a survivor's copy (worker/replica.py) never sees half of this
+    with state.updating():  # a survivor's copy (recovery/replica.py) never sees half of this
         if skip:
             _skip_step(state, train.nonfinite)
         else:

@@ -360,7 +360,7 @@ def test_a_lost_node_costs_at_most_one_step_and_the_run_goes_on_with_the_survivo
 
     The survivor writes the last completed step, the GCS declares the node dead within its
     health-check window (1 s x 3, set by local-two-node.sh as by the cluster files), the
-    controller callback (driver/node_loss.py) waits for that before the new group is sized
+    controller callback (recovery/node_loss.py) waits for that before the new group is sized
     (or finds it already declared, when Ray's health check came first; either is said),
     and the run goes on with one worker: <= 1 step redone, metrics 1..44 once, the same final
     parameters as the uninterrupted two-node run. Before the node-loss callback the new group

@@ -1,6 +1,6 @@
 """`native` (torch DDP) over run.recovery=live's reconfigurable group, without Ray (#28).
 
-Two gloo ranks install torchft's reconfigurable group (`worker/live.py`'s `LiveGroup`) as
+Two gloo ranks install torchft's reconfigurable group (`recovery/live_group.py`'s `LiveGroup`) as
 torch's default group, as a live worker does, and wrap a model with `native` on the
 sub-group a live worker gives it (`dist.new_group`, which torch hands to the default
 group's `new_group`; made with the quorum, while every member is there). One spawn
@@ -49,16 +49,17 @@ def _native_over_live_group(world_rank, world_size):
     import torch.distributed.distributed_c10d as c10d
 
     from raytrain_ddp.parallel import registry, wrap_model
-    from raytrain_ddp.worker.live import _install_default_group, live_group_class
-    from raytrain_ddp.worker.replica import is_peer_loss
+    from raytrain_ddp.recovery.live import SUBGROUPS
+    from raytrain_ddp.recovery.live_group import install_default_group, live_group_class
+    from raytrain_ddp.recovery.replica import is_peer_loss
 
-    native = next(s for s in registry.STRATEGIES.values() if s.live_subgroups)
+    native = next(s for s in registry.STRATEGIES.values() if SUBGROUPS.get(s.load()))
     address = f"127.0.0.1:{os.environ['MASTER_PORT']}"
     group = live_group_class()(timeout=timedelta(seconds=TIMEOUT_S))
-    group.ahead = native.live_subgroups  # as LiveSession sets it
+    group.ahead = SUBGROUPS[native.load()]  # as LiveSession sets it
     group.configure(f"{address}/quorum1", "r", world_rank, world_size)
     out = {"made_with_the_quorum": len(group._ready)}
-    _install_default_group(group)
+    install_default_group(group)
     before = set(c10d._world.pg_map)
 
     def train_once() -> list[torch.Tensor]:

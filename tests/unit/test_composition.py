@@ -70,7 +70,7 @@ def test_nothing_in_worker_patches_another_components_methods_or_private_attribu
 
 
 def test_the_check_sees_what_live_recovery_used_to_do(tmp_path):
-    """The walker itself, on the patterns issue #42 found in worker/live.py."""
+    """The walker itself, on the patterns issue #42 found in recovery/live.py."""
     source = tmp_path / "patchy.py"
     source.write_text(
         "def f(checkpointer, guard, log, manager):\n"

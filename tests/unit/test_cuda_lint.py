@@ -32,7 +32,7 @@ ALLOWED = {
 }
 EVENTS = {  # file: where its events are recorded
     "parallel/bucketed.py": "GpuSpan: on the training thread's current stream, whose device the worker set",
-    "worker/replica.py": "LastStep: on torch.cuda.current_stream(self.device), the module's own device",
+    "recovery/replica.py": "LastStep: on torch.cuda.current_stream(self.device), the module's own device",
     "worker/validator.py": "the model copied: on the loop's current stream, before the side stream waits on it",
 }
 CUDA_MARKERS = ("torch.cuda", "is_completed", ".synchronize(")

@@ -1,12 +1,12 @@
 """`run.recovery: live` (#28) pieces without Ray: who gets it, what a failed step is put back to.
 
-- `driver.live.resolve`: zero1 / fsdp, elastic ranges, one worker and streaming data fall
+- `live_driver.resolve`: zero1 / fsdp, elastic ranges, one worker and streaming data fall
   back to `replica` with one line naming why; naive / bucketed / native with a fixed count
   keep `live`; without torchft, a `ConfigError` naming `run.recovery`.
 - `replica.is_peer_loss`: torch DDP's reducer re-raises our comm hook's
   `CollectiveTimeoutError` through autograd as a plain RuntimeError with no frame of ours;
   its text still makes it a lost peer.
-- `worker.live.rewind`: after a forward pass that moved BatchNorm's statistics and the RNG
+- `live.rewind`: after a forward pass that moved BatchNorm's statistics and the RNG
   streams, the step's boundary comes back (and the gradients are dropped).
 - `ray_compat.serve_partial_groups_whole_datasets`: a partial group (a replacement) gets the full
   group's dataset provider; a full group goes through Ray's own code.
@@ -25,9 +25,9 @@ import torch
 
 from raytrain_ddp.config import ConfigError, load_config
 from raytrain_ddp import ray_compat
-from raytrain_ddp.driver import live as driver_live
-from raytrain_ddp.worker.live import rewind, tensor_bytes
-from raytrain_ddp.worker.replica import LastStep
+from raytrain_ddp.recovery import live_driver as driver_live
+from raytrain_ddp.recovery.live import rewind, tensor_bytes
+from raytrain_ddp.recovery.replica import LastStep
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -114,7 +114,12 @@ def test_a_replacement_gets_the_full_groups_dataset_provider(monkeypatch):
 
 def test_a_worker_without_rays_torchft_backend_recovers_as_replica(monkeypatch, capsys):
     from raytrain_ddp.worker.context import Rank
-    from raytrain_ddp.worker.live import NoLive, session_for
+    from raytrain_ddp.recovery import table
+    from raytrain_ddp.recovery.steady import Steady as NoLive
+    from raytrain_ddp.worker.loop import PARTS
+
+    def session_for(job, runtime):  # as the loop builds the half
+        return table.worker_half(job.cfg).for_worker(job, runtime, PARTS)
 
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     runtime = SimpleNamespace(rank=lambda: Rank(0, 2, 0, torch.device("cpu")))
@@ -127,7 +132,7 @@ def test_a_worker_without_rays_torchft_backend_recovers_as_replica(monkeypatch, 
 
 
 def test_a_collective_error_that_torch_ddp_re_raised_is_a_peer_loss():
-    from raytrain_ddp.worker.replica import is_peer_loss
+    from raytrain_ddp.recovery.replica import is_peer_loss
 
     def raised(message: str) -> RuntimeError:
         try:
@@ -151,8 +156,8 @@ def test_torchfts_lighthouse_and_manager_listen_on_the_given_address_only():
     from torchft.process_group import ProcessGroupGloo
 
     from _procs import listening_sockets
-    from raytrain_ddp.driver.live import HEARTBEAT_TIMEOUT_MS
-    from raytrain_ddp.worker.live import bound_manager
+    from raytrain_ddp.recovery.live_driver import HEARTBEAT_TIMEOUT_MS
+    from raytrain_ddp.torchft_compat import bound_manager
 
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
     store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
@@ -198,7 +203,7 @@ def test_a_start_fault_kills_only_replacements_of_its_rank_at_the_phases_asked(t
 
 def test_workers_reach_the_lighthouse_at_the_address_it_is_bound_to(monkeypatch):
     """torchft's lighthouse advertises the host name; our launcher names the bound address."""
-    from raytrain_ddp.worker.live import LIGHTHOUSE_ENV, LIGHTHOUSE_HOST_ENV, lighthouse_address
+    from raytrain_ddp.recovery.live_group import LIGHTHOUSE_ENV, LIGHTHOUSE_HOST_ENV, lighthouse_address
 
     monkeypatch.setenv(LIGHTHOUSE_ENV, "http://head-node:29510")
     monkeypatch.delenv(LIGHTHOUSE_HOST_ENV, raising=False)
@@ -211,7 +216,7 @@ def test_workers_reach_the_lighthouse_at_the_address_it_is_bound_to(monkeypatch)
 
 
 def test_managers_listen_on_loopback_with_an_embedded_lighthouse_else_on_their_node(monkeypatch):
-    from raytrain_ddp.worker.live import LIGHTHOUSE_HOST_ENV, node_address
+    from raytrain_ddp.recovery.live_group import LIGHTHOUSE_HOST_ENV, node_address
 
     monkeypatch.setenv("MASTER_ADDR", "192.0.2.2")  # Ray's node address (it rewrites 127.0.0.1 to it)
     monkeypatch.setenv(LIGHTHOUSE_HOST_ENV, "127.0.0.1")

@@ -317,7 +317,7 @@ def test_survivors_copy_is_the_last_completed_step_whatever_the_failed_step_move
     """#15: after a step fails part-way, a rank's copy equals a checkpoint taken at the last boundary."""
     from raytrain_ddp.errors import UserError
     from raytrain_ddp.rundir import Location
-    from raytrain_ddp.worker.replica import LastStep, is_peer_loss, write_last_step, written_by_survivor
+    from raytrain_ddp.recovery.replica import LastStep, is_peer_loss, write_last_step, written_by_survivor
 
     cfg = _cfg()
     parts = _build(cfg, tmp_path)
@@ -367,7 +367,7 @@ def test_ray_stopping_a_worker_waits_for_its_copy_or_writes_one_for_a_blocked_lo
     import threading
     import time
 
-    from raytrain_ddp.worker.replica import CopyWindow
+    from raytrain_ddp.recovery.replica import CopyWindow
 
     window, written = CopyWindow(), []
     window.attach(written.append)

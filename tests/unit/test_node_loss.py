@@ -1,4 +1,4 @@
-"""driver/node_loss.py without a cluster: which nodes count as lost, and how long it waits for them."""
+"""recovery/node_loss.py without a cluster: which nodes count as lost, and how long it waits for them."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from raytrain_ddp.driver.node_loss import NodeLossWatch, raylet_answers, unreachable_nodes, wait_until_declared
+from raytrain_ddp.recovery.node_loss import NodeLossWatch, raylet_answers, unreachable_nodes, wait_until_declared
 from _clock import FakeClock
 
 pytestmark = pytest.mark.timeout(60)
@@ -70,7 +70,7 @@ def test_only_a_restart_triggers_the_check():
 def test_a_node_ray_declared_dead_before_the_restart_is_said_and_counted(monkeypatch, capsys):
     """Ray's own health check may declare the node dead before the controller restarts the
     group (issue #42: the raylet's missed heartbeats came first): the loss is said all the same."""
-    from raytrain_ddp.driver import node_loss
+    from raytrain_ddp.recovery import node_loss
 
     class RunningState:
         pass

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from raytrain_ddp.parallel import collectives
 from raytrain_ddp.parallel.errors import CollectiveTimeoutError, PeerLost
-from raytrain_ddp.worker.replica import is_peer_loss
+from raytrain_ddp.recovery.replica import is_peer_loss
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -38,7 +38,7 @@ def controller() -> list[tuple[str, ...]]:
     config and the grace, then ("backend", torch loaded after its loader joined)."""
     from raytrain_ddp.config import load_config
     from raytrain_ddp.driver.process_group import ProcessGroupBackend, ProcessGroupConfig
-    from raytrain_ddp.driver.recovery import SurvivorsCopy
+    from raytrain_ddp.recovery.restart import SurvivorsCopy
 
     (grace,) = SurvivorsCopy(load_config(None, [])).callbacks()
     payload = ([pickle.dumps(ProcessGroupConfig(backend="gloo", timeout_s=77)), pickle.dumps(grace)],
@@ -93,8 +93,8 @@ def test_the_backend_hands_every_call_to_ray_s_torch_backend_with_the_equal_torc
 
 def test_replica_s_shutdown_grace_is_unpickled_without_torch(controller):
     from raytrain_ddp.config import load_config
-    from raytrain_ddp.driver.recovery import SurvivorsCopy
+    from raytrain_ddp.recovery.restart import SurvivorsCopy
 
     (grace,) = SurvivorsCopy(load_config(None, [])).callbacks()
-    assert controller[1] == ("raytrain_ddp.driver.recovery", "GraceForSurvivors", "False")
+    assert controller[1] == ("raytrain_ddp.recovery.restart", "GraceForSurvivors", "False")
     assert (grace.start_s, grace.finish_s) == (0.25, 4.0)

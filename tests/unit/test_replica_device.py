@@ -16,8 +16,8 @@ import threading
 import pytest
 import torch
 
-from raytrain_ddp.worker import replica
-from raytrain_ddp.worker.replica import LastStep, own_cuda_device
+from raytrain_ddp.recovery import replica
+from raytrain_ddp.recovery.replica import LastStep, own_cuda_device
 
 pytestmark = pytest.mark.timeout(30)
 

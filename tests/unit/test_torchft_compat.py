@@ -26,13 +26,19 @@ def _source_has(function: str, cls: Any, method: str, text: str) -> None:
         pytest.fail(_gone(function, f"{cls.__name__}.{method} setting {text}"))
 
 
-def test_quorum_id_and_manager_server():
-    from torchft.manager import Manager
+def test_raised_in_torchft():
+    import torchft.process_group
 
-    _source_has("quorum_id", Manager, "__init__", "self._quorum_id")
-    _source_has("manager_server", Manager, "__init__", "self._manager")
-    assert torchft_compat.quorum_id(type("M", (), {"_quorum_id": 7})()) == 7
-    assert torchft_compat.manager_server(object()) is None
+    if "torchft/" not in torchft.process_group.__file__.replace("\\", "/"):
+        pytest.fail(_gone("raised_in_torchft", "torchft's modules under a torchft/ folder"))
+    try:
+        torchft.process_group.ProcessGroupGloo().allreduce([], None)  # not configured: it raises in torchft
+    except Exception as exc:  # noqa: BLE001 - whatever torchft raises, its frames are torchft's
+        assert torchft_compat.raised_in_torchft(exc)
+    try:
+        raise RuntimeError("ours")
+    except RuntimeError as exc:
+        assert not torchft_compat.raised_in_torchft(exc)
 
 
 def test_bound_manager():
@@ -49,11 +55,11 @@ def test_bound_manager():
 
 
 def test_create_pg():
-    """worker/live.py's LiveGroup overrides `_create_pg(store, rank, world_size)` of torchft's groups."""
+    """recovery/live_group.py's LiveGroup overrides `_create_pg(store, rank, world_size)` of torchft's groups."""
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
     for cls in (ProcessGroupGloo, ProcessGroupNCCL):
         if not hasattr(cls, "_create_pg"):
-            pytest.fail(_gone("LiveGroup (worker/live.py)", f"{cls.__name__}._create_pg"))
+            pytest.fail(_gone("LiveGroup (recovery/live_group.py)", f"{cls.__name__}._create_pg"))
         assert list(inspect.signature(cls._create_pg).parameters)[1:4] == ["store", "rank", "world_size"], \
-            _gone("LiveGroup (worker/live.py)", f"{cls.__name__}._create_pg(store, rank, world_size)")
+            _gone("LiveGroup (recovery/live_group.py)", f"{cls.__name__}._create_pg(store, rank, world_size)")

@@ -1,11 +1,11 @@
-"""Driver side of `run.recovery: live` (issue #28): which runs get it, and Ray's replica-group backend.
+"""Driver half of `run.recovery: live` (issue #28; a `DriverRecovery` of `table.py`): which runs get it, Ray's replica-group backend.
 
 Owns: deciding whether a run's `run.recovery: live` can be honoured (`resolve`: sharded
 strategies, elastic ranges and a single worker fall back to `replica`, each with one line
 saying so; a missing torchft is an error naming the key), and the `TorchftConfig` that
 makes Ray Train 2.60 manage one replica group per worker (`torch_config`): when a worker
 dies, Ray's controller replaces only that group (`WorkerGroup.replace_replica_group`) and
-the others keep running. Must not touch: what the workers do (`worker/live.py`), the
+the others keep running. Must not touch: what the workers do (`live.py`), the
 rest of the trainer's construction (`launcher.py`).
 
 The lighthouse (torchft's quorum server) runs in an actor on the driver's node, created by
@@ -19,14 +19,18 @@ replacement can arrive.
 
 from __future__ import annotations
 
-import functools
 import sys
 from typing import Any, Callable
 
+from ray.train.v2.torch.torchft_config import TorchftConfig
+
 from raytrain_ddp import ray_compat
 from raytrain_ddp.config import Config, ConfigError
-from raytrain_ddp.driver.recovery import SurvivorsCopy
 from raytrain_ddp.recovery import table
+from raytrain_ddp.recovery.live_group import LIGHTHOUSE_HOST_ENV
+from raytrain_ddp.recovery.restart import SurvivorsCopy
+from raytrain_ddp.torchft_compat import bracketed
+
 HEARTBEAT_TIMEOUT_MS = 1000  # a lost worker leaves the lighthouse's members within ~1 s
 QUORUM_TICK_MS = 20  # how often the lighthouse looks for a complete quorum
 
@@ -80,51 +84,30 @@ def lighthouse_host() -> str:
 
 def worker_env(host: str) -> dict[str, str]:
     """What the workers need to reach a lighthouse bound to `host` (it advertises the host name)."""
-    from raytrain_ddp.worker.live import LIGHTHOUSE_HOST_ENV
-
     return {LIGHTHOUSE_HOST_ENV: host}
 
 
-def torch_config(cfg: Config, timeout_s: int, host: str) -> Any:
-    """Ray Train's torchft backend: one replica group per worker, a lighthouse for all of them,
-    listening on `host` (`lighthouse_host`)."""
-    from raytrain_ddp.torchft_compat import bracketed
-
-    lighthouse = {"bind": f"{bracketed(host)}:0",
-                  "min_replicas": int(cfg.scaling.num_workers),
-                  "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS, "quorum_tick_ms": QUORUM_TICK_MS}
-    return _guarded_torchft()[0](lighthouse_kwargs=lighthouse, backend="nccl" if cfg.scaling.use_gpu else "gloo",
-                                 timeout_s=timeout_s)
+_BASE = TorchftConfig(lighthouse_kwargs={}).backend_cls  # Ray's torchft backend (its class has no public name)
 
 
-@functools.cache  # one pair: what pickling finds by name (`__getattr__`) is the class it pickled
-def _guarded_torchft() -> tuple[type, type]:
-    """Ray's `TorchftConfig` and its backend, whose start of a group (or of a replacement) that a
-    taken port failed is retried by Ray Train (`driver/startup.guarded_start`, issue #56)."""
-    from ray.train.v2.torch.torchft_config import TorchftConfig
+class GuardedTorchftBackend(_BASE):  # type: ignore[misc, valid-type]
+    """Ray's torchft backend, whose start of a group (or of a replacement) that a taken port failed
+    is retried by Ray Train (the config's `guard`: `driver/startup.guarded_start`, issue #56)."""
 
-    from raytrain_ddp.driver.startup import guarded_start
-
-    base = TorchftConfig(lighthouse_kwargs={}).backend_cls
-
-    class GuardedTorchftBackend(base):  # type: ignore[misc, valid-type]
-        def on_start(self, worker_group: Any, backend_config: Any) -> None:
-            guarded_start(self, lambda: base.on_start(self, worker_group, backend_config), worker_group)
-
-    class GuardedTorchftConfig(TorchftConfig):
-        @property
-        def backend_cls(self) -> type:
-            return GuardedTorchftBackend
-
-    for cls in (GuardedTorchftConfig, GuardedTorchftBackend):  # pickled by reference: this module's attributes
-        cls.__qualname__ = cls.__name__
-    return GuardedTorchftConfig, GuardedTorchftBackend
+    def on_start(self, worker_group: Any, backend_config: Any) -> None:
+        backend_config.guard(self, lambda: _BASE.on_start(self, worker_group, backend_config), worker_group)
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("GuardedTorchftConfig", "GuardedTorchftBackend"):  # unpickling them (the controller)
-        return _guarded_torchft()[name == "GuardedTorchftBackend"]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+class GuardedTorchftConfig(TorchftConfig):
+    """Ray's `TorchftConfig`, naming `GuardedTorchftBackend` and carrying its start guard."""
+
+    def __init__(self, guard: Callable[..., None], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.guard = guard
+
+    @property
+    def backend_cls(self) -> type:
+        return GuardedTorchftBackend
 
 
 class LiveDatasets(ray_compat.controller_callback_base()):  # type: ignore[misc]
@@ -144,9 +127,9 @@ class LiveDatasets(ray_compat.controller_callback_base()):  # type: ignore[misc]
 
 
 class Live(SurvivorsCopy):
-    """The driver half of `run.recovery: live` (the recovery table: `recovery/table.py`): Ray's torchft
-    backend with a lighthouse on `lighthouse_host()`, its address in the workers' environment, and
-    the survivors' copy (the fallback when no replacement comes) plus `LiveDatasets`."""
+    """The driver half of `run.recovery: live`: Ray's torchft backend with a lighthouse on
+    `lighthouse_host()`, its address in the workers' environment, and the survivors' copy (the
+    fallback when no replacement comes) plus `LiveDatasets`."""
 
     resolve = staticmethod(resolve)
 
@@ -157,8 +140,12 @@ class Live(SurvivorsCopy):
     def env(self) -> dict[str, str]:
         return worker_env(self.host)
 
-    def torch_config(self, timeout_s: int) -> Any:
-        return torch_config(self.cfg, timeout_s, self.host)
+    def torch_config(self, own: Any, guard: Callable[..., None]) -> Any:
+        """Ray Train's torchft backend: one replica group per worker, a lighthouse for all of them
+        on `self.host`, the launcher's backend name and timeout."""
+        lighthouse = {"bind": f"{bracketed(self.host)}:0", "min_replicas": int(self.cfg.scaling.num_workers),
+                      "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS, "quorum_tick_ms": QUORUM_TICK_MS}
+        return GuardedTorchftConfig(guard, lighthouse_kwargs=lighthouse, backend=own.backend, timeout_s=own.timeout_s)
 
     def callbacks(self) -> list[Any]:
         return [*super().callbacks(), LiveDatasets()]

@@ -1,4 +1,4 @@
-"""torchft's reconfigurable process group as `run.recovery: live` uses it (`worker/live.py`).
+"""torchft's reconfigurable process group as `run.recovery: live` uses it (`live.py`).
 
 Owns: the group class (`LiveGroup`: NCCL on CUDA, gloo on the CPU), installing it as torch's
 default group, and where this worker's manager and the lighthouse listen. Must not touch:
@@ -60,7 +60,8 @@ def live_group_class(device: Optional[torch.device] = None) -> type:
         _ready: list = []  # made with the quorum, not handed out yet
         _before: list = []  # the groups c10d held when the quorum formed
         _torch_makes = False  # torch makes sub-groups itself (adopt saw one)
-        ahead = 0  # sub-groups to make with each quorum (the registry's `live_subgroups`)
+        ahead = 0  # sub-groups to make with each quorum (`live.SUBGROUPS`)
+        quorum: Optional[int] = None  # the quorum id it was last configured for (torchft passes it)
         backend_name = backend  # what c10d's map records for it and its sub-groups
 
         def rank(self) -> int:
@@ -100,11 +101,13 @@ def live_group_class(device: Optional[torch.device] = None) -> type:
                 self._ready, self.ahead, self._torch_makes = [], 0, True
             return group
 
-        def configure(self, *args: Any, **kwargs: Any) -> None:
-            """Made with the quorum, while every member is there: a member lost before the re-wrap
-            then fails the wrap's first collective at once, not a rendezvous at its timeout."""
+        def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
+                      quorum_id: Optional[int] = None, *args: Any, **kwargs: Any) -> None:
+            """Sub-groups are made with the quorum, while every member is there: a member lost before
+            the re-wrap then fails the wrap's first collective at once, not a rendezvous at its timeout."""
             self._end_subgroups()
-            super().configure(*args, **kwargs)
+            self.quorum = quorum_id  # before the group is made, as the manager records it
+            super().configure(store_addr, replica_id, rank, world_size, quorum_id, *args, **kwargs)
             self._ready = [self._subgroup() for _ in range(self.ahead)]
             self._before = torch_compat.registered_groups()
 
@@ -159,7 +162,7 @@ def lighthouse_address() -> str:
     return f"{scheme + '://' if scheme else ''}{bracketed(host)}:{port}"
 
 
-def _install_default_group(group: Any) -> Any:
+def install_default_group(group: Any) -> Any:
     """Make `group` torch's default process group; returns the one it replaces.
 
     Every collective of the run that names no group (the loss and verdict all-reduce, the

@@ -6,7 +6,7 @@ Must not touch: the training state -- it only delays Ray Train's sizing decision
 Ray knows which nodes are gone.
 
 Why: when a node dies with a training worker on it, the survivors' collectives fail within
-milliseconds (worker/replica.py writes their copy of the last step) and Ray Train's
+milliseconds (replica.py writes their copy of the last step) and Ray Train's
 controller restarts the group about 2 s after the kill. Its elastic policy sizes the new
 group from Ray Data's autoscaling coordinator, whose view of the cluster (a) still counts
 the node until the GCS health check declares it dead and (b) is re-read only every 20 s.

@@ -55,7 +55,6 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from raytrain_ddp import checkpoint as ckpt
-from raytrain_ddp import ray_compat  # a leaf: Ray Train's private hook, named in one room
 from raytrain_ddp.errors import UserError
 from raytrain_ddp.parallel.errors import CollectiveTimeoutError, PeerLost, RanksDisagreeError
 from raytrain_ddp.rundir import CHECKPOINT_PREFIX, Location
@@ -164,8 +163,8 @@ class LastStep:
     def on_cpu(self, tree: Any) -> Any:
         """Every tensor of `tree` copied to the CPU (inside `reading()` on CUDA)."""
         if self.device is None:
-            return _map_tensors(tree, lambda t: t.detach().clone())
-        return _map_tensors(tree, lambda t: t.detach().to("cpu", copy=True))
+            return map_tensors(tree, lambda t: t.detach().clone())
+        return map_tensors(tree, lambda t: t.detach().to("cpu", copy=True))
 
 
 def own_cuda_device(devices: Iterable[torch.device]) -> Optional[torch.device]:
@@ -181,13 +180,13 @@ def own_cuda_device(devices: Iterable[torch.device]) -> Optional[torch.device]:
     return device
 
 
-def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(tree, torch.Tensor):
         return fn(tree)
     if isinstance(tree, dict):
-        return {k: _map_tensors(v, fn) for k, v in tree.items()}
+        return {k: map_tensors(v, fn) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_map_tensors(v, fn) for v in tree)
+        return type(tree)(map_tensors(v, fn) for v in tree)
     return tree
 
 
