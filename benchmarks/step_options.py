@@ -151,7 +151,7 @@ def run_validation(sizes: Sizes, log=print) -> dict[str, Any]:
     import tempfile
 
     from raytrain_ddp.config import load_config
-    from raytrain_ddp.driver.launcher import run_training
+    from raytrain_ddp.driver.fit import run_training
     from raytrain_ddp.rundir import read_metrics
 
     epochs, rows = 2 + sizes.rounds, 12288 if sizes.rounds > 1 else 2048  # the smoke preset: a check only

@@ -138,7 +138,7 @@ def test_async_validation_runs_on_the_validator_thread_equals_inline_and_a_resum
     """run.validation=async (issue #55), in this process (local mode: cheap, and spies reach the loop).
 
     An async run whose loop validated inline fails here: every validation runs on the validator's
-    thread, alone, none through the loop's `recovery.validate`; its figures equal the inline run's
+    thread, alone, none through the loop's (`PARTS.validate`); its figures equal the inline run's
     exactly, whose checkpoint holds the same weights (the copy's construction moved no RNG). Then a
     validation that dies (as with its process) leaves step 22 unvalidated: the same command again
     validates that epoch-end checkpoint, and every epoch's val metrics are in metrics.jsonl once."""
@@ -148,9 +148,9 @@ def test_async_validation_runs_on_the_validator_thread_equals_inline_and_a_resum
 
     from raytrain_ddp import checkpoint as ckpt
     from raytrain_ddp.config import ConfigError, load_config
-    from raytrain_ddp.driver.launcher import run_training
+    from raytrain_ddp.driver.fit import run_training
     from raytrain_ddp.goodput import report
-    from raytrain_ddp.worker import recovery, validator
+    from raytrain_ddp.worker import loop, validator
 
     tiny = REPO / "examples" / "configs" / "tiny.yaml"
 
@@ -174,7 +174,7 @@ def test_async_validation_runs_on_the_validator_thread_equals_inline_and_a_resum
         return real(*args, **kwargs)
 
     monkeypatch.setattr(validator, "validate", on_thread)
-    monkeypatch.setattr(recovery.Steady, "validate", staticmethod(in_loop))
+    monkeypatch.setattr(loop, "PARTS", loop.PARTS._replace(validate=in_loop))  # what the loop's recovery half validates with
     done, async_dir = fit("async", "run.validation=async")
     assert done["status"] == "ok", done.get("error")
     assert calls == [("validator", "raytrain-ddp-validator", True)] * 2, calls  # never the loop's
