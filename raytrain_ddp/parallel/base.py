@@ -32,12 +32,9 @@ from raytrain_ddp.parallel import registry
 from raytrain_ddp.parallel.collectives import collective
 from raytrain_ddp.parallel.startup import broadcast_coalesced, check_structure, sync_initial_state  # noqa: F401
 from raytrain_ddp.parallel.watch import (  # noqa: F401
-    COLLECTIVES,
     CollectiveWatch,
     CommClock,
     comm_timing,
-    dump_flight_recorder,
-    report_stuck_collective,
     split_comm_time,
     wait_work,
 )
