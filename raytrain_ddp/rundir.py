@@ -131,9 +131,6 @@ class Location:
             return []
         return [(self / info.base_name, info) for info in infos]
 
-    def is_empty_dir(self) -> bool:
-        return not self.children()
-
     # ------------------------------------------------------------ reading and writing
 
     def read_bytes(self) -> bytes:

@@ -79,7 +79,7 @@ def batch_error(cfg: "Config", num_workers: Optional[int] = None) -> str:
     global_ok = [span * b * k for k in range(1, 5)]
     workers_ok = [w for w in range(1, 65) if g % (w * b) == 0]
     where = (f"scaling.num_workers={num_workers}" if num_workers
-             else f"scaling.num_workers={_fmt_workers(cfg.scaling.num_workers)}")
+             else f"scaling.num_workers={fmt_workers(cfg.scaling.num_workers)}")
     micro_hint = (f"valid train.micro_batch_size for these workers: {micro_ok}; " if micro_ok
                   else f"no train.micro_batch_size fits {where} with this global batch; ")
     return (
@@ -123,7 +123,7 @@ def _divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
-def _fmt_workers(value: Union[int, tuple[int, int]]) -> str:
+def fmt_workers(value: Union[int, tuple[int, int]]) -> str:
     return f"[{value[0]}, {value[1]}]" if isinstance(value, tuple) else str(value)
 
 

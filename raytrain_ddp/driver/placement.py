@@ -31,6 +31,7 @@ import time
 from typing import Any, Callable, Optional, TextIO
 
 from raytrain_ddp.config import Config
+from raytrain_ddp.config.checks import fmt_workers
 from raytrain_ddp.errors import UserError
 
 # Embedded Ray gets more logical CPUs than cores (see launcher.py); beyond this factor a
@@ -80,7 +81,7 @@ def check_machine(cfg: Config) -> None:
             have = f"{gpus} GPU{'s' if gpus != 1 else ''}" if gpus else "no GPU"
             raise MachineTooSmall(
                 f"scaling.use_gpu=true needs one GPU per worker ({workers} for scaling.num_workers="
-                f"{_fmt(s.num_workers)}) but this machine has {have} ({where}); set scaling.use_gpu=false"
+                f"{fmt_workers(s.num_workers)}) but this machine has {have} ({where}); set scaling.use_gpu=false"
                 f"{f', lower scaling.num_workers to {gpus}' if gpus else ''}, {join}"
             )
     cores = os.cpu_count() or 1
@@ -92,14 +93,14 @@ def check_machine(cfg: Config) -> None:
     wanted = workers * s.cpus_per_worker
     if wanted > CPU_OVERSUBSCRIPTION * cores:
         raise MachineTooSmall(
-            f"scaling.num_workers={_fmt(s.num_workers)} x scaling.cpus_per_worker={s.cpus_per_worker:g} = "
+            f"scaling.num_workers={fmt_workers(s.num_workers)} x scaling.cpus_per_worker={s.cpus_per_worker:g} = "
             f"{wanted:g} CPUs, but this machine has {cores} cores (the local Ray instance allows "
             f"{CPU_OVERSUBSCRIPTION}x, {CPU_OVERSUBSCRIPTION * cores}); lower either, {join}"
         )
     if wanted > cores:  # runs, but every worker waits for a core: said once, with what fits
         batch, per = cfg.train.global_batch_size, cfg.train.micro_batch_size
         fits = max((w for w in range(1, int(cores // s.cpus_per_worker) + 1) if batch % (w * per) == 0), default=1)
-        print(f"raytrain-ddp: warning: scaling.num_workers={_fmt(s.num_workers)} x scaling.cpus_per_worker="
+        print(f"raytrain-ddp: warning: scaling.num_workers={fmt_workers(s.num_workers)} x scaling.cpus_per_worker="
               f"{s.cpus_per_worker:g} = {wanted:g} CPUs on this machine's {cores} cores: the workers will share them "
               f"and every step waits; {fits} fit: {command_with(f'scaling.num_workers={fits}')}",
               file=sys.stderr, flush=True)
@@ -244,7 +245,3 @@ def _keys(per_worker: dict[str, float]) -> str:
 def _fix(per_worker: dict[str, float]) -> str:
     lower = "scaling.cpus_per_worker" + (" or scaling.use_gpu" if "GPU" in per_worker else "")
     return f"Lower {lower} or scaling.num_workers, or add nodes that fit"
-
-
-def _fmt(workers: Any) -> str:
-    return f"[{workers[0]}, {workers[1]}]" if isinstance(workers, tuple) else str(workers)

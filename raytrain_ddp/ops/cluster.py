@@ -53,7 +53,6 @@ from raytrain_ddp.ops.cluster_storage import storage_warnings
 from raytrain_ddp.ops.kuberay import validate_kube
 
 GUARDED_PORTS = {6379: "GCS", 8265: "dashboard / jobs API", 10001: "Ray Client server"}
-PROJECT = "raytrain-ddp"
 
 
 @functools.lru_cache(maxsize=None)

@@ -32,12 +32,9 @@ from raytrain_ddp.parallel import registry
 from raytrain_ddp.parallel.collectives import collective
 from raytrain_ddp.parallel.startup import broadcast_coalesced, check_structure, sync_initial_state  # noqa: F401
 from raytrain_ddp.parallel.watch import (  # noqa: F401
-    COLLECTIVES,
     CollectiveWatch,
     CommClock,
     comm_timing,
-    dump_flight_recorder,
-    report_stuck_collective,
     split_comm_time,
     wait_work,
 )
@@ -45,6 +42,7 @@ from raytrain_ddp.parallel.watch import (  # noqa: F401
 
 _STAT_KEYS = ("allreduce_calls", "allreduce_bytes", "syncs", "broadcasts", "broadcast_bytes", "control_bytes")
 TIMING_KEYS = ("comm_s", "exposed_comm_s")  # present only where the wrapper times its all-reduces
+SHARD_STAT_KEYS = ("reduce_scatter_calls", "reduce_scatter_bytes", "all_gather_calls", "all_gather_bytes")  # sharded only
 
 
 class WrappedModel(nn.Module):
@@ -173,11 +171,9 @@ class WrappedModel(nn.Module):
                                               max_norm, norm_type)
 
     def reset_comm_stats(self) -> None:
-        for key in _STAT_KEYS:
-            self._stats[key] = 0
-        for key in TIMING_KEYS:
+        for key in (*_STAT_KEYS, *TIMING_KEYS, *SHARD_STAT_KEYS):
             if key in self._stats:
-                self._stats[key] = 0.0
+                self._stats[key] = type(self._stats[key])()  # 0 or 0.0
 
     def _add_comm_time(self, backward_end: float, spans: list[tuple[float, float]]) -> None:
         """Account one synced backward's all-reduces: `spans` = (launched, completed) times."""

@@ -45,8 +45,8 @@ from torch import nn
 
 from raytrain_ddp.parallel import registry, torch_compat
 from raytrain_ddp.parallel.collectives import collective
-from raytrain_ddp.parallel.base import WrappedModel, broadcast_coalesced, sync_initial_state
-from raytrain_ddp.parallel.zero1 import SHARD_STAT_KEYS, _copy, all_gather_flat, reduce_scatter_flat
+from raytrain_ddp.parallel.base import SHARD_STAT_KEYS, WrappedModel, broadcast_coalesced, sync_initial_state
+from raytrain_ddp.parallel.zero1 import _copy, all_gather_flat, reduce_scatter_flat
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
@@ -324,11 +324,6 @@ class FullyShardedDP(WrappedModel):
         params = [p for p in self.wrapped.parameters() if p.requires_grad]
         total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
         return total.full_tensor() if hasattr(total, "full_tensor") else total
-
-    def reset_comm_stats(self) -> None:
-        super().reset_comm_stats()
-        for key in SHARD_STAT_KEYS:
-            self._stats[key] = 0
 
 
 class FSDPOptimizer:

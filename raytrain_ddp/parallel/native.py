@@ -73,7 +73,6 @@ from raytrain_ddp.parallel.base import (
     check_structure,
     comm_timing,
     describe_tensors,
-    split_comm_time,
     sync_initial_state,
     unused_message,
     wait_work,
@@ -382,9 +381,7 @@ class NativeDDP(WrappedModel):
         clock = self._sync_clock
         if clock is not None and clock.complete():
             self._sync_clock = None
-            comm, exposed = split_comm_time(clock.backward_end, clock.spans())
-            self._stats["comm_s"] = self._stats.get("comm_s", 0.0) + comm
-            self._stats["exposed_comm_s"] = self._stats.get("exposed_comm_s", 0.0) + exposed
+            self._add_comm_time(clock.backward_end, clock.spans())
 
     def _counting_hook(self, state, bucket):  # no annotations: DDP checks them literally
         buffer = bucket.buffer()

@@ -70,13 +70,12 @@ from torch import nn
 
 from raytrain_ddp.parallel import registry, torch_compat
 from raytrain_ddp.parallel.collectives import collective
-from raytrain_ddp.parallel.base import RequiresGradChangeError, describe_tensors
+from raytrain_ddp.parallel.base import SHARD_STAT_KEYS, RequiresGradChangeError, describe_tensors
 from raytrain_ddp.parallel.bucketed import BucketedDDP, _Bucket, assign_buckets
 
 # torch 2.13 renamed the flat-tensor collectives; the old names serve torch < 2.13.
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-SHARD_STAT_KEYS = ("reduce_scatter_calls", "reduce_scatter_bytes", "all_gather_calls", "all_gather_bytes")
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
 
 
@@ -309,11 +308,6 @@ class Zero1DDP(BucketedDDP):
             bucket = self._buckets[b]
             self._wait(work, f"all-gather of parameter bucket {b + 1}/{len(works)} "
                              f"({describe_tensors(bucket.names, self._shards[b].params.numel() * self._shards[b].params.element_size())})")
-
-    def reset_comm_stats(self) -> None:
-        super().reset_comm_stats()
-        for key in SHARD_STAT_KEYS:
-            self._stats[key] = 0
 
 
 def _copy(value: Any) -> Any:
