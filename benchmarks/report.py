@@ -332,9 +332,11 @@ def _step_option_tables(sec: dict[str, Any]) -> list[str]:
     if "rows" in sec:
         return [f"\n**torch.compile** ({sec['backend']}, gpt preset, {sec['world_size']} ranks, {sec['device']}; "
                 "compile s: the first step's extra time; backend s: inside the backend)\n",
-                _table(["strategy", "eager ms", "compiled ms", "compiled / eager", "compile s", "backend s", "graphs"],
+                _table(["strategy", "eager ms", "compiled ms", "compiled / eager", "compile s", "backend s", "graphs",
+                        "first step s: cold", "cache-loaded (new node)"],
                        [[x["strategy"], x["eager_step_ms"], x["compiled_step_ms"], x["compiled_over_eager"],
-                         x["compile_s"], x["backend_compile_s"], x["graphs"]] for x in sec["rows"]])]
+                         x["compile_s"], x["backend_compile_s"], x["graphs"], x["compiled_first_step_s"],
+                         x.get("warm_first_step_s", "-")] for x in sec["rows"]])]
     return [f"\n**Activation checkpointing** (gpt preset, {sec['device']}, memory: {sec['memory_measure']})\n",
             _table(["", "step ms", sec["memory_measure"]],
                    [[k, sec[k]["step_ms"], sec[k][sec["memory_measure"]]] for k in ("plain", "checkpointed")]

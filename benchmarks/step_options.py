@@ -4,7 +4,9 @@ The GPT preset: `strategies.GPT_SHAPE` on the CPU, `gpu.GPU_GPT` on a GPU (`gpu_
 
 Owns: the `compile` section (per replicated strategy on gloo ranks: the eager step beside the
 compiled one, and the seconds compiling took: the backend's, `CompileClock`, and the first
-step's wall time) and the `activation_checkpointing` section (one process: a step's
+step's wall time; with inductor, `warm`: the first compiled step again in new processes whose
+disk cache is empty, loading the compile-cache.bin the cold run saved, as a restart on a new
+node does, and `cache_saves_s`, cold first step less warm) and the `activation_checkpointing` section (one process: a step's
 activation memory and time with and without checkpointing the blocks). Must not touch: Ray,
 the wrappers' internals (it calls `wrap_model`, `WrappedModel.compile` and
 `models.checkpoint_activations`, as training does). The `validation` section trains one
@@ -49,11 +51,19 @@ def _steps(model: Any, batch: tuple, steps: int) -> list[float]:
 
 
 def compile_rank(world_rank: int, world_size: int, sizes: Sizes, backend: str, device: str,
-                 shape: Optional[dict], strategies: tuple[str, ...]) -> dict[str, Any]:
+                 shape: Optional[dict], strategies: tuple[str, ...], cache_root: str,
+                 keys: tuple[str, ...] = ("eager", "compiled")) -> dict[str, Any]:
+    """`keys`: eager and compiled (cold: an empty disk cache; rank by rank, its compile-cache.bin
+    saved under `cache_root` as rank 0's is in the run directory), or `warm` alone: fresh
+    processes, as a restart on a new node, loading that file before the first compiled step."""
+    import os
+
     import torch.distributed as dist
 
-    from raytrain_ddp.parallel import wrap_model
+    from raytrain_ddp.parallel import torch_compat, wrap_model
+    from raytrain_ddp.rundir import Location
     from raytrain_ddp.worker.compiled import CompileClock
+    from raytrain_ddp.worker.context import Rank
 
     dev = torch.device(device)
     batch = make_batch(build_model("gpt", shape), "gpt", sizes.gpt_batch, seed=11 + world_rank, device=dev)
@@ -61,19 +71,25 @@ def compile_rank(world_rank: int, world_size: int, sizes: Sizes, backend: str, d
     steps = sizes.warmup_steps + sizes.steps_per_round * sizes.rounds
     for strategy in strategies:
         row: dict[str, Any] = {"strategy": strategy}
-        for compiled in (False, True):
+        run_dir = f"{cache_root}/{strategy}/rank{world_rank}"
+        for key in keys:
             torch.compiler.reset()  # each compiled run pays its own compilation
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{run_dir}/{key}-disk"  # the node's disk cache: empty
             model = wrap_model(build_model("gpt", shape).to(dev), strategy)
-            clock = CompileClock(backend, None) if compiled else None
+            clock, rank = (CompileClock(backend, None) if key != "eager" else None), Rank(0, 1, 0, dev)
             if clock is not None:
+                clock.use_cache(Location.parse(run_dir), rank)  # as the loop does before its first step
                 model.compile(backend=clock)
+            hits = torch_compat.compile_cache_hits()
             dist.barrier()
-            times = _steps(model, batch, 1 + steps)
-            key = "compiled" if compiled else "eager"
+            times = _steps(model, batch, 1 + steps if key != "warm" else 1)
             row[f"{key}_first_step_s"] = times[0]
             row[f"{key}_step_ms"] = [t * 1e3 for t in times[1 + sizes.warmup_steps:]]
             if clock is not None:
-                row["backend_compile_s"], row["graphs"] = clock.seconds, clock.graphs
+                clock.first_step_seconds(rank)  # rank 0's save (here every rank's, to its own directory)
+                prefix = "warm_" if key == "warm" else ""
+                row[f"{prefix}backend_compile_s"], row[f"{prefix}graphs"] = clock.seconds, clock.graphs
+                row[f"{prefix}cache_hits"] = torch_compat.compile_cache_hits() - hits
             model.close()
         rows.append(row)
     return {"rows": rows}
@@ -83,8 +99,16 @@ def run_compile(sizes: Sizes, world_size: int = 2, backend: str = "inductor", de
                 shape: Optional[dict] = None, strategies: tuple[str, ...] = STRATEGIES, log=print) -> dict[str, Any]:
     log(f"  compile: eager vs torch.compile ({backend}) of the gpt preset, {list(strategies)} "
         f"on {world_size} gloo ranks ...")
-    results = run_ranks(compile_rank, world_size, sizes, backend, device, shape, strategies, timeout_s=1200,
-                        backend="nccl" if device.startswith("cuda") else "gloo")
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="bench-compile-") as cache_root:
+        args = (compile_rank, world_size, sizes, backend, device, shape, strategies, cache_root)
+        group = {"timeout_s": 1200, "backend": "nccl" if device.startswith("cuda") else "gloo"}
+        results = run_ranks(*args, **group)
+        if backend == "inductor":  # only inductor fills torch's caches: then a restart, in new processes
+            for mine, warm in zip(results, run_ranks(*args, ("warm",), **group)):
+                for row, again in zip(mine["rows"], warm["rows"]):
+                    row.update({k: v for k, v in again.items() if k.startswith("warm_")})
     rows = []
     for i, row in enumerate(results[0]["rows"]):
         out = {"strategy": row["strategy"], "graphs": row["graphs"]}
@@ -97,6 +121,11 @@ def run_compile(sizes: Sizes, world_size: int = 2, backend: str = "inductor", de
         out["backend_compile_s"] = max(r["rows"][i]["backend_compile_s"] for r in results)
         # what compiling added to the first step (tracing, the backend, a lazy backward compile)
         out["compile_s"] = out["compiled_first_step_s"] - out["eager_first_step_s"]
+        if "warm_first_step_s" in row:  # a restart on a new node: torch's caches from the run directory
+            out["warm_first_step_s"] = max(r["rows"][i]["warm_first_step_s"] for r in results)
+            out["warm_backend_compile_s"] = max(r["rows"][i]["warm_backend_compile_s"] for r in results)
+            out["warm_cache_hits"] = min(r["rows"][i]["warm_cache_hits"] for r in results)
+            out["cache_saves_s"] = out["compiled_first_step_s"] - out["warm_first_step_s"]
         rows.append(out)
     return {"model": "gpt", "backend": backend, "world_size": world_size, "device": device, "rows": rows,
             "target": "native compiled <= 1.05x eager"}
@@ -195,7 +224,8 @@ def validation_table(section: dict[str, Any]) -> list[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """`python -m benchmarks.step_options`: the validation section alone, published under benchmarks/results/."""
+    """`python -m benchmarks.step_options [--section compile]`: the validation (or compile) section
+    alone, published under benchmarks/results/."""
     import argparse
     import os
     import sys
@@ -204,18 +234,28 @@ def main(argv: Optional[list[str]] = None) -> int:
     from benchmarks.common import FULL, QUICK
     from benchmarks.session import log, meta, publish, results_path
 
-    parser = argparse.ArgumentParser(description="run.validation inline vs async: the step loop's stall")
-    parser.add_argument("--quick", action="store_true", help="fewer epochs")
-    parser.add_argument("--out", default=None, help="JSON file (default: benchmarks/results/validation-<date>.json)")
+    parser = argparse.ArgumentParser(description="run.validation inline vs async: the step loop's stall; "
+                                     "or train.compile's section, cold and cache-loaded first steps")
+    parser.add_argument("--quick", action="store_true", help="fewer epochs (steps)")
+    parser.add_argument("--section", choices=("validation", "compile"), default="validation")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="compile: which, comma-separated")
+    parser.add_argument("--out", default=None, help="JSON file (default: benchmarks/results/<section>-<date>.json)")
     args = parser.parse_args(argv)
-    out = Path(args.out) if args.out else results_path("validation")
+    out = Path(args.out) if args.out else results_path(args.section)
     started = time.perf_counter()
+    sizes = QUICK if args.quick else FULL
     results: dict[str, Any] = {"meta": meta("quick" if args.quick else "full", "cpu")}
-    results["validation"] = run_validation(QUICK if args.quick else FULL, log=log)
+    if args.section == "compile":
+        from benchmarks.report import _step_option_tables
+
+        results["compile"] = run_compile(sizes, strategies=tuple(args.strategies.split(",")), log=log)
+        table = "\n".join(_step_option_tables(results["compile"]))
+    else:
+        results["validation"] = run_validation(sizes, log=log)
+        table = "\n".join(["**Validation** (the step loop's stall per validation, inline vs async)", "",
+                           *validation_table(results["validation"])])
     results["meta"]["duration_s"] = time.perf_counter() - started
     results["meta"]["load_avg_at_end"] = list(os.getloadavg())
-    table = "\n".join(["**Validation** (the step loop's stall per validation, inline vs async)", "",
-                       *validation_table(results["validation"])])
     md = publish(results, out, table)
     print(table)
     log(f"wrote {out} and {md}")

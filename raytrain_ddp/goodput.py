@@ -22,7 +22,8 @@ What is read, and who wrote it:
 
 The buckets of one fit, from its start to its end (`fit_end`, else the last timestamp any
 file shows for it: a killed driver writes no end):
-    startup      fit start -> the first step of attempt 1 began (by phase, from the timeline)
+    startup      fit start -> the first step of attempt 1 began (by phase, from the timeline), and
+                 the first step's `compile` phase (train.compile; a restart's is recovery's)
     productive   the kept steps' time, less their data wait and exposed communication
     data_wait, exposed_comm   of the kept steps
     checkpoint_stall          the step loop waiting for saves (each attempt's, the last save too)
@@ -215,6 +216,11 @@ def fit_buckets(fit: Fit) -> tuple[dict[str, float], dict[str, float], list[tupl
             buckets["recovery"] += max(0.0, attempt.start - previous_end)
             segments.append(("recovery", previous_end, attempt.start))
         parts = attempt.parts()
+        compiled = min(parts["productive"], sum(float(r.get("seconds", 0.0)) for r in fit.phases if r.get("phase") == "compile"
+                                                and (r.get("attempt") or 1) == attempt.number))
+        if compiled > 0:  # train.compile: inside the first step's time, yet start-up's (a restart's: recovery's)
+            parts = {"recovery" if previous_end is not None else "startup": compiled,
+                     **parts, "productive": parts["productive"] - compiled}
         # a save (or a validation) after the last line runs past it: out of the gap that follows
         other = max(0.0, (attempt.end - attempt.start) - sum(parts.values()))
         for name, seconds in parts.items():

@@ -15,6 +15,7 @@ meter and the driver's console do), checkpoint contents (`checkpoint.py`), Ray.
     tensorboard/     event files, when `run.loggers` has tensorboard (driver)
     checkpoint_*/    checkpoints (`checkpoint.py`), written by Ray Train's report
     hold.json        who holds the run while a fit runs (`driver/hold.py`)
+    compile-cache.bin  torch's compile caches, `train.compile` (rank 0, `worker/compiled.py`)
 
 Why one abstraction: on a cluster whose nodes have their own disks the run directory
 lives in object storage, and the same code must serve a laptop's `./runs`. Only the
@@ -52,6 +53,7 @@ TENSORBOARD_DIR = "tensorboard"
 TRACKED_FILE = "trackers.json"  # {"step": T}: the trackers had every committed line up to T (driver/stream.py)
 CHECKPOINT_PREFIX = "checkpoint_"
 HOLD_FILE = "hold.json"
+COMPILE_CACHE_FILE = "compile-cache.bin"
 OBJECT_STORE_SCHEMES = ("s3", "gs", "gcs", "abfs", "abfss", "hdfs")
 
 

@@ -124,6 +124,15 @@ def compile_backend(name: str, mode: Optional[str]) -> Callable[..., Any]:
     return lookup_backend(name)
 
 
+def compile_cache_hits() -> int:
+    """Lookups of inductor's FX graph cache and of the AOTAutograd cache that hit, in this process
+    (`torch._dynamo.utils.counters`: torch has no public count): what proves a restart reused
+    the compile caches (`worker/compiled.py`), in the tests and the bench."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+
+
 def ddp_first_bucket_bytes() -> int:
     """torch DDP's first bucket cap, which torch.compile's DDPOptimizer assumes
     (`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`)."""

@@ -82,6 +82,8 @@ def _train(job: Job, cfg: "Config", rank: "Rank", hooks: Hooks, recovery: recove
     hooks.on_attempt(rank, log.attempt, state.module)
     checkpointer = recovery.resume(job, rank, state, log, hooks, data.accumulation_steps)
     stamps.mark("state_restored")
+    if state.compiler:  # train.compile: torch's caches from an earlier attempt, fit or node (worker/compiled.py)
+        state.compiler.use_cache(runtime.run_dir(job.run_dir), rank)
     progress = state.progress
     validator.revalidate(runtime.run_dir(job.run_dir), progress.step)  # async: what a crash left unvalidated
     profiler = StepProfiler(job, rank, state, total_steps)  # run.profile: a trace of a few steps

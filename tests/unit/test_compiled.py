@@ -140,3 +140,57 @@ def test_a_model_dynamo_skips_is_said_once_not_trained_as_if_compiled(capsys):
     assert clock.first_step_seconds(rank) == 0.0 and clock.first_step_seconds(rank) == 0.0
     said = capsys.readouterr().out
     assert said.count("train.compile: torch compiled no graph") == 1, said
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def _attempt(run_dir, node_disk, monkeypatch, overrides) -> tuple[CompileClock, int, list[torch.Tensor]]:
+    """One worker start on a node whose disk cache is `node_disk`: the caches loaded from the run
+    directory, one compiled step, rank 0's save; (its clock, the cache hits, the gradients)."""
+    from raytrain_ddp.parallel import torch_compat
+    from raytrain_ddp.worker.context import Rank
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(node_disk))
+    torch.compiler.reset()  # a new process: nothing compiled in memory
+    wrapper = wrap_model(_Tiny(), "naive")
+    clock = compile_wrapper(wrapper, load_config(None, ["train.compile=true", *overrides]))
+    rank = Rank(0, 1, 0, torch.device("cpu"))
+    clock.use_cache(run_dir, rank)
+    hits = torch_compat.compile_cache_hits()
+    wrapper(torch.ones(4, 8)).square().sum().backward()
+    clock.first_step_seconds(rank)
+    return clock, torch_compat.compile_cache_hits() - hits, [p.grad for p in wrapper.module.parameters()]
+
+
+@pytest.mark.timeout(400)
+def test_a_restart_on_a_new_node_reads_torchs_compile_cache_from_the_run_directory(tmp_path, monkeypatch, capsys):
+    """inductor (a C++ compile on CPU, ~1 min under load: the lighter backends fill no cache) once
+    cold, then a new node (its disk cache empty) loads the run directory's compile-cache.bin and
+    hits; a garbage file (aot_eager: only the load is under test) is said and trains eagerly right."""
+    from raytrain_ddp.rundir import COMPILE_CACHE_FILE, Location
+
+    run_dir = Location.parse(tmp_path / "run")
+    eager = _Tiny()
+    eager(torch.ones(4, 8)).square().sum().backward()
+    want = [p.grad for p in eager.parameters()]
+    cold, cold_hits, cold_grads = _attempt(run_dir, tmp_path / "node1", monkeypatch, [])
+    assert cold.loaded == 0 and cold_hits == 0 and cold.graphs == 1  # forward and backward: one graph for dynamo
+    assert (run_dir / COMPILE_CACHE_FILE).exists()  # rank 0 saved what it compiled
+    warm, warm_hits, warm_grads = _attempt(run_dir, tmp_path / "node2", monkeypatch, [])
+    assert warm.loaded >= 2 and warm_hits >= 2, (warm.loaded, warm_hits)  # ignored: a cold compile, 0 hits
+    for grads in (cold_grads, warm_grads):
+        for a, b in zip(want, grads):
+            torch.testing.assert_close(a, b)
+    (run_dir / COMPILE_CACHE_FILE).write_bytes(b"not torch's")
+    stale, _, stale_grads = _attempt(run_dir, tmp_path / "node3", monkeypatch, ["train.compile_backend=aot_eager"])
+    assert stale.loaded == 0 and stale.graphs >= 1 and "compile-cache.bin not loaded" in capsys.readouterr().out
+    for a, b in zip(want, stale_grads):
+        torch.testing.assert_close(a, b)

@@ -98,7 +98,7 @@ def three_fits(tmp_path):
     ready2 = w.fit("b" * 32, t2, {"cli": 1.0, "ray": 2.0})
     end3 = w.attempt("b" * 32, 1, ready2, 12, 15, 13, 16, ready2 + 1.0)  # killed driver: no fit_end
     t3 = end3 + 20.0
-    ready3 = w.fit("c" * 32, t3, {"cli": 1.0})
+    ready3 = w.fit("c" * 32, t3, {"cli": 1.0, "compile": 0.5}) - 0.5  # train.compile: inside its first step
     end4 = w.attempt("c" * 32, 1, ready3, 15, 100, 16, 20, ready3 + 2.0)
     w.end("c" * 32, end4 + 0.5, "ok")
     w.write()
@@ -113,7 +113,7 @@ def test_buckets_add_up_and_match_what_was_put_in(three_fits):
     wall = truth["end"] - truth["t0"]
     assert rep["wall_s"] == pytest.approx(wall) and sum(b.values()) == pytest.approx(wall)
     kept_steps = 20
-    assert b["productive"] == pytest.approx(kept_steps * STEP * (1 - WAIT) - kept_steps * 0.05)
+    assert b["productive"] == pytest.approx(kept_steps * STEP * (1 - WAIT) - kept_steps * 0.05 - 0.5)  # fit 3 compiled
     assert b["data_wait"] == pytest.approx(kept_steps * STEP * WAIT)
     assert b["exposed_comm"] == pytest.approx(kept_steps * 0.05)
     # redone: steps 6-8 of fit 1 (resumed at 5), step 16 of fit 2 (fit 3 resumed at 15)
@@ -125,6 +125,7 @@ def test_buckets_add_up_and_match_what_was_put_in(three_fits):
     assert b["other"] == pytest.approx(0.0, abs=1e-6)
     assert rep["startup_phases"]["first_step"] == pytest.approx(0.5 + 1.0 + 2.0)
     assert rep["startup_phases"]["ray"] == pytest.approx(2.0 * 3 - 2.0)  # fits 1 and 2 name it
+    assert rep["startup_phases"]["compile"] == pytest.approx(0.5)  # start-up's, out of the steps' time
     assert rep["goodput"] == pytest.approx(b["productive"] / wall)
 
 

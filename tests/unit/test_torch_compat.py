@@ -152,6 +152,8 @@ def test_module_tables_compile_backend_and_ddp_first_bucket():
     assert callable(torch_compat.compile_backend("aot_eager", None))
     assert callable(torch_compat.compile_backend("inductor", "max-autotune"))
     assert torch_compat.ddp_first_bucket_bytes() == 2**20
+    _attr("compile_cache_hits", "torch._dynamo.utils:counters")
+    assert isinstance(torch_compat.compile_cache_hits(), int)
 
 
 # ------------------------------------------------------------------ nobody else spells a private name
