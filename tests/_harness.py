@@ -15,7 +15,7 @@ from raytrain_ddp.config import Config, load_config
 from raytrain_ddp.driver.fit import run_training
 from raytrain_ddp.rundir import read_metrics
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "examples" / "configs" / "tiny.yaml"
 
 

@@ -33,7 +33,7 @@ import pytest
 
 from raytrain_ddp.driver import hold
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+pytestmark = pytest.mark.timeout(600)
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent

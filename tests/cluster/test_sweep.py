@@ -34,7 +34,7 @@ from raytrain_ddp.rundir import Location, read_jsonl, read_metrics
 from raytrain_ddp.sweep.report import named, read_trials
 from _hooks import ENABLE, STEP_DELAY_ENV
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(2400)]
+pytestmark = pytest.mark.timeout(2400)
 
 REPO = Path(__file__).resolve().parents[2]
 SWEEP = REPO / "examples" / "configs" / "sweep.yaml"

@@ -1,7 +1,7 @@
 """Each benchmark section at toy size, in this process: the section's code and its JSON, no timings judged.
 
 `make test` runs these instead of the whole `raytrain-ddp bench --quick` (its smoke preset
-still runs as `tests/bench/test_bench_quick.py`, marked `bench`: `make test-bench`). The
+still runs as `tests/ray/bench/test_bench_smoke.py`, marked `bench_smoke`: `make test-bench`). The
 torch-only sections (strategies, accumulation, memory, the replica's per-step cost) run
 whole, at the smoke preset's sizes, on spawned gloo ranks; the report is built from them.
 The sections that need Ray run their parts that do not: `ray_overhead` with both halves

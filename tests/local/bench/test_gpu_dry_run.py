@@ -21,7 +21,7 @@ import pytest
 
 from _wheels import repack
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SHIM = REPO / "tests" / "device_like"
 HIDE = "ray,pydantic,pydantic_core,annotated_types,typing_inspection"
 WHEELS = ("pydantic", "pydantic_core", "annotated_types", "typing_inspection", "typing_extensions")

@@ -20,7 +20,7 @@ from raytrain_ddp.cli import main as cli_main
 
 pytestmark = pytest.mark.timeout(120)
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CLUSTER = REPO / "cluster"
 SHIPPED = sorted(p.relative_to(REPO).as_posix() for p in CLUSTER.rglob("*.yaml"))
 

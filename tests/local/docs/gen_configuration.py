@@ -1,6 +1,6 @@
 """Regenerate docs/configuration.md from the config schema.
 
-    .venv/bin/python tests/docs/gen_configuration.py
+    .venv/bin/python tests/local/docs/gen_configuration.py
 
 The table is exactly what `raytrain-ddp config --reference` prints; this script adds the
 page's heading. `test_configuration_reference_is_current` fails when the page is stale.
@@ -10,14 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PAGE = ROOT / "docs" / "configuration.md"
 
 HEADER = """\
 # Configuration reference
 
 <!-- Generated from the config schema; do not edit by hand. Regenerate with:
-     .venv/bin/python tests/docs/gen_configuration.py -->
+     .venv/bin/python tests/local/docs/gen_configuration.py -->
 
 Every key of a run's YAML config, with its default. The table is what
 `raytrain-ddp config --reference` prints. Set a key in the YAML file, or on the command

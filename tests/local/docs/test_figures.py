@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
 CITATION = re.compile(r"\[([^\]\n]+)\]\(((?:[\w.-]+/)*results/[\w.-]+\.json)#([\w.\-]+?)(\*100)?\)")
 NUMBER = re.compile(r"^[-+]?\d{1,3}(?:,\d{3})*(?:\.\d+)?$|^[-+]?\d+(?:\.\d+)?$")

@@ -25,7 +25,7 @@ from _timeline import timeline_problems
 
 pytestmark = pytest.mark.timeout(300)
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CLI = Path(sys.executable).parent / "raytrain-ddp"
 
 USER_MODEL = '''

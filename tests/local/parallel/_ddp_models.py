@@ -1,6 +1,6 @@
 """Models with the features torch DDP handles and a from-scratch wrapper can get wrong.
 
-Shared by the torch-parity tests (tests/parallel/test_torch_parity.py) and the verify
+Shared by the torch-parity tests (tests/local/parallel/test_torch_parity.py) and the verify
 tests: BatchNorm buffers, an embedding tied to the output head, a branch no rank uses and
 one only rank 0 uses, and a plain MLP for freezing. All float64, all deterministic given
 the seed set before building them.

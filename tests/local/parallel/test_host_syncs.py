@@ -35,7 +35,7 @@ from raytrain_ddp.worker.step import train_step
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
-QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "configs" / "quickstart.yaml"
+QUICKSTART = Path(__file__).resolve().parents[3] / "examples" / "configs" / "quickstart.yaml"
 GPT = ["model.name=gpt", "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "data.source=synthetic",
        "data.synthetic.seq_len=16", "data.synthetic.num_classes=64", "train.global_batch_size=16",
        "train.micro_batch_size=4", "scaling.num_workers=2"]

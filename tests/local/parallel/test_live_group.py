@@ -9,7 +9,7 @@ checks, in order:
 - a peer that stops taking part fails this rank's next DDP collective at the group's
   timeout (torch DDP syncs its rebuilt bucket order at the second forward), and
   `is_peer_loss` says it is a lost peer (a dead peer fails it at once:
-  `tests/elastic/test_live_recovery.py`);
+  `tests/ray/elastic/test_live_recovery.py`);
 - a reconfiguration ends the old quorum's sub-groups (gone from torch's registry), and a
   wrapper on the new quorum's sub-group gives the mean gradient again;
 - `naive` and `bucketed`, which run on the reconfigurable group itself, give it too.

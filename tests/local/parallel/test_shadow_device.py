@@ -10,7 +10,7 @@ meeting a device one in any op and on more than one host read of a device tensor
 steady step (the non-finite verdict: docs/parallel.md). What it cannot cover: the
 branches taken only when `device.type == "cuda"` (stream waits, the collective watch,
 fused optimizers), covered by `test_cuda_waits.py`, `test_replica_device.py` and the lint
-(`tests/unit/test_cuda_lint.py`).
+(`tests/local/unit/test_cuda_lint.py`).
 """
 
 from __future__ import annotations

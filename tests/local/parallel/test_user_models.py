@@ -32,7 +32,7 @@ from raytrain_ddp.worker.step import train_step
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 STEPS = 2
 # SGD, not the examples' AdamW: Adam's first steps move every weight by about +-lr whatever
 # its gradient's size, so a BatchNorm weight whose gradient is ~1e-9 flips with the order

@@ -1,5 +1,5 @@
 """`raytrain-ddp verify`: the real command on the quickstart config, and on a deliberately
-broken wrapper (tests/parallel/_inject/sitecustomize.py) it must fail naming the parameter;
+broken wrapper (tests/local/parallel/_inject/sitecustomize.py) it must fail naming the parameter;
 configs `train` accepts beyond (x, y) batches: a Hugging Face classifier with dict batches
 (`data.inputs`) and `train.loss: model`, and the text example's `data.preprocess` with the
 user's loss. Every strategy is compared on the full model and optimizer state dicts too."""
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 QUICKSTART = "examples/configs/quickstart.yaml"
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
@@ -51,7 +51,7 @@ def test_quickstart_verifies_and_prints_the_table():
 
 
 def test_a_broken_wrapper_fails_verify_naming_the_parameter():
-    env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "parallel" / "_inject"),
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "local" / "parallel" / "_inject"),
                                           os.environ.get("PYTHONPATH", "")]),
            "RAYTRAIN_DDP_TEST_BREAK": "bucketed:head.4.weight"}
     proc = _verify(QUICKSTART, "train.seed=1", env=env)

@@ -1,7 +1,7 @@
 """Bad parquet is rejected before any training worker starts (issue #6, item 8).
 
-`tests/data/test_data.py` checks `data.check_parquet` itself and
-`tests/unit/test_config_fuzz.py` the config; here the same inputs go through the real
+`tests/local/data/test_data.py` checks `data.check_parquet` itself and
+`tests/local/unit/test_config_fuzz.py` the config; here the same inputs go through the real
 entry points (`run_training`, and the `raytrain-ddp train` command). The proof that they
 fail before any worker is paid for is stronger than counting actors: Ray is never even
 contacted (connecting is replaced by a tripwire, and the CLI is pointed at an address

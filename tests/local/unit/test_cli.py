@@ -11,7 +11,7 @@ from raytrain_ddp.cli import main
 from raytrain_ddp.config import config_keys
 
 pytestmark = pytest.mark.timeout(60)
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_config_command_prints_resolved_config_and_derived_batch(capsys):
@@ -65,7 +65,7 @@ def test_configuration_doc_documents_every_key():
     page = (ROOT / "docs" / "configuration.md").read_text()
     missing = [key for key in config_keys() if f"`{key}`" not in page]
     assert not missing, (f"docs/configuration.md lacks {missing}; regenerate it: "
-                         ".venv/bin/python tests/docs/gen_configuration.py")
+                         ".venv/bin/python tests/local/docs/gen_configuration.py")
 
 
 def test_module_entry_point_help():

@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(60)
 
-SCRIPT = Path(__file__).resolve().parents[2] / "cluster" / "local-two-node.sh"
+SCRIPT = Path(__file__).resolve().parents[3] / "cluster" / "local-two-node.sh"
 FAKE = """#!/usr/bin/env bash
 # A probe: fails (exit 1) until it has run $FAILS times, then succeeds; counts its runs in $COUNT.
 n=$(( $(cat "$COUNT" 2>/dev/null || echo 0) + 1 )); echo "$n" > "$COUNT"

@@ -1,7 +1,7 @@
 """model.activation_checkpointing and train.compile (worker/compiled.py), one process: each switch
 fails a test when silently ignored (activations kept; a module that ran eagerly), and changes
 no number (the same gradients, bf16 autocast included); their refusals are one line.
-Two ranks, every strategy against torch DDP: tests/parallel/test_verify.py."""
+Two ranks, every strategy against torch DDP: tests/local/parallel/test_verify.py."""
 
 from __future__ import annotations
 

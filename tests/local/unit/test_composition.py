@@ -18,7 +18,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(60)
 
-PACKAGE = Path(__file__).resolve().parents[2] / "raytrain_ddp"
+PACKAGE = Path(__file__).resolve().parents[3] / "raytrain_ddp"
 WORKER = PACKAGE / "worker"
 
 

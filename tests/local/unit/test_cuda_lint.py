@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[2] / "raytrain_ddp"
+PACKAGE = Path(__file__).resolve().parents[3] / "raytrain_ddp"
 FACTORIES = {"zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint", "as_tensor",
              "linspace", "eye", "scalar_tensor"}
 # (file, source of the call): why it may stay on the CPU

@@ -17,7 +17,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(30)
 
-PACKAGE = Path(__file__).resolve().parents[2] / "raytrain_ddp"
+PACKAGE = Path(__file__).resolve().parents[3] / "raytrain_ddp"
 ABOVE_DATA = ("raytrain_ddp.worker", "raytrain_ddp.driver", "raytrain_ddp.ops")
 # The shared low-level modules the data room may use (besides itself).
 DATA_MAY_IMPORT = ("raytrain_ddp.data", "raytrain_ddp.config", "raytrain_ddp.errors", "raytrain_ddp.job",

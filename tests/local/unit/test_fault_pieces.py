@@ -293,7 +293,7 @@ def test_the_fit_sequence_drives_any_launcher_and_its_one_ctrl_c(tmp_path, capsy
         def close(self):
             calls.append("close")
 
-    cfg = load_config(Path(__file__).parents[2] / "examples" / "configs" / "tiny.yaml",
+    cfg = load_config(Path(__file__).parents[3] / "examples" / "configs" / "tiny.yaml",
                       [f"run.storage_path={tmp_path}", "name=seq", "scaling.num_workers=0"])
     before = signal.getsignal(signal.SIGINT)
     summary = run_training(cfg, launch=Pressing(cfg))

@@ -34,7 +34,7 @@ from raytrain_ddp.rundir import CONFIG_FILE, read_metrics
 
 pytestmark = pytest.mark.timeout(60)
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TINY = REPO / "examples" / "configs" / "tiny.yaml"
 QUICKSTART = REPO / "examples" / "configs" / "quickstart.yaml"
 

@@ -19,7 +19,7 @@ from raytrain_ddp.parallel import registry
 
 pytestmark = pytest.mark.timeout(60)
 
-PACKAGE = Path(__file__).resolve().parents[2] / "raytrain_ddp"
+PACKAGE = Path(__file__).resolve().parents[3] / "raytrain_ddp"
 REGISTRY = PACKAGE / "parallel" / "registry.py"
 # The benchmarks name the strategies they measure: their measurement points and the keys of
 # their results files (benchmarks/*.json, read back by benchmarks/report.py) are data about

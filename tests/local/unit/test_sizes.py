@@ -17,7 +17,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(60)
 
-PACKAGE = Path(__file__).resolve().parents[2] / "raytrain_ddp"
+PACKAGE = Path(__file__).resolve().parents[3] / "raytrain_ddp"
 MAX_FILE, MAX_FUNCTION = 500, 60
 FILE_REASON = re.compile(rf"^# Over {MAX_FILE} lines: \S")
 FUNCTION_REASON = re.compile(rf"^\s*# Over {MAX_FUNCTION} lines: \S")

@@ -2,8 +2,8 @@
 made-up errors, groups and states: which errors are start faults, the guard's hand-over to Ray
 Train's retry and its bound, the controller callback's record of the failed start, the
 timeline's and the recorder's account of it. The fits that meet a taken port for real:
-tests/reliability/test_hard_faults.py (Ray), tests/e2e/test_train.py (torchrun),
-tests/elastic/test_live_recovery.py (live's replacement), tests/parallel/test_spawn_helper.py."""
+tests/ray/reliability/test_hard_faults.py (Ray), tests/ray/e2e/test_train.py (torchrun),
+tests/ray/elastic/test_live_recovery.py (live's replacement), tests/local/parallel/test_spawn_helper.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`make test`'s test processes take whole files (tests/elastic as one group), so a
+"""`make test`'s test processes take whole files (tests/ray/elastic as one group), so a
 module's fixture -- a CLI run, a cluster, a reference fit -- is built once.
 
 Checked with the real pytest-xdist and this suite's own conftest on a few generated test
@@ -19,7 +19,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(120)
 
-TESTS = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parents[2]
 
 BODY = '''
 import json, os, time
@@ -41,10 +41,10 @@ def test_one(built, i):
 '''
 
 
-def test_each_file_and_tests_elastic_run_in_one_process_with_one_module_fixture(tmp_path):
+def test_each_file_and_tests_ray_elastic_run_in_one_process_with_one_module_fixture(tmp_path):
     suite = tmp_path / "tests"
-    files = ["tests/elastic/test_e1.py", "tests/elastic/test_e2.py", "tests/a/test_a.py", "tests/b/test_b.py",
-             "tests/c/test_c.py"]
+    files = ["tests/ray/elastic/test_e1.py", "tests/ray/elastic/test_e2.py", "tests/local/a/test_a.py",
+             "tests/local/b/test_b.py", "tests/cluster/test_c.py"]
     for name in files:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(BODY.format(name=name))
@@ -65,7 +65,7 @@ def test_each_file_and_tests_elastic_run_in_one_process_with_one_module_fixture(
         if "file" in line:
             workers.setdefault(line["file"], set()).add(line["worker"])
     assert sorted(workers) == sorted(files) and all(len(w) == 1 for w in workers.values()), workers
-    assert workers["tests/elastic/test_e1.py"] == workers["tests/elastic/test_e2.py"], workers
+    assert workers["tests/ray/elastic/test_e1.py"] == workers["tests/ray/elastic/test_e2.py"], workers
     assert len({w for ws in workers.values() for w in ws}) == 2, workers  # both processes had work
     fixtures = [line["fixture"] for line in lines if "fixture" in line]
     assert len(fixtures) == len(files) == len(set(fixtures)), fixtures  # each module's fixture once
@@ -79,3 +79,28 @@ def test_the_longest_groups_named_for_the_schedule_still_exist():
     spec.loader.exec_module(conftest)  # by path: under xdist another module may be `conftest`
     missing = [group for group in conftest.LONGEST_FIRST if not (TESTS.parent / group).exists()]
     assert not missing, f"tests/conftest.py LONGEST_FIRST names what is gone: {missing}"
+
+
+def test_the_folder_gives_the_ray_mark_and_the_tiers_run_cluster_ray_local(tmp_path):
+    """`make test-fast` selects tests/local; `-m "not ray"` selects the same tests (the folder
+    gives the mark); `make test` starts the cluster tier, then the Ray tier, then the local one;
+    a `ray` mark under tests/local is refused."""
+    for name in ("tests/local/test_l.py", "tests/ray/test_r.py", "tests/cluster/test_c.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("def test_one():\n    pass\n")
+    for helper in ("conftest.py", "_hooks.py"):
+        shutil.copy(TESTS / helper, tmp_path / "tests" / helper)
+
+    def collect(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                               "-p", "no:hypothesispytest", "-p", "no:anyio", "--rootdir", str(tmp_path), *args],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=60)
+
+    ids = [line for line in collect("tests").stdout.splitlines() if "::" in line]
+    assert ids == ["tests/cluster/test_c.py::test_one", "tests/ray/test_r.py::test_one",
+                   "tests/local/test_l.py::test_one"], ids
+    assert [line for line in collect("-m", "not ray", "tests").stdout.splitlines() if "::" in line] == [
+        "tests/local/test_l.py::test_one"]
+    (tmp_path / "tests/local/test_l.py").write_text("import pytest\n\n\n@pytest.mark.ray\ndef test_one():\n    pass\n")
+    refused = collect("tests")
+    assert refused.returncode != 0 and "under tests/local" in refused.stdout + refused.stderr, refused.stdout[-2000:]

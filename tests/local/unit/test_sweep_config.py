@@ -24,7 +24,7 @@ from raytrain_ddp.rundir import Location
 
 pytestmark = pytest.mark.timeout(120)
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SWEEP = REPO / "examples" / "configs" / "sweep.yaml"
 
 

@@ -12,7 +12,7 @@ import torch
 
 from raytrain_ddp.parallel import fsdp
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_fsdp_names_what_an_older_torch_lacks(monkeypatch):

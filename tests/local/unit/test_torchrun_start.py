@@ -21,7 +21,7 @@ from raytrain_ddp.driver.torchrun import DRIVER_PID_ENV
 
 pytestmark = pytest.mark.timeout(120)
 
-TINY = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny.yaml"
+TINY = Path(__file__).resolve().parents[3] / "examples" / "configs" / "tiny.yaml"
 
 
 def _processes_naming(text: str) -> list[str]:

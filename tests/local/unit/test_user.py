@@ -4,7 +4,7 @@ driver's pipeline check, what travels with the job, and `raytrain-ddp export` fi
 The bad-input cases go through the real command (`cli.main`) with Ray replaced by
 a tripwire: each is one line naming its key, exit status 2, no traceback, and Ray is
 never contacted. One case also runs as a separate `raytrain-ddp` process pointed at an
-address where nothing listens, as `tests/reliability/test_input_rejection.py` does.
+address where nothing listens, as `tests/local/reliability/test_input_rejection.py` does.
 """
 
 from __future__ import annotations

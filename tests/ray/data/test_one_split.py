@@ -19,7 +19,7 @@ from raytrain_ddp.driver.local import local_data
 from raytrain_ddp.driver.preflight import precheck
 from raytrain_ddp.user import resolve
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.timeout(240)
 
 ROWS = 97
 

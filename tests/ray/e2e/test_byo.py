@@ -21,7 +21,7 @@ Three runs, each checked thoroughly, each a few seconds of training:
   and equals what the exported model, loaded strictly into the user's class, scores.
 
 `ray job submit` of both examples is in `test_job_submit.py`; every strategy on user
-models (both examples) in `tests/parallel/test_user_models.py`.
+models (both examples) in `tests/local/parallel/test_user_models.py`.
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ import torch
 from raytrain_ddp.cli import main as cli
 from raytrain_ddp.rundir import read_jsonl, read_metrics
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+pytestmark = pytest.mark.timeout(600)
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CLI = Path(sys.executable).parent / "raytrain-ddp"
 
 
@@ -155,9 +155,9 @@ def test_text_example_one_worker_dict_batches_survives_a_killed_worker(tmp_path)
 
 
 def _python_blocks(page: Path) -> list[str]:
-    """The ```python blocks of a docs page marked `<!-- tested: tests/e2e/test_byo.py -->`."""
+    """The ```python blocks of a docs page marked `<!-- tested: tests/ray/e2e/test_byo.py -->`."""
     text = page.read_text()
-    return re.findall(r"<!-- tested: tests/e2e/test_byo.py -->\n```python\n(.*?)```", text, re.S)
+    return re.findall(r"<!-- tested: tests/ray/e2e/test_byo.py -->\n```python\n(.*?)```", text, re.S)
 
 
 OUR_CONSOLE = ("raytrain-ddp", "[rank ", "step ", "  data ", "  model ", "  batch ", "  schedule ", "  resume ")

@@ -24,9 +24,9 @@ import pytest
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.worker.profiler import summarize_trace
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+pytestmark = pytest.mark.timeout(600)
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TINY = REPO / "examples" / "configs" / "tiny.yaml"
 
 PLAN = re.compile(r"^(raytrain-ddp: run '[\w.-]+' -> |  (data|model|batch|schedule|resume) {2,}\S)")

@@ -28,9 +28,9 @@ from _procs import descendants as _descendants, stat as _stat
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.rundir import read_metrics
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TINY = REPO / "examples" / "configs" / "tiny.yaml"
 CLI = Path(sys.executable).parent / "raytrain-ddp"
 STALE = "127.0.0.1:1\n"

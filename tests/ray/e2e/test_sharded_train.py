@@ -3,7 +3,7 @@ workers and checkpoints a consolidated optimizer state; a second fit resumes it 
 (another strategy, the same checkpoint format) and finishes the run.
 
 Two fits on the session's local Ray instance; the numerical equivalence of both
-strategies is checked without Ray in tests/parallel/test_zero_fsdp.py.
+strategies is checked without Ray in tests/local/parallel/test_zero_fsdp.py.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from raytrain_ddp.config import load_config
 from raytrain_ddp.driver.fit import run_training
 from raytrain_ddp.rundir import read_metrics
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
-TINY = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny.yaml"
+TINY = Path(__file__).resolve().parents[3] / "examples" / "configs" / "tiny.yaml"
 
 
 def test_zero1_trains_and_checkpoints_then_fsdp_resumes_the_run(ray_cluster, tmp_path):

@@ -2,7 +2,7 @@
 
 Few runs, each checked thoroughly: a complete run directory, resume continuing the step
 count, and inputs rejected with a clear message. A worker killed mid-run:
-tests/reliability/test_hard_faults.py and tests/elastic/test_replica_recovery.py.
+tests/ray/reliability/test_hard_faults.py and tests/ray/elastic/test_replica_recovery.py.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from raytrain_ddp.rundir import read_jsonl, read_metrics
 from raytrain_ddp.ops.plot import plot_run
 from _timeline import timeline_problems
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.timeout(240)
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TINY = REPO / "examples" / "configs" / "tiny.yaml"
 QUICKSTART = REPO / "examples" / "configs" / "quickstart.yaml"
 DEMO_VAL_ACCURACY = "99.16%"  # what `make demo` prints at its end (README), the same every run

@@ -21,7 +21,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(900)
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TINY = REPO / "examples" / "configs" / "tiny.yaml"
 HEADS = 7  # weight and bias each: 14 unused parameters, 6 named in the message, "and 8 more"
 
@@ -65,7 +65,6 @@ def _message(stderr: str) -> str:
     return lines[0].removeprefix("raytrain-ddp: error: ")
 
 
-@pytest.mark.ray
 def test_unused_parameter_on_two_workers_fails_once_with_the_whole_message_as_local_mode_does(tmp_path):
     (tmp_path / "auxheads.py").write_text(USER_MODEL)
     done = _train(tmp_path, "aux", "run.max_failures=1", "run.recovery=checkpoint")

@@ -23,9 +23,9 @@ import pytest
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.rundir import read_jsonl, read_metrics
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+pytestmark = pytest.mark.timeout(600)
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CLI = Path(sys.executable).parent / "raytrain-ddp"
 
 USERMOD = '''

@@ -18,7 +18,7 @@ import torch
 from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.config import Config, load_config
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TINY = REPO / "examples" / "configs" / "tiny.yaml"
 STEPS = 12
 ATOL = 1e-5

@@ -39,7 +39,7 @@ from _procs import descendants, listening_sockets, loopback
 from raytrain_ddp.driver.fit import run_training
 from raytrain_ddp.rundir import read_jsonl, read_metrics
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(360)]
+pytestmark = pytest.mark.timeout(360)
 
 import torchft  # noqa: E402,F401 - in the dev extra: a missing one fails the module, never skips it
 

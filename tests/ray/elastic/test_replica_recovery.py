@@ -8,7 +8,7 @@ have died with rank 0), Ray Train restarts the group, and the new group resumes 
 nothing completed is redone, every line is there once, and the run ends on the
 uninterrupted reference's parameters. With a single worker nobody survives:
 the restart falls back to the durable checkpoint and says so
-(`tests/e2e/test_byo.py::test_text_example_one_worker_dict_batches_survives_a_killed_worker`).
+(`tests/ray/e2e/test_byo.py::test_text_example_one_worker_dict_batches_survives_a_killed_worker`).
 
 Seconds from the kill to the next trained step are measured and printed (the target,
 10 s, lives in `raytrain-ddp bench`'s recovery section: timed assertions do not belong
@@ -26,7 +26,7 @@ from raytrain_ddp import checkpoint as ckpt
 from raytrain_ddp.driver.fit import run_training
 from raytrain_ddp.rundir import read_jsonl, read_metrics
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(480)]
+pytestmark = pytest.mark.timeout(480)
 
 KILLED_AFTER = 8  # durable checkpoints at 6 and 12 (run.checkpoint_every_steps=6)
 

@@ -18,7 +18,7 @@ from _elastic import ATOL, STEPS, elastic_cfg, max_difference, optimizer_differe
 from raytrain_ddp.driver.fit import run_training
 from raytrain_ddp.rundir import read_metrics
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(480)]
+pytestmark = pytest.mark.timeout(480)
 
 
 def _assert_same_state(state: dict, ref: dict) -> None:

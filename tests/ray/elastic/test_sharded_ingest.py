@@ -28,7 +28,7 @@ from raytrain_ddp.driver.fit import run_training
 from raytrain_ddp.rundir import read_metrics
 from _hooks import SAMPLE_LOG_ENV
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(480)]
+pytestmark = pytest.mark.timeout(480)
 
 SHARDED = "data.sharding=sharded"
 

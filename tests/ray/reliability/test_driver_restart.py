@@ -28,7 +28,7 @@ from raytrain_ddp.driver.resume import ResumeError, resolve_resume
 from raytrain_ddp.rundir import run_dir_of
 from _hooks import ENABLE
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
+pytestmark = pytest.mark.timeout(420)
 
 CLI = Path(sys.executable).parent / "raytrain-ddp"
 

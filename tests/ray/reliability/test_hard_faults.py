@@ -23,7 +23,7 @@ from raytrain_ddp.rundir import read_metrics
 from raytrain_ddp.rundir import read_jsonl
 from _timeline import timeline_problems
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 FAULT = "RAYTRAIN_DDP_FAULT"
 PORT_FAULT = "RAYTRAIN_DDP_PORT_FAULT"

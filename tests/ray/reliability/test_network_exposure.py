@@ -5,7 +5,7 @@ every listening TCP socket owned by that session (from /proc) and checks:
 
 * no dashboard / Jobs HTTP API (the port that runs code on request) is started: the
   embedded instance serves no jobs (a `ray start` head's dashboard listens on 127.0.0.1
-  only: tests/e2e/test_job_submit.py); nor the dashboard's head process or the
+  only: tests/cluster/test_job_submit.py); nor the dashboard's head process or the
   autoscaler's monitor at all;
 * every socket bound beyond loopback belongs to Ray's own services (GCS, raylet, core
   workers, agents, autoscaler monitor) -- none is opened by our code;
@@ -15,7 +15,7 @@ every listening TCP socket owned by that session (from /proc) and checks:
 Known limit, stated in the README (Security): Ray 2.60 binds its gRPC servers to all
 interfaces and rewrites a node IP of 127.0.0.1 to the primary interface, so "loopback
 only" cannot be promised for them; the token is what protects them.
-Token refusal of `ray job submit` is tested in tests/e2e/test_job_submit.py.
+Token refusal of `ray job submit` is tested in tests/cluster/test_job_submit.py.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ import pytest
 
 from _procs import in_session, listening_sockets, loopback
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.timeout(240)
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DASHBOARD_PORT = 8265  # Ray's default dashboard port
 RAY_SERVICES = ("gcs_server", "raylet", "ray::", "dashboard", "monitor.py", "log_monitor.py", "runtime_env")
 RUNTIME_ENV_AGENT = "RuntimeEnvAgent"

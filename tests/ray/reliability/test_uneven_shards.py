@@ -21,7 +21,7 @@ import pytest
 
 from _harness import tiny
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]  # 276 s seen at CI's load
+pytestmark = pytest.mark.timeout(600)  # 276 s seen at CI's load
 
 EPOCHS = 2
 
