@@ -4,9 +4,8 @@ Before, `train()` returned normally, so a script went on with a half-trained mod
 exited 0. A subprocess runs `raytrain_ddp.train` on the tiny config in local mode (the
 interrupt's path through `train()` is the same as a Ray fit's; local mode keeps the test
 free of a Ray start); once it has trained a few steps the test sends SIGINT to it alone, as
-a terminal's Ctrl-C reaches a script. The second test (#57) is docs/byo.md's torchrun
-tutorial port, a map-style torch Dataset as it is, on 2 Ray workers: Ctrl-C, then the same
-command, every sample once by the fault-sequence ledger (`tests/_ledger.py`).
+a terminal's Ctrl-C reaches a script. The same on 2 Ray workers, with docs/byo.md's
+torchrun tutorial port (#57), is tests/ray/e2e/test_python_dataset.py.
 """
 
 from __future__ import annotations

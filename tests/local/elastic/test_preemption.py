@@ -1,15 +1,12 @@
-"""Preemption: the guard's policy on a fake clock, and a simulated spot reclaim end to end.
+"""Preemption: the guard's policy on a fake clock (the simulated spot reclaim end to end, on
+Ray, is tests/ray/elastic/test_preemption_run.py).
 
 The policy tests drive `PreemptionGuard` with a scripted signal source, wall clock and
 step clock (world size 1, so nothing is all-reduced): when it polls, when it saves, when
-it refuses because the checkpoint no longer fits. The end-to-end test makes the poll
-return a synthetic signal at step 4 (`RAYTRAIN_DDP_PREEMPT`), kills rank 1 after step 9
-as the reclaimed node would be, and checks that the run continued from the just-in-time
-checkpoint with every step trained once and the parameters of the uninterrupted run.
+it refuses because the checkpoint no longer fits.
 """
 
 from __future__ import annotations
-
 
 import pytest
 

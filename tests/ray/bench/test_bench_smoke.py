@@ -1,4 +1,6 @@
-"""`raytrain-ddp bench --quick` end to end at the smoke preset (`make test-bench`; it starts Ray): every section written. The sections at toy size and the bench's pieces are tests/local/bench/."""
+"""`raytrain-ddp bench --quick` end to end at the smoke preset (`make test-bench`; it starts
+Ray): every section written, with sane values. The sections at toy size and the bench's
+pieces that need no Ray are tests/local/bench/."""
 
 from __future__ import annotations
 

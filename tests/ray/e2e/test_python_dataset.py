@@ -1,4 +1,7 @@
-"""The torchrun tutorial's Dataset through the Python API on two Ray workers, Ctrl-C and resumed (docs/byo.md's snippet; its local-mode half is tests/local/e2e/test_python_interrupt.py)."""
+"""docs/byo.md's torchrun tutorial port through the Python API (#57): a map-style torch Dataset
+as it is, on 2 Ray workers; Ctrl-C, then the same command, every sample once by the
+fault-sequence ledger (`tests/_ledger.py`). Ctrl-C in local mode: tests/local/e2e/test_python_interrupt.py.
+"""
 
 from __future__ import annotations
 

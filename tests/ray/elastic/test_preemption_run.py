@@ -1,4 +1,9 @@
-"""A simulated preemption on Ray: checkpointed, and the run continues without lost steps, on the reference run's parameters (the guard's rules are tests/local/elastic/test_preemption.py)."""
+"""A simulated spot reclaim end to end (the guard's policy: tests/local/elastic/test_preemption.py).
+
+The poll returns a synthetic signal at step 4 (`RAYTRAIN_DDP_PREEMPT`), rank 1 is killed
+after step 9 as the reclaimed node would be, and the run must continue from the just-in-time
+checkpoint with every step trained once and the parameters of the uninterrupted run.
+"""
 
 from __future__ import annotations
 

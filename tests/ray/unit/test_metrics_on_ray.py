@@ -1,4 +1,5 @@
-"""The metrics recorder against a real Ray instance (its Ray-tier half; the rest is tests/local/unit/test_metrics.py)."""
+"""The metrics recorder against a real Ray instance: it never starts one after `ray.shutdown()`
+(the recorder's pieces without Ray: tests/local/unit/test_metrics.py)."""
 
 from __future__ import annotations
 

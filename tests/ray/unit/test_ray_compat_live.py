@@ -1,4 +1,5 @@
-"""ray_compat's pins checked against a live Ray instance (the session's `ray_cluster`); the pins that need no instance are tests/local/unit/test_ray_compat.py."""
+"""ray_compat's functions checked against a live Ray instance (the session's `ray_cluster`);
+the pins that need no instance are tests/local/unit/test_ray_compat.py."""
 
 from __future__ import annotations
 
