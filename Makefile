@@ -23,7 +23,8 @@ demo: $(STAMP)
 	$(VENV)/bin/raytrain-ddp train examples/configs/quickstart.yaml
 	$(VENV)/bin/raytrain-ddp plot runs/quickstart
 
-# Two test processes (pytest-xdist), one file at a time each (tests/conftest.py). A third
+# Two test processes (pytest-xdist), one file at a time each, the tiers cluster, Ray, local in
+# that order (tests/conftest.py). A third
 # (TEST_JOBS=3) fills the Ray tier's clock waits and ends sooner idle, but beside one busy
 # process per core it failed tests that two pass (docs/design.md#where-the-suites-time-goes).
 # TEST_JOBS=0 runs in this process, as a debugger wants. The slowest tests and
@@ -46,11 +47,12 @@ ROUNDS ?= 10
 concurrency: $(STAMP)
 	$(PY) -m benchmarks.concurrency --rounds $(ROUNDS)
 
+# The tier without Ray (tests/local; tests/ray and tests/cluster start Ray), less the bench sections.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=15 -m "not ray and not bench" tests
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=15 -m "not bench" tests/local
 
 test-bench: $(STAMP)
-	$(PY) -m pytest -q -n 0 -rfE -m bench_smoke tests/bench
+	$(PY) -m pytest -q -n 0 -rfE -m bench_smoke tests/local/bench tests/ray/bench
 
 # Not in CI's default path: one venv per torch version (the declared floor first, then the
 # newest this project allows), `test-fast` in each; then one venv per Ray version (floor,
@@ -61,9 +63,9 @@ test-bench: $(STAMP)
 # constraints file may cap torch below the versions named here); the system file stays.
 COMPAT_TORCH ?= 2.11.0 2.15.0
 COMPAT_RAY   ?= 2.59.0 2.60.0
-COMPAT_RAY_TESTS ?= tests/unit/test_ray_compat.py tests/unit/test_fault_pieces.py tests/unit/test_node_loss.py \
-  tests/e2e/test_train.py tests/e2e/test_interrupt.py tests/elastic/test_replica_recovery.py \
-  tests/reliability/test_network_exposure.py
+COMPAT_RAY_TESTS ?= tests/local/unit/test_ray_compat.py tests/ray/unit/test_ray_compat_live.py tests/local/unit/test_fault_pieces.py tests/local/unit/test_node_loss.py \
+  tests/ray/e2e/test_train.py tests/ray/e2e/test_interrupt.py tests/ray/elastic/test_replica_recovery.py \
+  tests/ray/reliability/test_network_exposure.py
 compat:
 	@set -e; for v in $(COMPAT_TORCH); do \
 	  venv=.venv-torch-$$v; echo "== torch $$v in $$venv"; \
@@ -71,7 +73,7 @@ compat:
 	  PIP_CONFIG_FILE=/dev/null $$venv/bin/python -m pip install -q "torch==$$v"; \
 	  PIP_CONFIG_FILE=/dev/null $$venv/bin/python -m pip install -q -e ".[dev]" "torch==$$v"; \
 	  $$venv/bin/python -c "import torch; print('torch', torch.__version__)"; \
-	  $$venv/bin/python -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not ray" tests; \
+	  $$venv/bin/python -m pytest -q -n $(TEST_JOBS) --dist loadfile tests/local; \
 	done; \
 	torch=$(firstword $(COMPAT_TORCH) 2.11.0); \
 	for v in $(COMPAT_RAY); do \

@@ -1,4 +1,4 @@
-"""The fault-sequence soak: the plan of `tests/reliability/test_fault_sequences.py` over a range
+"""The fault-sequence soak: the plan of `tests/cluster/test_fault_sequences.py` over a range
 of seeds, one row per seed (faults, invocations, result, seconds), outside `make test`.
 
     .venv/bin/python -m benchmarks.soak --seeds 0-19              # or: make soak SEEDS=0-19
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TEST = "tests/reliability/test_fault_sequences.py"
+TEST = "tests/cluster/test_fault_sequences.py"
 
 
 def faults(story: list[str]) -> str:

@@ -409,7 +409,7 @@ cmd_status() {
   ( source "$dir/env"; "$RAY_BIN" status --address "$RAY_ADDRESS" )
 }
 
-# Sourced (tests/unit/test_cluster_script.py): the functions only.
+# Sourced (tests/local/unit/test_cluster_script.py): the functions only.
 [[ "${BASH_SOURCE[0]}" != "$0" ]] && return 0
 
 case "${1:-}" in

@@ -4,7 +4,7 @@ Owns: each use of a name Ray does not promise to keep -- imports from `ray._priv
 `ray.train.v2._internal`, `ray.data._internal`, `ray.autoscaler._private`, underscore
 attributes and arguments of Ray objects, internal actor / resource / handler / logger /
 environment-variable names, and the monkeypatches (each says for how long). Other modules call the functions
-below and never spell a private name themselves (`tests/unit/test_ray_compat.py` greps
+below and never spell a private name themselves (`tests/local/unit/test_ray_compat.py` greps
 the package for it); each function has a test there that fails by its name when a Ray
 release moves what it relies on. Must not touch: training, the worker loop, what is
 printed. A leaf: it imports no module of this package and Ray only inside functions, so

@@ -1,7 +1,7 @@
 """Every private torchft name the package relies on, in one room (like `ray_compat.py` for Ray).
 
 Owns: each reliance on torchft beyond its public API as one small function; a torchft release
-that moves one fails its test in `tests/unit/test_torchft_compat.py` by this module's name.
+that moves one fails its test in `tests/local/unit/test_torchft_compat.py` by this module's name.
 torchft is imported inside each function: it is an optional dependency (`[live]`).
 Also relied on, by override rather than by call: `ProcessGroupGloo._create_pg` and
 `ProcessGroupNCCL._create_pg(store, rank, world_size)` (`recovery/live_group.py`'s `LiveGroup`
@@ -31,7 +31,7 @@ def bound_manager(host: str, servers: Optional[list] = None, **kwargs: Any) -> A
     torchft binds the manager's gRPC server to `[::]` (every interface) with no way to
     say otherwise; it serves quorum and commit calls without any token. The
     `torchft.manager.ManagerServer` that `Manager.__init__` builds is given `host` in its
-    bind address for that call only (`tests/unit/test_live_pieces.py` checks the socket)."""
+    bind address for that call only (`tests/local/unit/test_live_pieces.py` checks the socket)."""
     import torchft.manager as torchft_manager
 
     server = torchft_manager.ManagerServer

@@ -22,3 +22,10 @@ def attr_or_fail(gone: Callable[[str, str], str], function: str, dotted: str) ->
             pytest.fail(gone(function, f"{module_name}:{attrs}"))
         obj = getattr(obj, part)
     return obj
+
+
+def ray_gone(function: str, what: str) -> str:
+    """ray_compat's tests' wording: which of its functions a changed Ray name breaks."""
+    import ray
+
+    return f"ray_compat.{function}: {what} is gone in ray {ray.__version__}"

@@ -1,7 +1,7 @@
 """The fault-sequence ledger's rule, shared: which rows each committed step trained on
 (`RAYTRAIN_DDP_SAMPLE_LOG`, tests/_hooks.py), so "every sample once" is one
-check across a kill, a Ctrl-C and a resume (tests/reliability/test_fault_sequences.py,
-tests/e2e/test_python_interrupt.py)."""
+check across a kill, a Ctrl-C and a resume (tests/cluster/test_fault_sequences.py,
+tests/ray/e2e/test_python_dataset.py)."""
 
 from __future__ import annotations
 

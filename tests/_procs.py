@@ -76,3 +76,20 @@ def in_session(session_id: int) -> list[int]:
 
 def loopback(address: str) -> bool:
     return address in ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+
+
+def ctrl_c_after_three_steps(proc, metrics: Path, wait_s: float) -> str:
+    """Ctrl-C `proc` once `metrics` holds 3 training lines (within `wait_s`); its whole output."""
+    import signal
+    import time
+
+    from raytrain_ddp.rundir import read_metrics
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len([r for r in read_metrics(metrics) if "loss" in r]) >= 3:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()[0][-3000:]
+    proc.send_signal(signal.SIGINT)
+    return proc.communicate(timeout=120)[0]

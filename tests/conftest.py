@@ -1,11 +1,15 @@
 """Shared fixtures: one lazy local Ray instance per session, and process-group hygiene.
 
-`ray_cluster` starts Ray only when a test asks for it (the pure and gloo tiers never pay
-for it) and shuts it down at the end of the session. It mirrors what `raytrain-ddp
-train` does on this machine: more logical CPUs than cores (workers + Ray Data tasks),
-no dashboard head nor autoscaler monitor, node bound to 127.0.0.1, workers at this process's
-niceness. A test that uses it must carry the `ray` marker (collection refuses one that does
-not), so `make test-fast` never starts Ray.
+The suite is tiered by cost, by folder (the folder is the truth): tests/local/ starts no Ray
+(`make test-fast` runs it), tests/ray/ uses the session's embedded instance or runs the CLI
+on an embedded one, tests/cluster/ starts its own head or nodes. Collection gives every test
+under tests/ray and tests/cluster the `ray` marker (so `-m "not ray"` still selects the local
+tier) and refuses a `ray` mark or the `ray_cluster` fixture in tests/local.
+
+`ray_cluster` starts Ray only when a test asks for it and shuts it down at the end of the
+session. It mirrors what `raytrain-ddp train` does on this machine: more logical CPUs than
+cores (workers + Ray Data tasks), no dashboard head nor autoscaler monitor, node bound to
+127.0.0.1, workers at this process's niceness.
 
 Test hooks: every run started from this session (in process, or as a child process that
 inherits the environment) loads `tests/_hooks.py:from_env` on its workers (by the file's
@@ -61,19 +65,26 @@ def _no_leaked_process_group():
         pytest.fail("test left a torch.distributed process group initialised (call destroy_process_group)")
 
 
+TIERS = ("cluster", "ray", "local")  # tests/<tier>/..., the order `make test` starts them in
+
+
+def _tier(nodeid: str) -> str:
+    parts = nodeid.split("::", 1)[0].split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == "tests" and parts[1] in TIERS else "local"
+
+
 def _group(nodeid: str) -> str:
-    """The unit `make test` hands one test process: a test file, or all of tests/elastic
+    """The unit `make test` hands one test process: a test file, or all of tests/ray/elastic
     (its session fixture, the reference run, is built once)."""
     path = nodeid.split("::", 1)[0]
-    return "tests/elastic" if path.startswith("tests/elastic/") else path
+    return "tests/ray/elastic" if path.startswith("tests/ray/elastic/") else path
 
 
-# The longest groups (minutes each on 2 cores), started first so that neither process is
-# left with one of them at the end while the other idles. Only a scheduling hint;
-# tests/unit/test_suite_groups.py checks that each still exists.
-LONGEST_FIRST = ("tests/e2e/test_byo.py", "tests/elastic", "tests/cluster/test_local_two_node.py",
-                 "tests/reliability/test_fault_sequences.py", "tests/reliability/test_hard_faults.py",
-                 "tests/e2e/test_job_submit.py")
+# Within its tier, the groups that run for minutes on 2 cores, started first so that neither
+# process is left with one of them at the end while the other idles (the local tier, many
+# short files, fills the tail). Only a scheduling hint; tests/local/unit/test_suite_groups.py
+# checks that each still exists.
+LONGEST_FIRST = ("tests/cluster/test_local_two_node.py", "tests/ray/e2e/test_byo.py", "tests/ray/elastic")
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -93,17 +104,24 @@ def pytest_xdist_make_scheduler(config, log):
     return FileGroups(config, log)
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the marker this adds
 def pytest_collection_modifyitems(config, items):
-    """The Ray tier goes first, its longest groups (`LONGEST_FIRST`) at its head: starting
-    them early keeps both test processes busy to the end. Stable: file order otherwise."""
-    def key(item) -> tuple[bool, int]:
+    """The `ray` marker from the folder; then cluster, Ray, local tiers in that order, each
+    tier's longest groups (`LONGEST_FIRST`) at its head: starting them early keeps both test
+    processes busy to the end. Stable: file order otherwise."""
+    misplaced = []
+    for item in items:
+        if _tier(item.nodeid) != "local":
+            item.add_marker(pytest.mark.ray)
+        elif item.get_closest_marker("ray") or "ray_cluster" in getattr(item, "fixturenames", ()):
+            misplaced.append(item.nodeid)
+    if misplaced:  # `make test-fast` (tests/local) must not start Ray
+        raise pytest.UsageError(f"tests that start Ray (a `ray` mark or the ray_cluster fixture) under tests/local; "
+                                f"move them to tests/ray or tests/cluster: {misplaced}")
+
+    def key(item) -> tuple[int, int]:
         group = _group(item.nodeid)
-        return (item.get_closest_marker("ray") is None,
+        return (TIERS.index(_tier(item.nodeid)),
                 LONGEST_FIRST.index(group) if group in LONGEST_FIRST else len(LONGEST_FIRST))
 
     items.sort(key=key)
-    # `make test-fast` (-m "not ray") must not start Ray: the fixture that starts it needs the marker
-    unmarked = [item.nodeid for item in items
-                if "ray_cluster" in getattr(item, "fixturenames", ()) and item.get_closest_marker("ray") is None]
-    if unmarked:
-        raise pytest.UsageError(f"tests using the ray_cluster fixture without the `ray` marker: {unmarked}")

@@ -2,7 +2,7 @@
 
 Owns: `config_keys` (frozen by a test so the public surface grows on purpose) and the
 table that docs/configuration.md is generated from (`raytrain-ddp config --reference`,
-tests/docs/gen_configuration.py; the page itself, with the `sweep:` section's keys, is
+tests/local/docs/gen_configuration.py; the page itself, with the `sweep:` section's keys, is
 `sweep.reference_markdown`, so this module imports nothing of `sweep.py`, which reads it).
 Must not touch: loading, validation.
 """

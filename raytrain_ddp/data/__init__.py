@@ -2,7 +2,7 @@
 
 The lowest layer of the product (data <- worker <- driver): it imports `config`, `job`,
 `errors`, `rundir`, `batch` and `parallel.collectives`, never `worker`, `driver` or `ops`
-(`tests/unit/test_data_room.py` checks it). Its modules, from the bottom:
+(`tests/local/unit/test_data_room.py` checks it). Its modules, from the bottom:
 
 - `columns`: split names, which columns a batch is built from, as what arrays.
 - `steps`: optimizer steps per epoch and in the run, one formula for driver and workers.

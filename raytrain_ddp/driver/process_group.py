@@ -80,7 +80,7 @@ class ProcessGroupConfig(BackendConfig):
 class ProcessGroupBackend(Backend):
     """Ray's torch backend, loaded on a thread where this is unpickled (the controller)."""
 
-    share_cuda_visible_devices = True  # as Ray's torch backend: tests/unit/test_process_group.py checks
+    share_cuda_visible_devices = True  # as Ray's torch backend: tests/local/unit/test_process_group.py checks
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
         return _unpickled_backend, ()

@@ -86,7 +86,7 @@ class MailboxServer:
 class MailboxClient:
     """Rank 0's end: the mailbox's calls over the socket (picklable: it connects on first use).
     Every call `LocalMailbox` answers for the loop's side is here (a missing one ends rank 0 at
-    its first use: tests/unit/test_torchrun_mailbox.py holds the two lists together)."""
+    its first use: tests/local/unit/test_torchrun_mailbox.py holds the two lists together)."""
 
     def __init__(self, address: Any, authkey: bytes) -> None:
         self.address, self.authkey = address, authkey

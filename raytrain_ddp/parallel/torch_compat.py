@@ -1,7 +1,7 @@
 """Every private name of torch the package relies on, in one room (like `ray_compat.py` for Ray).
 
 Owns: each private torch name as one small function; a torch release that moves one fails
-its test in `tests/unit/test_torch_compat.py` by this module's function name. Must not
+its test in `tests/local/unit/test_torch_compat.py` by this module's function name. Must not
 touch: what the callers do with the answer. It lives in `parallel/` because `parallel/`
 imports only torch and itself, and the wrappers need some of these names too.
 """

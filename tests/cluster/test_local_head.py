@@ -17,7 +17,7 @@ import pytest
 
 from _two_node import two_node_env
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
+pytestmark = pytest.mark.timeout(420)
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "cluster" / "local-head.sh"

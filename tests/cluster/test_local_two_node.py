@@ -51,7 +51,7 @@ from _two_node import follow_to_resume, two_node_env, wait_for_step
 from raytrain_ddp.rundir import Location, read_jsonl, read_metrics
 from _hooks import ENABLE
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
+pytestmark = pytest.mark.timeout(420)
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "cluster" / "local-two-node.sh"
