@@ -224,8 +224,8 @@ def validation_table(section: dict[str, Any]) -> list[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """`python -m benchmarks.step_options [--section compile]`: the validation (or compile) section
-    alone, published under benchmarks/results/."""
+    """`python -m benchmarks.step_options [--section compile|activation_checkpointing]`: the
+    validation (or compile, or activation checkpointing) section alone, published under benchmarks/results/."""
     import argparse
     import os
     import sys
@@ -237,7 +237,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description="run.validation inline vs async: the step loop's stall; "
                                      "or train.compile's section, cold and cache-loaded first steps")
     parser.add_argument("--quick", action="store_true", help="fewer epochs (steps)")
-    parser.add_argument("--section", choices=("validation", "compile"), default="validation")
+    parser.add_argument("--section", choices=("validation", "compile", "activation_checkpointing"),
+                        default="validation")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="compile: which, comma-separated")
     parser.add_argument("--out", default=None, help="JSON file (default: benchmarks/results/<section>-<date>.json)")
     args = parser.parse_args(argv)
@@ -250,6 +251,11 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         results["compile"] = run_compile(sizes, strategies=tuple(args.strategies.split(",")), log=log)
         table = "\n".join(_step_option_tables(results["compile"]))
+    elif args.section == "activation_checkpointing":
+        from benchmarks.report import _step_option_tables
+
+        results["activation_checkpointing"] = run_checkpointing(sizes, log=log)
+        table = "\n".join(_step_option_tables(results["activation_checkpointing"]))
     else:
         results["validation"] = run_validation(sizes, log=log)
         table = "\n".join(["**Validation** (the step loop's stall per validation, inline vs async)", "",
