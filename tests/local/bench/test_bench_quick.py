@@ -20,16 +20,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from _bench import TIMED, VARIANTS, positive as _positive
 
 REPO = Path(__file__).resolve().parents[3]
-VARIANTS = ("single", "naive", "bucketed_1mb", "bucketed_25mb", "bucketed_100mb", "bucketed_25mb_gloo",
-            "bucketed_auto", "native", "torch_ddp")
-TIMED = ("naive", "bucketed_1mb", "bucketed_25mb", "bucketed_100mb", "bucketed_25mb_gloo", "bucketed_auto",
-         "native")  # comm_stats timing
-
-
-def _positive(value) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
 def _raytrain_ddp() -> list[str]:

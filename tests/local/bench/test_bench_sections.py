@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from _bench import TIMED, VARIANTS, positive as _positive
 
 from benchmarks.suite import SMOKE
 
@@ -30,14 +31,6 @@ pytestmark = [pytest.mark.bench, pytest.mark.timeout(600)]
 # (one parity launch of 2 rounds, the MLP only in `memory`).
 TOY = dataclasses.replace(SMOKE, mlp_batch=8, gpt_batch=2, ingest_rows=1024)
 
-VARIANTS = ("single", "naive", "bucketed_1mb", "bucketed_25mb", "bucketed_100mb", "bucketed_25mb_gloo",
-            "bucketed_auto", "native", "torch_ddp")
-TIMED = ("naive", "bucketed_1mb", "bucketed_25mb", "bucketed_100mb", "bucketed_25mb_gloo", "bucketed_auto",
-         "native")  # comm_stats timing
-
-
-def _positive(value) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
 def _quiet(_message: str) -> None:
